@@ -1,0 +1,1 @@
+"""Command-line interface: the typer app (build, run, bench, profile). Thin layer over the API."""

@@ -1,0 +1,1 @@
+"""Compiler: checkpoint readers, ModelSpec, weight passes, memory planner, engine writer."""

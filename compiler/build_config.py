@@ -1,0 +1,122 @@
+"""BuildConfig: every setting of ``llmc build``, frozen, validated once at construction.
+
+Semantics follow TensorRT-LLM: ``max_num_tokens`` is the per-step token budget (it sizes
+the activation workspace and bounds a prefill chunk); the KV-cache pool is *not* a build
+setting, it is sized when the engine is loaded (``kv_cache_free_gpu_mem_fraction`` of free
+memory, or an absolute ``max_kv_tokens``). The build only checks that one request of
+``max_seq_len`` tokens can fit on the planned device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from llmc.errors import ConfigError, UnsupportedError, did_you_mean
+
+DTYPES = ("float32", "float16", "bfloat16")
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+LOAD_FORMATS = ("auto", "dummy")
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    """Settings of one engine build. ``None`` means "derive from the model config"."""
+
+    checkpoint_dir: str | None = None
+    """HF checkpoint directory, a .gguf file, or None with load_format='dummy' + model config."""
+    output_dir: str = "engine"
+    """Engine directory to write (refused if it exists, unless force)."""
+    max_batch_size: int = 256
+    """Most requests in one step (running batch)."""
+    max_input_len: int | None = None
+    """Longest prompt in tokens; default: min(max_seq_len, 4096)... derived in resolve()."""
+    max_seq_len: int | None = None
+    """Longest prompt + generated tokens of one request; default: model's max_position_embeddings."""
+    max_num_tokens: int = 8192
+    """Per-step token budget (prefill chunk + decode tokens); sizes the activation workspace."""
+    tokens_per_block: int = 32
+    """KV-cache page size in tokens."""
+    dtype: str = "bfloat16"
+    """Weight and activation dtype: float32, float16 or bfloat16."""
+    target: str = "auto"
+    """'auto' (detected GPU, else cpu), 'cpu', or a CUDA arch like 'sm_90'."""
+    load_format: str = "auto"
+    """'auto' reads the checkpoint; 'dummy' stores a seed for random weights."""
+    dummy_seed: int = 0
+    """Seed of dummy weights."""
+    enable_chunked_prefill: bool = True
+    """Split prompts longer than the remaining step budget over several steps."""
+    gpu_memory_gb: float | None = None
+    """Device memory for the capacity report when no GPU is present (GiB)."""
+    kv_cache_free_gpu_mem_fraction: float = 0.9
+    """Fraction of memory left after weights and workspace given to the KV pool (report)."""
+    force: bool = False
+    """Overwrite an existing output_dir."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_size", "max_num_tokens", "tokens_per_block"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+        for name in ("max_input_len", "max_seq_len"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+                raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+        if self.dtype not in DTYPES:
+            raise UnsupportedError(
+                f"dtype {self.dtype!r} is not supported; choose one of {', '.join(DTYPES)}"
+                + did_you_mean(self.dtype, DTYPES))
+        if self.load_format not in LOAD_FORMATS:
+            raise ConfigError(
+                f"load_format {self.load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
+        t = self.target
+        if not (t in ("auto", "cpu") or (t.startswith("sm_") and t[3:].isdigit())):
+            raise UnsupportedError(
+                f"target {t!r} is not supported; use auto, cpu or a CUDA arch such as sm_90")
+        if not 0.0 < self.kv_cache_free_gpu_mem_fraction <= 1.0:
+            raise ConfigError(
+                "kv_cache_free_gpu_mem_fraction must be in (0, 1], got "
+                f"{self.kv_cache_free_gpu_mem_fraction}")
+        if self.gpu_memory_gb is not None and self.gpu_memory_gb <= 0:
+            raise ConfigError(f"gpu_memory_gb must be positive, got {self.gpu_memory_gb}")
+        if self.max_input_len and self.max_seq_len and self.max_input_len > self.max_seq_len:
+            raise ConfigError(
+                f"max_input_len ({self.max_input_len}) must not exceed "
+                f"max_seq_len ({self.max_seq_len})")
+        if self.max_num_tokens < self.tokens_per_block:
+            raise ConfigError(
+                f"max_num_tokens ({self.max_num_tokens}) must be at least tokens_per_block "
+                f"({self.tokens_per_block})")
+        if (not self.enable_chunked_prefill and self.max_input_len
+                and self.max_num_tokens < self.max_input_len):
+            raise ConfigError(
+                f"max_num_tokens ({self.max_num_tokens}) is smaller than max_input_len "
+                f"({self.max_input_len}) with chunked prefill off: one prompt could never be "
+                f"scheduled; raise max_num_tokens to {self.max_input_len} or enable chunked prefill")
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    def replace(self, **changes: Any) -> BuildConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], source: str = "config") -> BuildConfig:
+        """Build from a mapping; an unknown key is an error with a suggestion."""
+        names = cls.field_names()
+        for key in d:
+            if key.replace("-", "_") not in names:
+                from llmc.errors import UsageError
+
+                raise UsageError(f"{source}: unknown build setting {key!r}" + did_you_mean(key, names))
+        return cls(**{k.replace("-", "_"): v for k, v in d.items()})

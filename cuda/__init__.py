@@ -1,0 +1,1 @@
+"""CUDA kernels (one .cu per family), launch wrappers, torch references, micro-benchmarks."""

@@ -1,0 +1,1 @@
+"""YAML presets: build limits, dtype and workload shapes per model."""

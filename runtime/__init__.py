@@ -1,0 +1,1 @@
+"""Runtime: engine loader, Executor, Scheduler, KVCacheManager, ModelRunner, sampling."""

@@ -1,0 +1,116 @@
+"""The op interface every backend implements, and the per-step metadata it receives.
+
+Two backends share it: ``TorchBackend`` (the reference: plain torch ops, runs on CPU and
+CUDA) and ``CudaBackend`` (CuPy RawKernels on torch's current stream + cuBLAS matmuls).
+The ModelRunner runs the same op sequence on either; the torch reference of every op lives
+in ``llmc.cuda.reference`` and is what the kernels are checked against.
+
+Conventions (shapes in comments; T = tokens in the step, B = sequences in the step,
+S = sequences sampled this step, H = hidden, V = vocab, nq/nkv = heads, hd = head_dim):
+
+- The step's tokens are flattened with no padding. Sequences are ordered decode-first
+  (``num_decode_seqs`` sequences with exactly one new token each), then prefill chunks.
+- KV cache of one layer: ``k_cache``, ``v_cache`` each ``[num_blocks, tokens_per_block, nkv, hd]``.
+  A token's *slot* is ``block_id * tokens_per_block + offset``; slot ``-1`` means "padding
+  row: do not write" (CUDA-graph padding).
+- RoPE is the HF "rotate_half" (NeoX) form over the full head_dim, with cos/sin tables
+  ``[max_position, hd // 2]`` (float32) precomputed from ModelSpec (incl. llama3 scaling).
+- Attention is causal per sequence: query token at position p attends to cached keys at
+  positions 0..p of its own sequence (its earlier blocks, then this step's chunk), scale
+  ``1/sqrt(hd)``, GQA: query head h reads kv head ``h // (nq // nkv)``.
+- Sampling uses a counter-based RNG so results do not depend on the batch: for a sampled
+  row with seed s at output index n, the uniform for vocab entry v is
+  ``llmc.cuda.reference.philox_uniform(s, n, v)``; the token is the Gumbel-max
+  ``argmax(log p_v - log(-log u_v))`` over the filtered distribution (top-k, top-p, min-p).
+  Greedy rows (temperature 0) take argmax of the logits (after penalties), first index on ties.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step tensors (on the backend's device) describing the flattened batch."""
+
+    positions: torch.Tensor       # [T] int64, position of each token in its sequence
+    slot_mapping: torch.Tensor    # [T] int64, cache slot to write, -1 = skip
+    cu_seqlens_q: torch.Tensor    # [B + 1] int32, offsets of each sequence's tokens
+    seq_lens: torch.Tensor        # [B] int32, context length after this step (cached + new)
+    block_tables: torch.Tensor    # [B, max_blocks_per_seq] int32, -1 padded
+    num_decode_seqs: int          # the first num_decode_seqs sequences have one token each
+    max_query_len: int
+    max_seq_len: int
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-row sampling parameters for the S sampled rows (tensors on the device)."""
+
+    temperature: torch.Tensor      # [S] float32, 0 = greedy
+    top_k: torch.Tensor            # [S] int32, 0 = off
+    top_p: torch.Tensor            # [S] float32
+    min_p: torch.Tensor            # [S] float32
+    seeds: torch.Tensor            # [S] int64
+    offsets: torch.Tensor          # [S] int64, output index n of the token being sampled
+    repetition_penalty: torch.Tensor  # [S] float32
+    presence_penalty: torch.Tensor    # [S] float32
+    frequency_penalty: torch.Tensor   # [S] float32
+    # token counts for penalties: [S, V] int32 of output-token counts and a prompt-presence
+    # mask; None when no row uses a penalty (the common case costs nothing).
+    output_counts: torch.Tensor | None = None
+    prompt_mask: torch.Tensor | None = None
+    all_greedy: bool = False
+    num_logprobs: int | None = None   # max top-logprobs requested by any row, None = none
+
+
+class Backend(Protocol):
+    """Ops of one decoder forward step. Inputs are torch tensors on ``self.device``."""
+
+    device: torch.device
+
+    def embedding(self, ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        """ids [T] int64, table [V, H] → [T, H]."""
+        ...
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x [T, H] → x / rms(x) * weight (computed in float32, returned in x.dtype)."""
+        ...
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """residual' = x + residual; returns (rms_norm(residual'), residual')."""
+        ...
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [T, in], weight [out, in] → x @ weight.T (+ bias) [T, out]."""
+        ...
+
+    def rope_and_cache_write(
+        self, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:
+        """qkv [T, (nq + 2 nkv) hd] → rotated q [T, nq, hd]; writes rotated k and v to the cache."""
+        ...
+
+    def attention(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """q [T, nq, hd] → [T, nq * hd], paged causal attention over each sequence's cache."""
+        ...
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, 2I] (gate | up) → silu(gate) * up [T, I]."""
+        ...
+
+    def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """logits [S, V] (float32) → token ids [S] int64."""
+        ...
