@@ -73,22 +73,31 @@ class Backend(Protocol):
 
     device: torch.device
 
-    def embedding(self, ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    # Every op takes an optional ``out`` (a view into the step's workspace arena from the
+    # engine's memory plan); when given, the result is written there and ``out`` returned.
+
+    def embedding(
+        self, ids: torch.Tensor, table: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """ids [T] int64, table [V, H] → [T, H]."""
         ...
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """x [T, H] → x / rms(x) * weight (computed in float32, returned in x.dtype)."""
         ...
 
     def add_rms_norm(
-        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+        out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """residual' = x + residual; returns (rms_norm(residual'), residual')."""
+        """residual += x (in place); returns (rms_norm(residual), residual)."""
         ...
 
     def linear(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x [T, in], weight [out, in] → x @ weight.T (+ bias) [T, out]."""
         ...
@@ -96,18 +105,19 @@ class Backend(Protocol):
     def rope_and_cache_write(
         self, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """qkv [T, (nq + 2 nkv) hd] → rotated q [T, nq, hd]; writes rotated k and v to the cache."""
         ...
 
     def attention(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata, out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q [T, nq, hd] → [T, nq * hd], paged causal attention over each sequence's cache."""
         ...
 
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+    def silu_and_mul(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, 2I] (gate | up) → silu(gate) * up [T, I]."""
         ...
 
