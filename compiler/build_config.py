@@ -67,34 +67,44 @@ class BuildConfig:
         if self.dtype not in DTYPES:
             raise UnsupportedError(
                 f"dtype {self.dtype!r} is not supported; choose one of {', '.join(DTYPES)}"
-                + did_you_mean(self.dtype, DTYPES))
+                + did_you_mean(self.dtype, DTYPES)
+            )
         if self.load_format not in LOAD_FORMATS:
             raise ConfigError(
-                f"load_format {self.load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
+                f"load_format {self.load_format!r} is not one of {', '.join(LOAD_FORMATS)}"
+            )
         t = self.target
         if not (t in ("auto", "cpu") or (t.startswith("sm_") and t[3:].isdigit())):
             raise UnsupportedError(
-                f"target {t!r} is not supported; use auto, cpu or a CUDA arch such as sm_90")
+                f"target {t!r} is not supported; use auto, cpu or a CUDA arch such as sm_90"
+            )
         if not 0.0 < self.kv_cache_free_gpu_mem_fraction <= 1.0:
             raise ConfigError(
                 "kv_cache_free_gpu_mem_fraction must be in (0, 1], got "
-                f"{self.kv_cache_free_gpu_mem_fraction}")
+                f"{self.kv_cache_free_gpu_mem_fraction}"
+            )
         if self.gpu_memory_gb is not None and self.gpu_memory_gb <= 0:
             raise ConfigError(f"gpu_memory_gb must be positive, got {self.gpu_memory_gb}")
         if self.max_input_len and self.max_seq_len and self.max_input_len > self.max_seq_len:
             raise ConfigError(
                 f"max_input_len ({self.max_input_len}) must not exceed "
-                f"max_seq_len ({self.max_seq_len})")
+                f"max_seq_len ({self.max_seq_len})"
+            )
         if self.max_num_tokens < self.tokens_per_block:
             raise ConfigError(
                 f"max_num_tokens ({self.max_num_tokens}) must be at least tokens_per_block "
-                f"({self.tokens_per_block})")
-        if (not self.enable_chunked_prefill and self.max_input_len
-                and self.max_num_tokens < self.max_input_len):
+                f"({self.tokens_per_block})"
+            )
+        if (
+            not self.enable_chunked_prefill
+            and self.max_input_len
+            and self.max_num_tokens < self.max_input_len
+        ):
             raise ConfigError(
                 f"max_num_tokens ({self.max_num_tokens}) is smaller than max_input_len "
                 f"({self.max_input_len}) with chunked prefill off: one prompt could never be "
-                f"scheduled; raise max_num_tokens to {self.max_input_len} or enable chunked prefill")
+                f"scheduled; raise max_num_tokens to {self.max_input_len} or enable chunked prefill"
+            )
 
     @property
     def dtype_bytes(self) -> int:
@@ -118,5 +128,7 @@ class BuildConfig:
             if key.replace("-", "_") not in names:
                 from llmc.errors import UsageError
 
-                raise UsageError(f"{source}: unknown build setting {key!r}" + did_you_mean(key, names))
+                raise UsageError(
+                    f"{source}: unknown build setting {key!r}" + did_you_mean(key, names)
+                )
         return cls(**{k.replace("-", "_"): v for k, v in d.items()})

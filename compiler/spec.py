@@ -68,8 +68,16 @@ class ModelSpec:
                 f"architecture {self.architecture!r} is not supported; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"model config: {name} must be a positive integer, got {value!r}")
@@ -156,8 +164,11 @@ class ModelSpec:
         archs = cfg.get("architectures") or []
         if not archs:
             mt = cfg.get("model_type", "")
-            archs = {"llama": ["LlamaForCausalLM"], "mistral": ["MistralForCausalLM"],
-                     "qwen2": ["Qwen2ForCausalLM"]}.get(mt, [mt or "<missing>"])
+            archs = {
+                "llama": ["LlamaForCausalLM"],
+                "mistral": ["MistralForCausalLM"],
+                "qwen2": ["Qwen2ForCausalLM"],
+            }.get(mt, [mt or "<missing>"])
         arch = archs[0]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedError(
@@ -187,17 +198,20 @@ class ModelSpec:
             kind = rs.get("rope_type", rs.get("type"))
             if kind == "llama3":
                 scaling = RopeScaling(
-                    kind="llama3", factor=float(rs["factor"]),
+                    kind="llama3",
+                    factor=float(rs["factor"]),
                     low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
                     high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
                     original_max_position_embeddings=int(
-                        rs.get("original_max_position_embeddings", 8192)),
+                        rs.get("original_max_position_embeddings", 8192)
+                    ),
                 )
             elif kind == "linear":
                 scaling = RopeScaling(kind="linear", factor=float(rs["factor"]))
             elif kind not in (None, "default"):
                 raise UnsupportedError(
-                    f"rope_scaling type {kind!r} is not supported (supported: llama3, linear)")
+                    f"rope_scaling type {kind!r} is not supported (supported: llama3, linear)"
+                )
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         theta = cfg.get("rope_theta")
@@ -212,7 +226,9 @@ class ModelSpec:
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6 if arch == "Qwen2ForCausalLM" else 1e-5)),
+            rms_norm_eps=float(
+                cfg.get("rms_norm_eps", 1e-6 if arch == "Qwen2ForCausalLM" else 1e-5)
+            ),
             rope_theta=float(theta if theta is not None else 10000.0),
             rope_scaling=scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),

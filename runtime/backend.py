@@ -37,12 +37,12 @@ import torch
 class AttentionMetadata:
     """Per-step tensors (on the backend's device) describing the flattened batch."""
 
-    positions: torch.Tensor       # [T] int64, position of each token in its sequence
-    slot_mapping: torch.Tensor    # [T] int64, cache slot to write, -1 = skip
-    cu_seqlens_q: torch.Tensor    # [B + 1] int32, offsets of each sequence's tokens
-    seq_lens: torch.Tensor        # [B] int32, context length after this step (cached + new)
-    block_tables: torch.Tensor    # [B, max_blocks_per_seq] int32, -1 padded
-    num_decode_seqs: int          # the first num_decode_seqs sequences have one token each
+    positions: torch.Tensor  # [T] int64, position of each token in its sequence
+    slot_mapping: torch.Tensor  # [T] int64, cache slot to write, -1 = skip
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32, offsets of each sequence's tokens
+    seq_lens: torch.Tensor  # [B] int32, context length after this step (cached + new)
+    block_tables: torch.Tensor  # [B, max_blocks_per_seq] int32, -1 padded
+    num_decode_seqs: int  # the first num_decode_seqs sequences have one token each
     max_query_len: int
     max_seq_len: int
 
@@ -51,21 +51,21 @@ class AttentionMetadata:
 class SamplingMetadata:
     """Per-row sampling parameters for the S sampled rows (tensors on the device)."""
 
-    temperature: torch.Tensor      # [S] float32, 0 = greedy
-    top_k: torch.Tensor            # [S] int32, 0 = off
-    top_p: torch.Tensor            # [S] float32
-    min_p: torch.Tensor            # [S] float32
-    seeds: torch.Tensor            # [S] int64
-    offsets: torch.Tensor          # [S] int64, output index n of the token being sampled
+    temperature: torch.Tensor  # [S] float32, 0 = greedy
+    top_k: torch.Tensor  # [S] int32, 0 = off
+    top_p: torch.Tensor  # [S] float32
+    min_p: torch.Tensor  # [S] float32
+    seeds: torch.Tensor  # [S] int64
+    offsets: torch.Tensor  # [S] int64, output index n of the token being sampled
     repetition_penalty: torch.Tensor  # [S] float32
-    presence_penalty: torch.Tensor    # [S] float32
-    frequency_penalty: torch.Tensor   # [S] float32
+    presence_penalty: torch.Tensor  # [S] float32
+    frequency_penalty: torch.Tensor  # [S] float32
     # token counts for penalties: [S, V] int32 of output-token counts and a prompt-presence
     # mask; None when no row uses a penalty (the common case costs nothing).
     output_counts: torch.Tensor | None = None
     prompt_mask: torch.Tensor | None = None
     all_greedy: bool = False
-    num_logprobs: int | None = None   # max top-logprobs requested by any row, None = none
+    num_logprobs: int | None = None  # max top-logprobs requested by any row, None = none
 
 
 class Backend(Protocol):
@@ -89,30 +89,47 @@ class Backend(Protocol):
         ...
 
     def add_rms_norm(
-        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
         out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """residual += x (in place); returns (rms_norm(residual), residual)."""
         ...
 
     def linear(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x [T, in], weight [out, in] → x @ weight.T (+ bias) [T, out]."""
         ...
 
     def rope_and_cache_write(
-        self, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-        k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """qkv [T, (nq + 2 nkv) hd] → rotated q [T, nq, hd]; writes rotated k and v to the cache."""
         ...
 
     def attention(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        meta: AttentionMetadata, out: torch.Tensor | None = None,
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q [T, nq, hd] → [T, nq * hd], paged causal attention over each sequence's cache."""
         ...

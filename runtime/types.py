@@ -83,10 +83,10 @@ class SequenceStatus(enum.Enum):
 
 
 class FinishReason(str, enum.Enum):
-    LENGTH = "length"        # max_new_tokens reached (or max_seq_len)
-    STOP = "stop"            # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_new_tokens reached (or max_seq_len)
+    STOP = "stop"  # EOS, a stop token id or a stop string
     CANCELLED = "cancelled"  # cancel_request()
-    ERROR = "error"          # the request could not be served (message in the response)
+    ERROR = "error"  # the request could not be served (message in the response)
 
 
 @dataclass

@@ -8,10 +8,18 @@ import pytest
 import torch
 
 TINY_LLAMA = dict(
-    vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-    rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
-    bos_token_id=1, eos_token_id=2,
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
 )
 
 
@@ -31,7 +39,7 @@ def _write_tokenizer(path: Path, vocab_size: int) -> None:
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(
         '{"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", '
-        '"chat_template": "{% for m in messages %}<s>{{ m[\'role\'] }}: {{ m[\'content\'] }}\\n'
+        "\"chat_template\": \"{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\\n"
         '{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"}'
     )
 
