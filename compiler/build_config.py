@@ -31,9 +31,9 @@ class BuildConfig:
     max_batch_size: int = 256
     """Most requests in one step (running batch)."""
     max_input_len: int | None = None
-    """Longest prompt in tokens; default: min(max_seq_len, 4096)... derived in resolve()."""
+    """Longest prompt in tokens; default: max_seq_len."""
     max_seq_len: int | None = None
-    """Longest prompt + generated tokens of one request; default: model's max_position_embeddings."""
+    """Longest prompt + generated tokens; default: the model max_position_embeddings."""
     max_num_tokens: int = 8192
     """Per-step token budget (prefill chunk + decode tokens); sizes the activation workspace."""
     tokens_per_block: int = 32

@@ -13,7 +13,7 @@ Engine tensor names (execution layout; torch ``nn.Linear`` convention ``[out, in
     layers.{i}.qkv_bias             [(n_heads + 2 * n_kv_heads) * head_dim]          (qkv_bias only)
     layers.{i}.o_proj               [hidden, n_heads * head_dim]
     layers.{i}.post_attn_norm       [hidden]
-    layers.{i}.gate_up_proj         [2 * intermediate, hidden]                        rows: gate | up
+    layers.{i}.gate_up_proj         [2 * intermediate, hidden]                 rows: gate | up
     layers.{i}.down_proj            [hidden, intermediate]
     final_norm                      [hidden]
     lm_head                         [vocab, hidden]      (absent when tie_word_embeddings)
