@@ -1,0 +1,397 @@
+"""The engine's memory plan: weights, one step's activation workspace, and the KV cache.
+
+Owns three things, all pure arithmetic (no torch, so ``llmc build --dry_run`` stays fast):
+
+1. **Workspace.** Every intermediate buffer of one forward step at ``T = max_num_tokens``
+   tokens and ``B = max_batch_size`` sequences, with its shape, dtype and live range over the
+   op sequence ``OPS`` (embed, one decoder layer's ops, final_norm, gather_last, lm_head,
+   sample; every layer reuses the same buffers, so one layer stands for all). The buffers are
+   packed into one arena by offset (``pack_buffers``). The runtime allocates the arena once
+   and takes views at these offsets; the buffer names are a contract with it.
+2. **Weights.** Bytes per engine tensor (``ModelSpec.tensor_shapes``) and in total.
+3. **KV cache.** Bytes per token and per block; for a known device memory, the capacity in
+   blocks, tokens and concurrent ``max_seq_len`` requests, following TensorRT-LLM: the pool
+   gets ``kv_cache_free_gpu_mem_fraction`` of the memory left free after weights and
+   workspace (or an absolute ``max_kv_tokens``). ``kv_cache_blocks`` is what the runtime
+   calls at load time with the free memory it measures.
+
+Invariants (checked by tests/test_memory_plan.py): two buffers whose live ranges intersect
+never overlap in the arena; every offset is a multiple of ``alignment``; the packed arena is
+never larger than the naive one (every buffer in its own aligned slot).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from llmc.compiler.spec import ModelSpec
+
+from llmc.errors import CapacityError, EngineError
+
+PLAN_FORMAT_VERSION = 1
+ALIGNMENT = 256
+MAX_KV_SPLITS = 32
+"""Split-KV (flash-decoding) partitions per sequence the attention workspace is sized for."""
+
+LAYER_OPS = (
+    "input_norm",
+    "qkv_proj",
+    "rope_kv_write",
+    "attention",
+    "o_proj",
+    "post_attn_add_norm",
+    "gate_up_proj",
+    "silu_mul",
+    "down_proj",
+    "residual_add",
+)
+OPS = ("embed", *LAYER_OPS, "final_norm", "gather_last", "lm_head", "sample")
+"""The op sequence liveness is computed over (one decoder layer stands for all layers)."""
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4}
+GIB = 1 << 30
+
+
+def _op(name: str) -> int:
+    return OPS.index(name)
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    """One workspace buffer before packing; live over ops ``first..last`` (inclusive)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    first: int
+    last: int
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPE_BYTES[self.dtype]
+
+    def overlaps_in_time(self, other: BufferSpec | PlannedBuffer) -> bool:
+        return self.first <= other.last and other.first <= self.last
+
+
+@dataclass(frozen=True)
+class PlannedBuffer:
+    """A packed buffer: bytes ``[offset, offset + nbytes)`` of the arena."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    first: int
+    last: int
+    offset: int
+    nbytes: int
+
+
+def align_up(n: int, alignment: int = ALIGNMENT) -> int:
+    return -(-n // alignment) * alignment
+
+
+def pack_buffers(
+    buffers: list[BufferSpec] | tuple[BufferSpec, ...], alignment: int = ALIGNMENT
+) -> tuple[tuple[PlannedBuffer, ...], int, int]:
+    """Pack buffers into one arena; returns (placed buffers in input order, packed, naive).
+
+    Greedy by size (largest first): each buffer goes to the lowest aligned offset where it
+    does not overlap any already placed buffer whose live range intersects its own. Since
+    the top of the placed buffers is always a valid spot, the arena never exceeds ``naive``
+    (the sum of the sizes, each padded to ``alignment``).
+    """
+    names = [b.name for b in buffers]
+    if len(set(names)) != len(names):
+        raise ValueError(f"duplicate buffer names in {names}")
+    order = sorted(range(len(buffers)), key=lambda i: (-buffers[i].nbytes, buffers[i].first, i))
+    offsets: dict[int, int] = {}
+    for i in order:
+        b = buffers[i]
+        busy = sorted(
+            (offsets[j], offsets[j] + buffers[j].nbytes)
+            for j in offsets
+            if b.overlaps_in_time(buffers[j])
+        )
+        offset = 0
+        for start, end in busy:
+            if offset + b.nbytes <= start:
+                break
+            offset = max(offset, align_up(end, alignment))
+        offsets[i] = offset
+    placed = tuple(
+        PlannedBuffer(b.name, tuple(b.shape), b.dtype, b.first, b.last, offsets[i], b.nbytes)
+        for i, b in enumerate(buffers)
+    )
+    packed = max((p.offset + p.nbytes for p in placed), default=0)
+    naive = sum(align_up(b.nbytes, alignment) for b in buffers)
+    return placed, packed, naive
+
+
+def workspace_buffers(
+    spec: ModelSpec,
+    max_num_tokens: int,
+    max_batch_size: int,
+    max_seq_len: int,
+    tokens_per_block: int,
+    dtype: str,
+) -> list[BufferSpec]:
+    """Every buffer of one forward step (names are the runtime contract; see module doc)."""
+    t, b, h = max_num_tokens, max_batch_size, spec.hidden_size
+    i, v, nq, hd = spec.intermediate_size, spec.vocab_size, spec.num_heads, spec.head_dim
+    step = (0, len(OPS) - 1)
+    max_blocks = -(-max_seq_len // tokens_per_block)
+
+    def buf(name: str, shape: tuple[int, ...], dt: str, first: str, last: str) -> BufferSpec:
+        return BufferSpec(name, shape, dt, _op(first), _op(last))
+
+    return [
+        # Step inputs live the whole step.
+        BufferSpec("input_ids", (t,), "int64", *step),
+        BufferSpec("positions", (t,), "int64", *step),
+        BufferSpec("slot_mapping", (t,), "int64", *step),
+        BufferSpec("cu_seqlens_q", (b + 1,), "int32", *step),
+        BufferSpec("seq_lens", (b,), "int32", *step),
+        BufferSpec("block_tables", (b, max_blocks), "int32", *step),
+        BufferSpec("logits_indices", (b,), "int64", *step),
+        BufferSpec("sampled_ids", (b,), "int64", *step),
+        # The hidden state carried across layers: written by embed, read by final_norm.
+        buf("residual", (t, h), dtype, "embed", "final_norm"),
+        # Written by input_norm, post_attn_add_norm and final_norm; last read by gather_last.
+        buf("normed", (t, h), dtype, "input_norm", "gather_last"),
+        buf("qkv", (t, spec.qkv_size), dtype, "qkv_proj", "rope_kv_write"),
+        buf("q", (t, nq * hd), dtype, "rope_kv_write", "attention"),
+        buf("attn_partial_out", (b, nq, MAX_KV_SPLITS, hd), "float32", "attention", "attention"),
+        buf("attn_partial_lse", (b, nq, MAX_KV_SPLITS), "float32", "attention", "attention"),
+        buf("attn_out", (t, nq * hd), dtype, "attention", "o_proj"),
+        # Written by o_proj (read by post_attn_add_norm) and by down_proj (read by residual_add).
+        buf("proj_out", (t, h), dtype, "o_proj", "residual_add"),
+        buf("gate_up", (t, 2 * i), dtype, "gate_up_proj", "silu_mul"),
+        buf("act", (t, i), dtype, "silu_mul", "down_proj"),
+        buf("last_hidden", (b, h), dtype, "gather_last", "lm_head"),
+        buf("logits", (b, v), "float32", "lm_head", "sample"),
+    ]
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """KV-cache capacity on one device (TensorRT-LLM's free-memory-fraction rule)."""
+
+    device_memory_bytes: int
+    memory_source: str
+    """Where the number came from, e.g. 'detected free memory of cuda:0' or '--gpu_memory_gb'."""
+    kv_cache_free_gpu_mem_fraction: float
+    free_after_weights_bytes: int
+    """device memory - weights - workspace (may be negative: the weights do not fit)."""
+    kv_pool_bytes: int
+    kv_blocks: int
+    kv_tokens: int
+    max_concurrent_requests: int
+    """Requests of max_seq_len tokens that fit in the pool at once."""
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Everything the runtime needs to allocate memory for the engine once, at load."""
+
+    dtype: str
+    max_batch_size: int
+    max_num_tokens: int
+    max_seq_len: int
+    tokens_per_block: int
+    buffers: tuple[PlannedBuffer, ...]
+    workspace_bytes: int
+    naive_workspace_bytes: int
+    weight_bytes: dict[str, int]
+    weight_bytes_total: int
+    kv_bytes_per_token: int
+    kv_bytes_per_block: int
+    blocks_per_max_seq: int
+    capacity: Capacity | None = None
+    max_kv_splits: int = MAX_KV_SPLITS
+    alignment: int = ALIGNMENT
+    ops: tuple[str, ...] = OPS
+    version: int = PLAN_FORMAT_VERSION
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def buffer(self, name: str) -> PlannedBuffer:
+        for b in self.buffers:
+            if b.name == name:
+                return b
+        raise KeyError(f"memory plan has no buffer {name!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["buffers"] = [{**asdict(b), "shape": list(b.shape)} for b in self.buffers]
+        d["ops"] = list(self.ops)
+        d["notes"] = list(self.notes)
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> MemoryPlan:
+        if d.get("version") != PLAN_FORMAT_VERSION:
+            raise EngineError(
+                f"plan.json has format version {d.get('version')!r}, this llmc reads version "
+                f"{PLAN_FORMAT_VERSION}; rebuild the engine with `llmc build`"
+            )
+        try:
+            d = dict(d)
+            d["buffers"] = tuple(
+                PlannedBuffer(**{**b, "shape": tuple(b["shape"])}) for b in d["buffers"]
+            )
+            d["ops"] = tuple(d["ops"])
+            d["notes"] = tuple(d.get("notes", ()))
+            if d.get("capacity") is not None:
+                d["capacity"] = Capacity(**d["capacity"])
+            return cls(**d)
+        except (KeyError, TypeError) as e:
+            raise EngineError(f"plan.json is malformed: {e}") from e
+
+    @classmethod
+    def from_json(cls, text: str) -> MemoryPlan:
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise EngineError(f"plan.json is not valid JSON: {e}") from e
+        if not isinstance(d, dict):
+            raise EngineError("plan.json is not a JSON object")
+        return cls.from_dict(d)
+
+
+def plan_memory(
+    spec: ModelSpec,
+    *,
+    dtype: str,
+    max_batch_size: int,
+    max_num_tokens: int,
+    max_seq_len: int,
+    tokens_per_block: int,
+    device_memory_bytes: int | None = None,
+    memory_source: str = "",
+    kv_cache_free_gpu_mem_fraction: float = 0.9,
+    check_fits: bool = True,
+) -> MemoryPlan:
+    """Plan weights, workspace and KV cache; with a device memory, compute the capacity.
+
+    With ``check_fits``, a device on which one request of ``max_seq_len`` tokens cannot fit
+    raises CapacityError with the numbers and a suggested max_seq_len or memory size.
+    """
+    dtype_bytes = DTYPE_BYTES[dtype]
+    weight_bytes = {n: math.prod(s) * dtype_bytes for n, s in spec.tensor_shapes().items()}
+    specs = workspace_buffers(
+        spec, max_num_tokens, max_batch_size, max_seq_len, tokens_per_block, dtype
+    )
+    placed, packed, naive = pack_buffers(specs)
+    kv_token = spec.kv_bytes_per_token(dtype_bytes)
+    plan = MemoryPlan(
+        dtype=dtype,
+        max_batch_size=max_batch_size,
+        max_num_tokens=max_num_tokens,
+        max_seq_len=max_seq_len,
+        tokens_per_block=tokens_per_block,
+        buffers=placed,
+        workspace_bytes=packed,
+        naive_workspace_bytes=naive,
+        weight_bytes=weight_bytes,
+        weight_bytes_total=sum(weight_bytes.values()),
+        kv_bytes_per_token=kv_token,
+        kv_bytes_per_block=kv_token * tokens_per_block,
+        blocks_per_max_seq=-(-max_seq_len // tokens_per_block),
+    )
+    if device_memory_bytes is None:
+        return plan
+    cap = capacity(plan, device_memory_bytes, memory_source, kv_cache_free_gpu_mem_fraction)
+    plan = _replace(plan, capacity=cap)
+    if check_fits and cap.kv_blocks < plan.blocks_per_max_seq:
+        raise CapacityError(_does_not_fit(plan, cap))
+    return plan
+
+
+def _replace(plan: MemoryPlan, **changes: Any) -> MemoryPlan:
+    import dataclasses
+
+    return dataclasses.replace(plan, **changes)
+
+
+def capacity(
+    plan: MemoryPlan, device_memory_bytes: int, memory_source: str, fraction: float
+) -> Capacity:
+    """KV capacity on a device with ``device_memory_bytes`` free before the engine loads."""
+    free = device_memory_bytes - plan.weight_bytes_total - plan.workspace_bytes
+    pool = max(0, int(free * fraction))
+    blocks = pool // plan.kv_bytes_per_block
+    return Capacity(
+        device_memory_bytes=device_memory_bytes,
+        memory_source=memory_source,
+        kv_cache_free_gpu_mem_fraction=fraction,
+        free_after_weights_bytes=free,
+        kv_pool_bytes=pool,
+        kv_blocks=blocks,
+        kv_tokens=blocks * plan.tokens_per_block,
+        max_concurrent_requests=blocks // plan.blocks_per_max_seq,
+    )
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def _does_not_fit(plan: MemoryPlan, cap: Capacity) -> str:
+    need_kv = plan.blocks_per_max_seq * plan.kv_bytes_per_block
+    need_mem = (
+        plan.weight_bytes_total
+        + plan.workspace_bytes
+        + math.ceil(need_kv / cap.kv_cache_free_gpu_mem_fraction)
+    )
+    head = (
+        f"one request of max_seq_len={plan.max_seq_len} tokens does not fit: it needs "
+        f"{plan.blocks_per_max_seq} KV blocks ({_gib(need_kv)} at "
+        f"{plan.kv_bytes_per_token} bytes/token), but {_gib(cap.device_memory_bytes)} of device "
+        f"memory ({cap.memory_source}) - weights {_gib(plan.weight_bytes_total)} - workspace "
+        f"{_gib(plan.workspace_bytes)} leaves {_gib(max(cap.free_after_weights_bytes, 0))}, "
+        f"x {cap.kv_cache_free_gpu_mem_fraction} = {cap.kv_blocks} blocks "
+        f"({cap.kv_tokens} tokens)"
+    )
+    fixes = []
+    if cap.kv_tokens > 0:
+        fixes.append(f"--max_seq_len {cap.kv_tokens}")
+    fixes.append(f"--gpu_memory_gb {math.ceil(need_mem / GIB * 100) / 100}")
+    if plan.max_num_tokens > plan.tokens_per_block:
+        fixes.append("a smaller --max_num_tokens (smaller workspace)")
+    return head + "; use " + " or ".join(fixes)
+
+
+def kv_cache_blocks(
+    plan: MemoryPlan, free_bytes: int, fraction: float, max_kv_tokens: int | None = None
+) -> int:
+    """Blocks of the KV pool the runtime allocates at load time (TensorRT-LLM's rule).
+
+    ``free_bytes`` is the device memory free *after* the weights and workspace are allocated
+    (the runtime measures it). The pool is ``fraction`` of it; with ``max_kv_tokens`` it is
+    at most that many tokens (rounded up to whole blocks). Raises CapacityError when one
+    request of ``max_seq_len`` tokens would not fit.
+    """
+    if not 0.0 < fraction <= 1.0:
+        from llmc.errors import ConfigError
+
+        raise ConfigError(f"kv_cache_free_gpu_mem_fraction must be in (0, 1], got {fraction}")
+    blocks = max(0, int(free_bytes * fraction)) // plan.kv_bytes_per_block
+    if max_kv_tokens is not None:
+        blocks = min(blocks, -(-max_kv_tokens // plan.tokens_per_block))
+    if blocks < plan.blocks_per_max_seq:
+        limit = "" if max_kv_tokens is None else f", max_kv_tokens={max_kv_tokens}"
+        raise CapacityError(
+            f"KV cache of {blocks} blocks ({blocks * plan.tokens_per_block} tokens; "
+            f"{_gib(free_bytes)} free x {fraction}{limit}) cannot hold one request of "
+            f"max_seq_len={plan.max_seq_len} tokens ({plan.blocks_per_max_seq} blocks of "
+            f"{plan.kv_bytes_per_block} bytes); free more device memory, raise "
+            f"kv_cache_free_gpu_mem_fraction or max_kv_tokens, or rebuild with "
+            f"--max_seq_len {blocks * plan.tokens_per_block}"
+        )
+    return blocks
