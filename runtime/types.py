@@ -160,7 +160,8 @@ class ScheduledSequence:
 
     @property
     def is_decode(self) -> bool:
-        return self.start_position >= self.seq.num_prompt_tokens
+        """One new token past the prompt (a re-prefill of outputs after preemption is not)."""
+        return self.num_new_tokens == 1 and self.start_position >= self.seq.num_prompt_tokens
 
     def token_ids(self) -> list[int]:
         s = self.start_position

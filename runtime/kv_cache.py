@@ -1,0 +1,343 @@
+"""KVCacheManager: the paged KV-cache block pool, refcounts and prefix reuse (no torch).
+
+The pool has ``num_blocks`` blocks of ``tokens_per_block`` token slots each; a sequence owns
+the blocks listed in ``seq.block_table`` and token position ``p`` lives in slot
+``block_table[p // tokens_per_block] * tokens_per_block + p % tokens_per_block``.
+
+Prefix reuse (``enable_block_reuse``): once every token of a *full* block is computed, the
+block is registered under the chained hash of its prefix (``llmc.runtime.block_hash``). A newly
+admitted sequence takes the longest run of registered blocks matching its first tokens and
+starts with ``num_computed_tokens`` at their end. A shared block is never written: at least the
+sequence's last known token is always recomputed, in a block the sequence owns alone.
+
+Free blocks sit in one intrusive doubly-linked list (arrays of prev/next ids, O(1) push, pop
+and unlink from the middle). Blocks with no reusable content are kept at the head, so they are
+allocated first; freed blocks that still hold a registered hash go to the tail in LRU order and
+are evicted (their hash dropped) only when allocated for new content. Reviving a cached free
+block unlinks it from the middle of the list.
+
+Invariants (``check_invariants`` verifies them; the tests call it after every step):
+- a block is in the free list iff its refcount is 0; refcounts are never negative;
+- ``num_free_blocks`` equals the length of the free list;
+- every registered hash maps to a block that carries that hash;
+- after every sequence is freed, ``num_free_blocks == total_blocks``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmc.runtime.block_hash import ROOT_HASH, BlockHash, block_hash
+from llmc.runtime.types import Sequence
+
+from llmc.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class KVCacheStats:
+    """A snapshot of the pool. Reuse counts are in blocks (full blocks looked up at admission)."""
+
+    total_blocks: int
+    used_blocks: int
+    free_blocks: int
+    peak_used_blocks: int
+    reuse_hits: int
+    reuse_misses: int
+    cached_blocks: int
+    """Blocks holding a registered hash (in use or free and reusable)."""
+    tokens_per_block: int
+
+    @property
+    def hit_rate(self) -> float:
+        looked_up = self.reuse_hits + self.reuse_misses
+        return self.reuse_hits / looked_up if looked_up else 0.0
+
+    @property
+    def utilization(self) -> float:
+        return self.used_blocks / self.total_blocks
+
+    @property
+    def peak_utilization(self) -> float:
+        return self.peak_used_blocks / self.total_blocks
+
+
+def _positive_int(name: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"KV cache {name} must be a positive integer, got {value!r}")
+    return value
+
+
+class KVCacheManager:
+    """Fixed pool of KV blocks with refcounts, an O(1) free list and prefix-block reuse."""
+
+    def __init__(self, num_blocks: int, tokens_per_block: int, enable_block_reuse: bool = True):
+        self.total_blocks = _positive_int("num_blocks", num_blocks)
+        self.tokens_per_block = _positive_int("tokens_per_block", tokens_per_block)
+        self.enable_block_reuse = bool(enable_block_reuse)
+        n = num_blocks
+        self._ref = [0] * n
+        self._hash: list[BlockHash | None] = [None] * n
+        # Circular free list with a sentinel at index n; initially 0, 1, ..., n-1 in order.
+        self._sentinel = n
+        self._next = [i + 1 for i in range(n)] + [0]
+        self._prev = [n] + [i for i in range(n)]
+        self._num_free = n
+        self._cached: dict[BlockHash, int] = {}
+        # Per admitted request: hashes of its full blocks computed so far (a cache of the
+        # chain) and how many leading blocks of its table already carry a hash.
+        self._seq_hashes: dict[int, list[BlockHash]] = {}
+        self._seq_registered: dict[int, int] = {}
+        self._peak_used = 0
+        self._hits = 0
+        self._misses = 0
+
+    # ---------------------------------------------------------------- free list (O(1))
+    def _unlink(self, b: int) -> None:
+        p, nx = self._prev[b], self._next[b]
+        self._next[p] = nx
+        self._prev[nx] = p
+        self._prev[b] = self._next[b] = -1
+        self._num_free -= 1
+
+    def _link_after(self, anchor: int, b: int) -> None:
+        nx = self._next[anchor]
+        self._prev[b], self._next[b] = anchor, nx
+        self._next[anchor] = b
+        self._prev[nx] = b
+        self._num_free += 1
+
+    def _pop_free(self) -> int:
+        b = self._next[self._sentinel]
+        self._unlink(b)
+        h = self._hash[b]
+        if h is not None:  # evict: the block is about to hold new content
+            if self._cached.get(h) == b:
+                del self._cached[h]
+            self._hash[b] = None
+        self._ref[b] = 1
+        return b
+
+    def _release(self, b: int) -> None:
+        ref = self._ref[b] - 1
+        if ref < 0:
+            raise RuntimeError(f"KV block {b} freed more often than it was referenced")
+        self._ref[b] = ref
+        if ref == 0:
+            if self._hash[b] is None:
+                self._link_after(self._sentinel, b)  # head: worthless, reuse first
+            else:
+                self._link_after(self._prev[self._sentinel], b)  # tail: LRU eviction order
+
+    def _note_usage(self) -> None:
+        used = self.total_blocks - self._num_free
+        if used > self._peak_used:
+            self._peak_used = used
+
+    # ---------------------------------------------------------------- hashing
+    def _hashes(self, seq: Sequence, num_blocks: int) -> list[BlockHash]:
+        """Chained hashes of the first ``num_blocks`` full blocks of ``seq``.
+
+        Memoized per request (a sequence's tokens never change once known) until ``free``."""
+        hashes = self._seq_hashes.setdefault(seq.request_id, [])
+        tpb = self.tokens_per_block
+        parent = hashes[-1] if hashes else ROOT_HASH
+        n_prompt = seq.num_prompt_tokens
+        for i in range(len(hashes), num_blocks):
+            lo, hi = i * tpb, (i + 1) * tpb
+            if hi <= n_prompt:
+                tokens = seq.prompt_token_ids[lo:hi]
+            else:
+                tokens = [seq.token_at(j) for j in range(lo, hi)]
+            parent = block_hash(parent, tokens)
+            hashes.append(parent)
+        return hashes[:num_blocks]
+
+    def _lookup_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids of the longest registered prefix of ``seq`` that may be shared.
+
+        At most ``(num_tokens - 1) // tokens_per_block`` blocks: the last known token is
+        always recomputed (it produces the next token's logits), in a block of its own.
+        """
+        if not self.enable_block_reuse or not self._cached:
+            return []
+        max_blocks = (seq.num_tokens - 1) // self.tokens_per_block
+        hits: list[int] = []
+        for h in self._hashes(seq, max_blocks):
+            b = self._cached.get(h)
+            if b is None:
+                break
+            hits.append(b)
+        return hits
+
+    # ---------------------------------------------------------------- public API
+    @property
+    def num_free_blocks(self) -> int:
+        return self._num_free
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.total_blocks - self._num_free
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        """Blocks needed to hold ``num_tokens`` token slots."""
+        return -(-num_tokens // self.tokens_per_block)
+
+    def is_allocated(self, seq: Sequence) -> bool:
+        """True between ``allocate_prefix(seq)`` and ``free(seq)``."""
+        return seq.request_id in self._seq_registered
+
+    def cached_prefix_tokens(self, seq: Sequence) -> int:
+        """Tokens of a not-yet-admitted ``seq`` that ``allocate_prefix`` would serve from cache."""
+        if self.is_allocated(seq):
+            return 0
+        return len(self._lookup_prefix(seq)) * self.tokens_per_block
+
+    def num_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Free blocks that computing ``num_new_tokens`` more tokens of ``seq`` would take.
+
+        For an admitted sequence the new tokens follow ``num_computed_tokens``; for one not yet
+        admitted they follow its cached prefix, and reviving cached blocks that are currently
+        free counts too (they leave the free list).
+        """
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        if self.is_allocated(seq):
+            have = len(seq.block_table)
+            return max(0, self.blocks_for_tokens(seq.num_computed_tokens + num_new_tokens) - have)
+        hits = self._lookup_prefix(seq)
+        revived = sum(1 for b in hits if self._ref[b] == 0)
+        need = self.blocks_for_tokens(len(hits) * self.tokens_per_block + num_new_tokens)
+        return revived + max(0, need - len(hits))
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return self.num_blocks_needed(seq, num_new_tokens) <= self._num_free
+
+    def allocate_prefix(self, seq: Sequence) -> int:
+        """Admit ``seq``: share its cached prefix blocks and set ``num_computed_tokens``.
+
+        Returns the number of cached tokens (a multiple of tokens_per_block, < num_tokens).
+        """
+        if self.is_allocated(seq) or seq.block_table:
+            raise RuntimeError(f"request {seq.request_id} is already admitted to the KV cache")
+        hits = self._lookup_prefix(seq)
+        if self.enable_block_reuse:
+            eligible = (seq.num_tokens - 1) // self.tokens_per_block
+            self._hits += len(hits)
+            self._misses += eligible - len(hits)
+        for b in hits:
+            if self._ref[b] == 0:
+                self._unlink(b)
+            self._ref[b] += 1
+        self._seq_registered[seq.request_id] = len(hits)
+        seq.block_table = list(hits)
+        cached = len(hits) * self.tokens_per_block
+        seq.num_computed_tokens = cached
+        seq.num_cached_tokens = cached
+        self._note_usage()
+        return cached
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Grow ``seq.block_table`` to hold ``num_computed_tokens + num_new_tokens`` tokens.
+
+        Returns False (and changes nothing) when there are not enough free blocks.
+        """
+        if not self.is_allocated(seq):
+            raise RuntimeError(f"request {seq.request_id} is not admitted (allocate_prefix first)")
+        need = self.num_blocks_needed(seq, num_new_tokens)
+        if need > self._num_free:
+            return False
+        for _ in range(need):
+            seq.block_table.append(self._pop_free())
+        self._note_usage()
+        return True
+
+    def register_full_blocks(self, seq: Sequence) -> int:
+        """Register every full, computed block of ``seq`` for reuse; returns how many are new.
+
+        A block whose content is already registered under another block stays unregistered
+        (it is freed as plain, worthless space).
+        """
+        rid = seq.request_id
+        if not self.enable_block_reuse or rid not in self._seq_registered:
+            return 0
+        done = self._seq_registered[rid]
+        full = min(seq.num_computed_tokens // self.tokens_per_block, len(seq.block_table))
+        if full <= done:
+            return 0
+        hashes = self._hashes(seq, full)
+        added = 0
+        for i in range(done, full):
+            b, h = seq.block_table[i], hashes[i]
+            if self._hash[b] is None and h not in self._cached:
+                self._hash[b] = h
+                self._cached[h] = b
+                added += 1
+        self._seq_registered[rid] = full
+        return added
+
+    def free(self, seq: Sequence) -> None:
+        """Release every block of ``seq`` (registered content stays reusable until evicted).
+
+        Blocks are released last-first so that a sequence's deepest blocks are evicted before
+        the prefix blocks other prompts are more likely to share.
+        """
+        for b in reversed(seq.block_table):
+            self._release(b)
+        seq.block_table = []
+        self._seq_registered.pop(seq.request_id, None)
+        self._seq_hashes.pop(seq.request_id, None)
+
+    def slot(self, seq: Sequence, position: int) -> int:
+        """Cache slot of token ``position`` of ``seq``."""
+        tpb = self.tokens_per_block
+        if not 0 <= position < len(seq.block_table) * tpb:
+            raise IndexError(
+                f"position {position} of request {seq.request_id} is outside its "
+                f"{len(seq.block_table)} blocks of {tpb} tokens"
+            )
+        return seq.block_table[position // tpb] * tpb + position % tpb
+
+    def slot_mapping(self, seq: Sequence, start: int, num_tokens: int) -> list[int]:
+        """Cache slots of tokens ``[start, start + num_tokens)`` of ``seq``."""
+        return [self.slot(seq, p) for p in range(start, start + num_tokens)]
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref[block_id]
+
+    def stats(self) -> KVCacheStats:
+        return KVCacheStats(
+            total_blocks=self.total_blocks,
+            used_blocks=self.num_used_blocks,
+            free_blocks=self._num_free,
+            peak_used_blocks=self._peak_used,
+            reuse_hits=self._hits,
+            reuse_misses=self._misses,
+            cached_blocks=len(self._cached),
+            tokens_per_block=self.tokens_per_block,
+        )
+
+    def free_block_ids(self) -> list[int]:
+        """Free blocks in allocation order (head first): for tests and debugging."""
+        out, b = [], self._next[self._sentinel]
+        while b != self._sentinel:
+            out.append(b)
+            b = self._next[b]
+        return out
+
+    def check_invariants(self) -> None:
+        """Raise RuntimeError if the pool's bookkeeping is inconsistent (O(num_blocks))."""
+        free = self.free_block_ids()
+        if len(free) != self._num_free or len(set(free)) != len(free):
+            raise RuntimeError(f"free list has {len(free)} entries, counter says {self._num_free}")
+        in_free = set(free)
+        for b in range(self.total_blocks):
+            r = self._ref[b]
+            if r < 0:
+                raise RuntimeError(f"KV block {b} has refcount {r}")
+            if (r == 0) != (b in in_free):
+                raise RuntimeError(f"KV block {b}: refcount {r} but in free list: {b in in_free}")
+        for h, b in self._cached.items():
+            if self._hash[b] != h:
+                raise RuntimeError(f"registered hash maps to KV block {b}, which holds another")
+        if sum(1 for h in self._hash if h is not None) != len(self._cached):
+            raise RuntimeError("a KV block carries a hash that is not registered")

@@ -1,0 +1,398 @@
+"""Scheduler: which tokens of which requests one engine step computes (no torch).
+
+There is no prefill or decode phase: every sequence has ``num_computed_tokens`` and a step
+gives tokens to sequences under one budget of ``max_num_tokens`` tokens, for at most
+``max_batch_size`` running sequences. Running sequences are served first (a decode needs one
+token, a sequence still in prefill gets its next chunk), then waiting ones in queue order
+(``-priority``, then arrival). A waiting sequence that cannot be admitted stops admission for
+the step (no overtaking inside the queue, so nothing starves).
+
+Capacity policies (``SchedulerConfig.policy``):
+- ``guaranteed_no_evict``: admit a sequence only if blocks for its whole life
+  (prompt + max_new_tokens - 1 cached tokens) fit in the free pool minus what running
+  sequences were already promised. Never preempts; block allocation can never fail.
+- ``max_utilization``: admit when the current chunk fits. When a running sequence cannot get a
+  block, the newest running sequence (last in queue order) is preempted by recompute: its
+  blocks are freed (their registered content stays reusable), ``num_computed_tokens`` drops to
+  0, its output tokens are kept and re-prefilled, and it rejoins the waiting queue at its
+  original place, ahead of later arrivals of its priority. No admission in a step that
+  preempted.
+
+A request whose whole life can never fit in the pool is refused by ``add`` (RequestError), so
+neither policy can livelock. Sequences in a ``ScheduledBatch`` are ordered decode-first.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import logging
+from dataclasses import dataclass
+
+from llmc.runtime.kv_cache import KVCacheManager
+from llmc.runtime.types import (
+    FinishReason,
+    ScheduledBatch,
+    ScheduledSequence,
+    Sequence,
+    SequenceStatus,
+)
+
+from llmc.errors import ConfigError, RequestError
+
+logger = logging.getLogger("llmc.scheduler")
+
+GUARANTEED_NO_EVICT = "guaranteed_no_evict"
+MAX_UTILIZATION = "max_utilization"
+POLICIES = (GUARANTEED_NO_EVICT, MAX_UTILIZATION)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of one engine (from its build config) and the capacity policy."""
+
+    max_num_tokens: int
+    """Per-step token budget (decode tokens + prefill chunks)."""
+    max_batch_size: int
+    """Most running sequences."""
+    max_seq_len: int
+    """Longest prompt + generated tokens."""
+    max_input_len: int
+    """Longest prompt."""
+    tokens_per_block: int
+    enable_chunked_prefill: bool = True
+    policy: str = GUARANTEED_NO_EVICT
+    eos_token_ids: tuple[int, ...] = ()
+    """End-of-sequence ids of the model (ignored by requests with ignore_eos)."""
+
+    def __post_init__(self) -> None:
+        names = ("max_num_tokens", "max_batch_size", "max_seq_len", "max_input_len")
+        for name in (*names, "tokens_per_block"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ConfigError(f"scheduler {name} must be a positive integer, got {v!r}")
+        if self.policy not in POLICIES:
+            raise ConfigError(
+                f"scheduler policy {self.policy!r} is not one of {', '.join(POLICIES)}"
+            )
+        if self.max_input_len > self.max_seq_len:
+            raise ConfigError(
+                f"max_input_len ({self.max_input_len}) must not exceed "
+                f"max_seq_len ({self.max_seq_len})"
+            )
+        if not self.enable_chunked_prefill and self.max_num_tokens < self.max_input_len:
+            raise ConfigError(
+                f"max_num_tokens ({self.max_num_tokens}) is smaller than max_input_len "
+                f"({self.max_input_len}) with chunked prefill off: a prompt could never be "
+                "scheduled; raise max_num_tokens or enable chunked prefill"
+            )
+        if any(not isinstance(t, int) or t < 0 for t in self.eos_token_ids):
+            raise ConfigError(f"eos_token_ids must be non-negative integers: {self.eos_token_ids}")
+        object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    num_steps: int
+    num_scheduled_tokens: int
+    num_preemptions: int
+    num_finished: int
+    num_running: int
+    num_waiting: int
+    peak_running: int
+
+
+class Scheduler:
+    """In-flight batching over one KVCacheManager; see the module docstring for the rules."""
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+        if config.tokens_per_block != kv.tokens_per_block:
+            raise ConfigError(
+                f"scheduler tokens_per_block ({config.tokens_per_block}) differs from the KV "
+                f"cache's ({kv.tokens_per_block})"
+            )
+        self.config = config
+        self.kv = kv
+        self._no_evict = config.policy == GUARANTEED_NO_EVICT
+        self._seqs: dict[int, Sequence] = {}  # every unfinished sequence
+        self._order: dict[int, int] = {}  # arrival number per request id
+        self._arrivals = 0
+        self._waiting: dict[int, Sequence] = {}
+        self._heap: list[tuple[int, int, int]] = []  # (-priority, arrival, id); lazy deletion
+        self._running: list[Sequence] = []  # sorted by queue key
+        self._step = 0
+        self._num_tokens = 0
+        self._num_preemptions = 0
+        self._num_finished = 0
+        self._peak_running = 0
+
+    # ---------------------------------------------------------------- queue helpers
+    def _key(self, seq: Sequence) -> tuple[int, int]:
+        return (-seq.priority, self._order[seq.request_id])
+
+    def _push_waiting(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self._waiting[seq.request_id] = seq
+        heapq.heappush(self._heap, (*self._key(seq), seq.request_id))
+
+    def _peek_waiting(self) -> Sequence | None:
+        while self._heap:
+            seq = self._waiting.get(self._heap[0][2])
+            if seq is not None:
+                return seq
+            heapq.heappop(self._heap)  # cancelled while waiting
+        return None
+
+    def _kv_tokens_needed(self, seq: Sequence) -> int:
+        """Cached tokens at the end of the sequence's life (the last sampled one is not)."""
+        return seq.num_prompt_tokens + seq.max_new_tokens - 1
+
+    # ---------------------------------------------------------------- requests
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence; raise RequestError if it can never be served."""
+        cfg, rid = self.config, seq.request_id
+        n_prompt = seq.num_prompt_tokens
+        if rid in self._seqs:
+            raise RequestError(f"request {rid}: a request with this id is already queued")
+        if seq.status is not SequenceStatus.WAITING or seq.output_token_ids or seq.block_table:
+            raise RequestError(f"request {rid}: only a fresh sequence can be added")
+        if n_prompt == 0:
+            raise RequestError(f"request {rid}: the prompt is empty")
+        if n_prompt > cfg.max_input_len:
+            raise RequestError(
+                f"request {rid}: prompt has {n_prompt} tokens, more than the engine's "
+                f"max_input_len={cfg.max_input_len}"
+            )
+        if not isinstance(seq.max_new_tokens, int) or seq.max_new_tokens < 1:
+            raise RequestError(f"request {rid}: max_new_tokens={seq.max_new_tokens!r} is not >= 1")
+        if n_prompt + seq.max_new_tokens > cfg.max_seq_len:
+            room = cfg.max_seq_len - n_prompt
+            if not seq.sampling.clamp_max_new_tokens or room < 1:
+                raise RequestError(
+                    f"request {rid}: prompt ({n_prompt} tokens) + max_new_tokens "
+                    f"({seq.max_new_tokens}) = {n_prompt + seq.max_new_tokens} exceeds the "
+                    f"engine's max_seq_len={cfg.max_seq_len}; shorten the prompt, lower "
+                    "max_new_tokens"
+                    + (" or set clamp_max_new_tokens" if room >= 1 else " (no room is left)")
+                )
+            seq.max_new_tokens = room
+        need_tokens = self._kv_tokens_needed(seq)
+        need_blocks = self.kv.blocks_for_tokens(need_tokens)
+        if need_blocks > self.kv.total_blocks:
+            raise RequestError(
+                f"request {rid}: needs {need_blocks} KV-cache blocks ({n_prompt} prompt + "
+                f"{seq.max_new_tokens} new tokens, {self.kv.tokens_per_block} tokens per block) "
+                f"but the whole pool has {self.kv.total_blocks}; it could never run"
+            )
+        seq.num_computed_tokens = 0
+        seq.finish_reason = None
+        self._seqs[rid] = seq
+        self._order[rid] = self._arrivals
+        self._arrivals += 1
+        self._push_waiting(seq)
+
+    def finish(self, request_id: int, reason: FinishReason) -> Sequence | None:
+        """End an unfinished request now (cancel, stop string); returns it, or None if unknown.
+
+        Frees its blocks whether it is waiting or running.
+        """
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return None
+        if self._waiting.pop(request_id, None) is None:
+            self._running.remove(seq)
+        self._finish(seq, reason)
+        return seq
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        self.kv.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        del self._seqs[seq.request_id]
+        del self._order[seq.request_id]
+        self._num_finished += 1
+
+    def _preempt(self, seq: Sequence) -> None:
+        dropped = seq.num_computed_tokens
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self._num_preemptions += 1
+        self._push_waiting(seq)
+        logger.info(
+            "preempted request %d by recompute (%d computed tokens dropped, %d output tokens "
+            "kept; %d free KV blocks); preemption %d of this request",
+            seq.request_id,
+            dropped,
+            len(seq.output_token_ids),
+            self.kv.num_free_blocks,
+            seq.num_preemptions,
+        )
+
+    # ---------------------------------------------------------------- the step
+    def schedule(self) -> ScheduledBatch:
+        """Pick this step's tokens; allocates their KV blocks (and may preempt)."""
+        cfg, kv = self.config, self.kv
+        budget = cfg.max_num_tokens
+        picked: list[ScheduledSequence] = []
+        preempted: list[int] = []
+
+        # 1. Running sequences, in queue order; the newest is preempted when blocks run out.
+        i = 0
+        while i < len(self._running) and budget > 0:
+            seq = self._running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            scheduled = True
+            while not kv.append_slots(seq, n):
+                if self._no_evict:
+                    raise RuntimeError(
+                        f"guaranteed_no_evict: request {seq.request_id} found no free block "
+                        "although its blocks were reserved at admission (scheduler bug)"
+                    )
+                victim = self._running.pop()
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is seq:
+                    scheduled = False
+                    break
+            if scheduled:
+                picked.append(self._slice(seq, n))
+                budget -= n
+                i += 1
+
+        # 2. Waiting sequences, in queue order, until one does not fit.
+        reserved = self._reserved_blocks() if self._no_evict else 0
+        while not preempted and budget > 0 and len(self._running) < cfg.max_batch_size:
+            seq = self._peek_waiting()
+            if seq is None:
+                break
+            cached = kv.cached_prefix_tokens(seq)
+            remaining = seq.num_tokens - cached
+            n = min(remaining, budget)
+            # Without chunked prefill a prompt waits for a step with room for all of it; only
+            # a preempted sequence longer than a whole step (prompt + outputs) is chunked.
+            if n < remaining and not cfg.enable_chunked_prefill and remaining <= cfg.max_num_tokens:
+                break
+            if self._no_evict:
+                life = kv.num_blocks_needed(seq, self._kv_tokens_needed(seq) - cached)
+                if life > kv.num_free_blocks - reserved:
+                    break
+            elif not kv.can_allocate(seq, n):
+                break
+            del self._waiting[seq.request_id]
+            heapq.heappop(self._heap)
+            kv.allocate_prefix(seq)
+            if not kv.append_slots(seq, n):
+                raise RuntimeError(f"request {seq.request_id}: admission check was wrong")
+            if self._no_evict:
+                total = kv.blocks_for_tokens(self._kv_tokens_needed(seq))
+                reserved += total - len(seq.block_table)
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self._running, seq, key=self._key)
+            picked.append(self._slice(seq, n))
+            budget -= n
+
+        self._step += 1
+        self._num_tokens += cfg.max_num_tokens - budget
+        self._peak_running = max(self._peak_running, len(self._running))
+        decode = [s for s in picked if s.is_decode]
+        prefill = [s for s in picked if not s.is_decode]
+        return ScheduledBatch(
+            step_id=self._step - 1,
+            sequences=tuple(decode + prefill),
+            preempted_request_ids=tuple(preempted),
+        )
+
+    def _slice(self, seq: Sequence, n: int) -> ScheduledSequence:
+        start = seq.num_computed_tokens
+        return ScheduledSequence(seq, start, n, sample=start + n == seq.num_tokens)
+
+    def _reserved_blocks(self) -> int:
+        """Blocks promised to running sequences but not allocated yet (guaranteed_no_evict)."""
+        return sum(
+            self.kv.blocks_for_tokens(self._kv_tokens_needed(s)) - len(s.block_table)
+            for s in self._running
+        )
+
+    def update(self, batch: ScheduledBatch, sampled_token_ids: list[int]) -> list[Sequence]:
+        """Apply a computed step: advance sequences, append sampled tokens, finish the done ones.
+
+        ``sampled_token_ids`` holds one id per scheduled sequence with ``sample=True``, in batch
+        order. Returns the sequences that finished in this step (``finish_reason`` set).
+        """
+        n_sampled = sum(1 for s in batch.sequences if s.sample)
+        if len(sampled_token_ids) != n_sampled:
+            raise ValueError(
+                f"step {batch.step_id} sampled {n_sampled} sequences but "
+                f"{len(sampled_token_ids)} token ids were given"
+            )
+        finished: list[Sequence] = []
+        tokens = iter(sampled_token_ids)
+        for ss in batch.sequences:
+            seq = ss.seq
+            token = next(tokens) if ss.sample else None
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # finished (cancelled) between schedule() and update()
+            if seq.num_computed_tokens != ss.start_position:
+                raise RuntimeError(
+                    f"request {seq.request_id}: step {batch.step_id} is stale (computed "
+                    f"{seq.num_computed_tokens} tokens, step started at {ss.start_position})"
+                )
+            seq.num_computed_tokens += ss.num_new_tokens
+            self.kv.register_full_blocks(seq)
+            if token is None:
+                continue
+            seq.output_token_ids.append(int(token))
+            reason = self._stop_reason(seq, int(token))
+            if reason is not None:
+                self._running.remove(seq)
+                self._finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        if not seq.sampling.ignore_eos and token in self.config.eos_token_ids:
+            return FinishReason.STOP
+        if token in seq.sampling.stop_token_ids:
+            return FinishReason.STOP
+        if len(seq.output_token_ids) >= seq.max_new_tokens:
+            return FinishReason.LENGTH
+        if seq.num_tokens >= self.config.max_seq_len:
+            return FinishReason.LENGTH
+        return None
+
+    # ---------------------------------------------------------------- introspection
+    def has_unfinished(self) -> bool:
+        return bool(self._seqs)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def get(self, request_id: int) -> Sequence | None:
+        """The unfinished sequence with this id, or None."""
+        return self._seqs.get(request_id)
+
+    @property
+    def running(self) -> tuple[Sequence, ...]:
+        """Running sequences in service order (oldest / highest priority first)."""
+        return tuple(self._running)
+
+    def waiting(self) -> tuple[Sequence, ...]:
+        """Waiting sequences in queue order."""
+        return tuple(sorted(self._waiting.values(), key=self._key))
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_steps=self._step,
+            num_scheduled_tokens=self._num_tokens,
+            num_preemptions=self._num_preemptions,
+            num_finished=self._num_finished,
+            num_running=len(self._running),
+            num_waiting=len(self._waiting),
+            peak_running=self._peak_running,
+        )
