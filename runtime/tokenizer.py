@@ -1,0 +1,182 @@
+"""Tokenizer of an engine: ``tokenizer.json`` (HF ``tokenizers``) + chat template.
+
+Owns text ↔ token ids for the runtime and nothing else. Loaded from a directory holding
+``tokenizer.json`` and optionally ``tokenizer_config.json`` (special tokens, a
+``chat_template``), ``chat_template.jinja`` or ``chat_template.json`` (where transformers 5
+writes the template). The chat template is rendered with jinja2 the way transformers does
+(sandboxed, ``trim_blocks``/``lstrip_blocks``, ``loopcontrols``, ``raise_exception``,
+``tojson``), so ``apply_chat_template`` gives the same ids as transformers'.
+
+Invariants: ``encode`` follows the tokenizer.json post-processor (BOS where the model wants
+it); ``decode`` skips special tokens by default; ``eos_token_ids`` is the union of the ids
+given by the caller (the model config) and the tokenizer config's ``eos_token``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from llmc.errors import EngineError, RequestError
+
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+def _token_content(value: Any) -> str | None:
+    """tokenizer_config.json stores a special token as a string or an AddedToken dict."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _read_chat_template(directory: Path, config: dict[str, Any]) -> str | None:
+    jinja = directory / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    tpl = config.get("chat_template")
+    js = directory / "chat_template.json"
+    if tpl is None and js.is_file():
+        tpl = json.loads(js.read_text(encoding="utf-8")).get("chat_template")
+    if isinstance(tpl, list):  # [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in tpl if isinstance(t, dict)}
+        tpl = named.get("default") or next(iter(named.values()), None)
+    return tpl if isinstance(tpl, str) else None
+
+
+class Tokenizer:
+    """Encode/decode and chat formatting of one model."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        config: dict[str, Any] | None = None,
+        chat_template: str | None = None,
+        eos_token_ids: Iterable[int] = (),
+        source: str = "tokenizer",
+    ) -> None:
+        self._tok = tokenizer
+        self.config = dict(config or {})
+        self.chat_template = chat_template
+        self.source = source
+        self.special_tokens: dict[str, str] = {}
+        for key in SPECIAL_TOKEN_KEYS:
+            content = _token_content(self.config.get(key))
+            if content is not None:
+                self.special_tokens[key] = content
+        eos = list(dict.fromkeys(int(i) for i in eos_token_ids))
+        eos_tok = self.special_tokens.get("eos_token")
+        if eos_tok is not None:
+            eos_id = self._tok.token_to_id(eos_tok)
+            if eos_id is not None and eos_id not in eos:
+                eos.append(eos_id)
+        self.eos_token_ids: tuple[int, ...] = tuple(eos)
+        bos_tok = self.special_tokens.get("bos_token")
+        self.bos_token_id: int | None = (
+            self._tok.token_to_id(bos_tok) if bos_tok is not None else None
+        )
+        self.special_token_ids = frozenset(
+            i for i, t in self._added_tokens() if getattr(t, "special", False)
+        )
+        self._template = None
+
+    def _added_tokens(self) -> list[tuple[int, Any]]:
+        decoder = getattr(self._tok, "get_added_tokens_decoder", None)
+        return list(decoder().items()) if decoder else []
+
+    # ---- loading -------------------------------------------------------------------
+    @classmethod
+    def from_dir(cls, path: str | Path, eos_token_ids: Iterable[int] = ()) -> Tokenizer:
+        """Load from a directory (or its ``tokenizer.json``); EngineError if it is missing."""
+        from tokenizers import Tokenizer as HfTokenizer
+
+        p = Path(path)
+        directory = p.parent if p.is_file() else p
+        tj = p if p.is_file() else p / "tokenizer.json"
+        if not tj.is_file():
+            raise EngineError(f"{directory}: tokenizer.json is missing")
+        try:
+            tok = HfTokenizer.from_file(str(tj))
+        except Exception as e:  # the tokenizers library raises its own Exception type
+            raise EngineError(f"{tj}: cannot be read as a tokenizer ({e})") from e
+        config: dict[str, Any] = {}
+        tc = directory / "tokenizer_config.json"
+        if tc.is_file():
+            try:
+                config = json.loads(tc.read_text(encoding="utf-8"))
+            except json.JSONDecodeError as e:
+                raise EngineError(f"{tc}: invalid JSON ({e})") from e
+        return cls(tok, config, _read_chat_template(directory, config), eos_token_ids, str(tj))
+
+    # ---- ids -----------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    # ---- chat ----------------------------------------------------------------------
+    def _compiled_template(self) -> Any:
+        if self._template is None:
+            import jinja2
+            import jinja2.ext
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            def raise_exception(message: str) -> None:
+                raise jinja2.exceptions.TemplateError(message)
+
+            def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, **kw: Any) -> str:
+                return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, **kw)
+
+            def strftime_now(fmt: str) -> str:
+                import datetime
+
+                return datetime.datetime.now().strftime(fmt)
+
+            env = ImmutableSandboxedEnvironment(
+                trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+            )
+            env.filters["tojson"] = tojson
+            env.globals["raise_exception"] = raise_exception
+            env.globals["strftime_now"] = strftime_now
+            assert self.chat_template is not None
+            self._template = env.from_string(self.chat_template)
+        return self._template
+
+    def apply_chat_template(
+        self,
+        messages: str | list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tokenize: bool = True,
+    ) -> list[int] | str:
+        """Render ``messages`` (a user string or a list of role/content dicts) with the chat
+        template; token ids (no extra special tokens: the template has them) or the text."""
+        if self.chat_template is None:
+            raise RequestError(
+                f"{self.source}: the engine's tokenizer has no chat template; "
+                "send the prompt without --chat"
+            )
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        import jinja2
+
+        try:
+            text = self._compiled_template().render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                **self.special_tokens,
+            )
+        except jinja2.exceptions.TemplateError as e:
+            raise RequestError(f"chat template of {self.source} failed: {e}") from e
+        return self.encode(text, add_special_tokens=False) if tokenize else text
