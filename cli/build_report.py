@@ -1,0 +1,105 @@
+"""Rich tables of a build (or dry run): the build summary and the memory plan.
+
+Pure rendering of a ``BuildResult``; no logic a library user would need lives here.
+"""
+
+from __future__ import annotations
+
+from llmc.cli.options import human_bytes
+from llmc.compiler.builder import BuildResult
+from rich.console import Console
+from rich.table import Table
+
+
+def summary_table(result: BuildResult) -> Table:
+    spec, b = result.spec, result.build
+    t = Table(title="llmc build" + (" (dry run: nothing written)" if result.dry_run else ""))
+    t.add_column("setting", style="bold")
+    t.add_column("value")
+    t.add_row("model", f"{spec.architecture}, {spec.num_parameters() / 1e6:,.1f} M parameters")
+    t.add_row(
+        "shape",
+        f"{spec.num_layers} layers, hidden {spec.hidden_size}, heads {spec.num_heads}/"
+        f"{spec.num_kv_heads} x {spec.head_dim}, MLP {spec.intermediate_size}, "
+        f"vocab {spec.vocab_size}" + (", tied embeddings" if spec.tie_word_embeddings else ""),
+    )
+    t.add_row("dtype / target", f"{b.dtype} / {b.target}")
+    t.add_row(
+        "weights",
+        f"dummy (seed {b.dummy_seed})" if b.load_format == "dummy" else "from the checkpoint",
+    )
+    t.add_row("max_batch_size", f"{b.max_batch_size} sequences")
+    t.add_row("max_input_len", f"{b.max_input_len} tokens")
+    t.add_row("max_seq_len", f"{b.max_seq_len} tokens")
+    t.add_row("max_num_tokens", f"{b.max_num_tokens} tokens per step")
+    t.add_row("tokens_per_block", f"{b.tokens_per_block} tokens")
+    t.add_row("chunked prefill", "on" if b.enable_chunked_prefill else "off")
+    for note in result.notes:
+        t.add_row("derived", note)
+    if result.output_dir is not None:
+        t.add_row("engine", str(result.output_dir))
+    phases = ", ".join(f"{k} {v:.2f} s" for k, v in result.timings_s.items())
+    t.add_row("time", f"{sum(result.timings_s.values()):.2f} s ({phases})")
+    return t
+
+
+def plan_table(result: BuildResult) -> Table:
+    p = result.plan
+    t = Table(title="memory plan")
+    t.add_column("item", style="bold")
+    t.add_column("value", justify="right")
+    t.add_row("weights", f"{human_bytes(p.weight_bytes_total)} ({len(p.weight_bytes)} tensors)")
+    saved = 1 - p.workspace_bytes / p.naive_workspace_bytes if p.naive_workspace_bytes else 0.0
+    t.add_row(
+        "workspace (packed / naive)",
+        f"{human_bytes(p.workspace_bytes)} / {human_bytes(p.naive_workspace_bytes)} "
+        f"({saved:.0%} saved, {len(p.buffers)} buffers)",
+    )
+    t.add_row("KV cache per token", human_bytes(p.kv_bytes_per_token))
+    t.add_row(
+        "KV cache per block",
+        f"{human_bytes(p.kv_bytes_per_block)} ({p.tokens_per_block} tokens)",
+    )
+    one_request = p.blocks_per_max_seq * p.kv_bytes_per_block
+    t.add_row(
+        "one max_seq_len request", f"{p.blocks_per_max_seq} blocks ({human_bytes(one_request)})"
+    )
+    cap = p.capacity
+    if cap is None:
+        for note in p.notes:
+            t.add_row("KV capacity", note)
+    else:
+        t.add_row("device memory", f"{human_bytes(cap.device_memory_bytes)} ({cap.memory_source})")
+        t.add_row(
+            "KV pool",
+            f"{human_bytes(cap.kv_pool_bytes)} (x {cap.kv_cache_free_gpu_mem_fraction} of "
+            f"{human_bytes(cap.free_after_weights_bytes)} free)",
+        )
+        t.add_row("KV capacity", f"{cap.kv_tokens:,} tokens in {cap.kv_blocks:,} blocks")
+        t.add_row(f"requests at max_seq_len={p.max_seq_len}", f"{cap.max_concurrent_requests:,}")
+    return t
+
+
+def buffers_table(result: BuildResult) -> Table:
+    p = result.plan
+    t = Table(title=f"workspace arena at max_num_tokens={p.max_num_tokens}")
+    for col in ("buffer", "shape", "dtype", "live ops", "offset", "size"):
+        t.add_column(col, justify="right" if col in ("offset", "size") else "left")
+    for b in sorted(p.buffers, key=lambda b: (b.offset, b.name)):
+        live = p.ops[b.first] if b.first == b.last else f"{p.ops[b.first]}..{p.ops[b.last]}"
+        t.add_row(
+            b.name,
+            "[" + ", ".join(map(str, b.shape)) + "]",
+            b.dtype,
+            live,
+            human_bytes(b.offset),
+            human_bytes(b.nbytes),
+        )
+    return t
+
+
+def print_report(console: Console, result: BuildResult) -> None:
+    console.print(summary_table(result))
+    if result.dry_run:
+        console.print(buffers_table(result))
+    console.print(plan_table(result))

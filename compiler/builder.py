@@ -1,0 +1,279 @@
+"""``build``: checkpoint (or model config + seed) → engine directory. The Python API of
+``llmc build``; the CLI is a thin wrapper around it.
+
+Phases, reported through the ``progress`` callback as ``BuildEvent``s:
+
+- ``read``    the model config only (HF config.json, GGUF header, or a YAML/JSON model
+              config for dummy weights) → ModelSpec; limits resolved (compiler/resolve.py).
+- ``plan``    the memory plan; a configuration in which one ``max_seq_len`` request cannot
+              fit raises CapacityError here, before any weight is read.
+- ``convert`` the checkpoint's tensors are read and turned into engine tensors (fused, cast);
+              nothing for ``load_format='dummy'`` (the manifest stores the seed).
+- ``compile`` kernels for a CUDA target (``llmc.cuda.build``; empty until it exists).
+- ``write``   the engine files, manifest last, then an atomic rename (engine_format.py).
+
+``dry_run`` stops after ``plan`` and writes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from llmc.compiler.build_config import BuildConfig
+from llmc.compiler.engine_format import (
+    KERNELS_DIR,
+    check_output_dir,
+    commit_engine_dir,
+    temp_engine_dir,
+    write_engine_files,
+)
+from llmc.compiler.memory_plan import MemoryPlan, plan_memory
+from llmc.compiler.resolve import ResolvedBuild, detect_gpu, device_memory, resolve_build
+from llmc.compiler.spec import ModelSpec
+
+import llmc
+from llmc.errors import CheckpointError, ConfigError, UsageError
+
+PHASES = ("read", "plan", "convert", "compile", "write")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+    "special_tokens_map.json",
+)
+
+
+@dataclass(frozen=True)
+class BuildEvent:
+    """One progress report: a phase starting or done (with its duration)."""
+
+    phase: str
+    status: str  # 'start' | 'done'
+    detail: str = ""
+    elapsed_s: float = 0.0
+
+
+ProgressFn = Callable[[BuildEvent], None]
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    """What a build (or dry run) produced; ``output_dir`` is None for a dry run."""
+
+    spec: ModelSpec
+    build: ResolvedBuild
+    plan: MemoryPlan
+    notes: tuple[str, ...]
+    """Where derived defaults came from (printed by the CLI)."""
+    timings_s: dict[str, float]
+    output_dir: Path | None = None
+    manifest: dict[str, Any] | None = field(default=None, repr=False)
+
+    @property
+    def dry_run(self) -> bool:
+        return self.output_dir is None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "output_dir": None if self.output_dir is None else str(self.output_dir),
+            "dry_run": self.dry_run,
+            "model": self.spec.to_dict(),
+            "build": self.build.to_dict(),
+            "notes": list(self.notes),
+            "timings_s": self.timings_s,
+            "plan": self.plan.to_dict(),
+        }
+
+
+# ---- model config sources ----------------------------------------------------------------
+def read_model_config(path: str | Path) -> dict[str, Any]:
+    """An HF-style model config from config.json, or from YAML (either the config itself or a
+    profile whose ``model:`` section holds it)."""
+    p = Path(path)
+    if not p.is_file():
+        raise CheckpointError(f"model config {str(p)!r} does not exist")
+    text = p.read_text()
+    if p.suffix in (".yaml", ".yml"):
+        import yaml
+
+        try:
+            d = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise UsageError(f"{p}: not valid YAML: {e}") from e
+        if isinstance(d, dict) and isinstance(d.get("model"), dict):
+            d = d["model"]
+    else:
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{p}: not valid JSON: {e}") from e
+    if not isinstance(d, dict):
+        raise UsageError(f"{p}: the model config must be a mapping, got {type(d).__name__}")
+    return d
+
+
+def _read_spec(
+    config: BuildConfig, model_config: str | Path | Mapping[str, Any] | None
+) -> tuple[ModelSpec, dict[str, Any], str]:
+    """(spec, HF config dict, description of the source) without reading any weight."""
+    if model_config is not None:
+        if config.load_format != "dummy":
+            raise ConfigError(
+                "--model_config describes a model for random weights; it needs "
+                "--load_format dummy (to build real weights, pass --checkpoint_dir only)"
+            )
+        if isinstance(model_config, Mapping):
+            hf, where = dict(model_config), "model config (profile)"
+        else:
+            hf, where = read_model_config(model_config), str(model_config)
+        return ModelSpec.from_hf_config(hf), hf, where
+    if config.checkpoint_dir is None:
+        raise ConfigError(
+            "no model given: pass --checkpoint_dir (an HF checkpoint directory or a .gguf "
+            "file), or --load_format dummy with --model_config (config.json or YAML)"
+        )
+    from llmc.compiler.checkpoint import read_model_spec
+
+    spec, hf = read_model_spec(config.checkpoint_dir)
+    return spec, hf, str(config.checkpoint_dir)
+
+
+def _dummy_tokenizer_files(checkpoint_dir: str | None) -> dict[str, bytes]:
+    """Tokenizer files next to a dummy build's config, when it came from an HF directory."""
+    if checkpoint_dir is None or not Path(checkpoint_dir).is_dir():
+        return {}
+    d = Path(checkpoint_dir)
+    return {n: (d / n).read_bytes() for n in TOKENIZER_FILES if (d / n).is_file()}
+
+
+def _compile_kernels(spec: ModelSpec, dtype: str, target: str, out_dir: Path) -> list[str]:
+    """Cubins for a CUDA target (relative names under kernels/); none for cpu."""
+    out_dir.mkdir(exist_ok=True)
+    if not target.startswith("sm_"):
+        return []
+    try:
+        from llmc.cuda.build import compile_engine_kernels
+    except ModuleNotFoundError as e:  # the CUDA backend is not there yet
+        if e.name in ("llmc.cuda.build",):
+            return []
+        raise
+    paths = compile_engine_kernels(spec, dtype, target, out_dir)
+    return sorted(Path(p).resolve().relative_to(out_dir.resolve()).as_posix() for p in paths)
+
+
+class _Phases:
+    def __init__(self, progress: ProgressFn | None) -> None:
+        self.progress = progress
+        self.timings: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str, detail: str = "") -> Iterator[None]:
+        t0 = time.perf_counter()
+        if self.progress:
+            self.progress(BuildEvent(phase, "start", detail))
+        yield
+        self.timings[phase] = round(time.perf_counter() - t0, 4)
+        if self.progress:
+            self.progress(BuildEvent(phase, "done", detail, self.timings[phase]))
+
+
+def build(
+    config: BuildConfig,
+    progress: ProgressFn | None = None,
+    *,
+    model_config: str | Path | Mapping[str, Any] | None = None,
+    dry_run: bool = False,
+) -> BuildResult:
+    """Build an engine directory (or, with ``dry_run``, only plan it).
+
+    ``model_config``: for ``load_format='dummy'``, the model to generate weights for (a path
+    to config.json / YAML, or an HF-style mapping); otherwise the spec comes from
+    ``config.checkpoint_dir``.
+    """
+    out = Path(config.output_dir)
+    if not dry_run:
+        check_output_dir(out, config.force)
+    phase = _Phases(progress)
+    gpu = detect_gpu()
+    with phase("read", "model config"):
+        spec, hf_config, source = _read_spec(config, model_config)
+        resolved, notes = resolve_build(config, spec, gpu)
+    with phase("plan", "memory plan"):
+        mem, mem_source = device_memory(config, gpu)
+        plan = plan_memory(
+            spec,
+            dtype=resolved.dtype,
+            max_batch_size=resolved.max_batch_size,
+            max_num_tokens=resolved.max_num_tokens,
+            max_seq_len=resolved.max_seq_len,
+            tokens_per_block=resolved.tokens_per_block,
+            device_memory_bytes=mem,
+            memory_source=mem_source,
+            kv_cache_free_gpu_mem_fraction=config.kv_cache_free_gpu_mem_fraction,
+        )
+        if mem is None:
+            plan = _with_note(plan, f"KV capacity not computed: {mem_source}")
+    if dry_run:
+        return BuildResult(spec, resolved, plan, notes, phase.timings)
+
+    dummy = resolved.load_format == "dummy"
+    with phase("convert", "dummy weights (seed only)" if dummy else source):
+        if dummy:
+            weights, tok_files = None, _dummy_tokenizer_files(config.checkpoint_dir)
+            fmt = "dummy"
+        else:
+            from llmc.compiler.checkpoint import load_checkpoint
+            from llmc.compiler.weight_passes import to_engine_weights
+
+            ckpt = load_checkpoint(config.checkpoint_dir)
+            if ckpt.spec != spec:
+                raise CheckpointError(f"{source}: the model config changed while building")
+            weights = to_engine_weights(spec, ckpt.tensors, resolved.dtype, source)
+            tok_files, fmt = dict(ckpt.tokenizer_files), ckpt.source_format
+            del ckpt  # the HF tensors are no longer needed
+    tmp = temp_engine_dir(out)
+    try:
+        with phase("compile", f"kernels for {resolved.target}"):
+            kernels = _compile_kernels(spec, resolved.dtype, resolved.target, tmp / KERNELS_DIR)
+        with phase("write", str(out)):
+            manifest = {
+                "format_version": llmc.ENGINE_FORMAT_VERSION,
+                "llmc_version": llmc.__version__,
+                "created_unix": int(time.time()),
+                "architecture": spec.architecture,
+                "model": spec.to_dict(),
+                "hf_config": hf_config,
+                "build_config": config.to_dict(),
+                "build": resolved.to_dict(),
+                "kernels": {
+                    "arch": resolved.target if resolved.target.startswith("sm_") else None,
+                    "files": kernels,
+                },
+                "tokenizer_files": sorted(tok_files),
+                "source": {
+                    "checkpoint": config.checkpoint_dir,
+                    "format": fmt,
+                    "model_config": None
+                    if model_config is None or isinstance(model_config, Mapping)
+                    else str(model_config),
+                },
+            }
+            manifest = write_engine_files(tmp, manifest, plan, weights, tok_files)
+            commit_engine_dir(tmp, out, config.force)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return BuildResult(spec, resolved, plan, notes, phase.timings, out, manifest)
+
+
+def _with_note(plan: MemoryPlan, note: str) -> MemoryPlan:
+    import dataclasses
+
+    return dataclasses.replace(plan, notes=(*plan.notes, note))

@@ -1,0 +1,283 @@
+"""The engine directory: writing it atomically, and loading it back with every check.
+
+Layout (the contract between ``llmc build`` and the runtime)::
+
+    manifest.json        format_version, llmc_version, architecture, model (ModelSpec),
+                         hf_config, build_config (as given), build (ResolvedBuild),
+                         kernels {arch, files}, tokenizer_files, source, files {name: sha256}
+    weights.safetensors  engine tensors (compiler/spec.py names), fused and cast;
+                         absent for load_format 'dummy' (build.dummy_seed regenerates them)
+    plan.json            the MemoryPlan (compiler/memory_plan.py)
+    tokenizer.json, tokenizer_config.json, generation_config.json   (when the source had them)
+    kernels/             cubins for build.target when it is a CUDA arch
+
+Invariants: ``manifest.json`` is written last, into a temporary sibling directory that is
+renamed to the output directory only when complete, so a failed build is never loadable.
+``load_engine`` refuses (EngineError, naming the file or both values and the rebuild
+command) a missing file, a checksum mismatch, another format or llmc version, or a target
+the caller cannot run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shlex
+import shutil
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from llmc.compiler.memory_plan import MemoryPlan
+from llmc.compiler.resolve import ResolvedBuild
+from llmc.compiler.spec import ModelSpec
+
+import llmc
+from llmc.errors import ConfigError, EngineError, LlmcError
+
+if TYPE_CHECKING:
+    import torch
+
+MANIFEST = "manifest.json"
+WEIGHTS = "weights.safetensors"
+PLAN = "plan.json"
+KERNELS_DIR = "kernels"
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# ---- writing ---------------------------------------------------------------------------
+def temp_engine_dir(output_dir: Path) -> Path:
+    """A fresh temporary directory next to ``output_dir`` (same filesystem: rename is atomic)."""
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.tmp-", dir=output_dir.parent))
+
+
+def check_output_dir(output_dir: Path, force: bool) -> None:
+    if output_dir.exists() and not force:
+        raise ConfigError(
+            f"output_dir {str(output_dir)!r} already exists; pass --force to overwrite it"
+        )
+    if output_dir.exists() and not output_dir.is_dir():
+        raise ConfigError(f"output_dir {str(output_dir)!r} exists and is not a directory")
+
+
+def write_engine_files(
+    tmp_dir: Path,
+    manifest: dict[str, Any],
+    plan: MemoryPlan,
+    weights: Mapping[str, torch.Tensor] | None,
+    tokenizer_files: Mapping[str, bytes],
+) -> dict[str, Any]:
+    """Write every file into ``tmp_dir`` (kernels/ already there), manifest last; returns it."""
+    (tmp_dir / KERNELS_DIR).mkdir(exist_ok=True)
+    if weights is not None:
+        from safetensors.torch import save_file
+
+        meta = {"format": "pt", "llmc_version": llmc.__version__}
+        save_file({k: v.contiguous() for k, v in weights.items()}, tmp_dir / WEIGHTS, meta)
+    (tmp_dir / PLAN).write_text(plan.to_json())
+    for name, data in tokenizer_files.items():
+        if Path(name).name != name or name in (MANIFEST, WEIGHTS, PLAN):
+            raise ConfigError(f"tokenizer file name {name!r} is not allowed in an engine")
+        (tmp_dir / name).write_bytes(data)
+    files = {
+        p.relative_to(tmp_dir).as_posix(): sha256_file(p)
+        for p in sorted(tmp_dir.rglob("*"))
+        if p.is_file() and p.name != MANIFEST
+    }
+    manifest = {**manifest, "files": files}
+    (tmp_dir / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    return manifest
+
+
+def commit_engine_dir(tmp_dir: Path, output_dir: Path, force: bool) -> None:
+    """Move the finished ``tmp_dir`` to ``output_dir`` (replacing it only with ``force``)."""
+    check_output_dir(output_dir, force)
+    old = None
+    if output_dir.exists():
+        old = output_dir.with_name(f".{output_dir.name}.old-{os.getpid()}")
+        output_dir.rename(old)
+    try:
+        tmp_dir.rename(output_dir)
+    except BaseException:
+        if old is not None:
+            old.rename(output_dir)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# ---- loading ---------------------------------------------------------------------------
+def rebuild_command(manifest: Mapping[str, Any], engine_dir: Path | str, **override: Any) -> str:
+    """The ``llmc build`` command that rebuilds this engine (with ``override`` applied)."""
+    from llmc.compiler.build_config import BuildConfig
+
+    given = dict(manifest.get("build_config") or {})
+    given.update(override)
+    defaults = BuildConfig().to_dict()
+    args = ["llmc", "build"]
+    source = manifest.get("source") or {}
+    if given.get("checkpoint_dir"):
+        args += ["--checkpoint_dir", str(given["checkpoint_dir"])]
+    if source.get("model_config"):
+        args += ["--model_config", str(source["model_config"])]
+    args += ["--output_dir", str(engine_dir)]
+    for key, value in given.items():
+        if key in ("checkpoint_dir", "output_dir", "force") or value == defaults.get(key):
+            continue
+        if key == "enable_chunked_prefill":
+            args.append("--no_chunked_prefill" if not value else "")
+            continue
+        args += [f"--{key}", str(value)]
+    args.append("--force")
+    return " ".join(shlex.quote(a) for a in args if a)
+
+
+@dataclass(frozen=True)
+class LoadedEngine:
+    """A verified engine directory. Weights are loaded on demand by ``load_weights``."""
+
+    dir: Path
+    manifest: dict[str, Any]
+    spec: ModelSpec
+    build: ResolvedBuild
+    plan: MemoryPlan
+    tokenizer_path: Path | None
+    """tokenizer.json, or None for an engine built without one (dummy from a YAML config)."""
+    kernels_dir: Path
+
+    @property
+    def kernel_files(self) -> tuple[Path, ...]:
+        return tuple(self.kernels_dir / f for f in self.manifest["kernels"]["files"])
+
+    def load_weights(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+        """Engine tensors on ``device``: read from weights.safetensors, or regenerated from
+        the dummy seed. Names, shapes and dtype are checked against the spec."""
+        import torch
+        from llmc.compiler.weight_passes import TORCH_DTYPES
+
+        if self.build.load_format == "dummy":
+            from llmc.compiler.dummy import dummy_weights
+
+            tensors = dummy_weights(self.spec, self.build.dtype, self.build.dummy_seed, device)
+        else:
+            from safetensors import SafetensorsError
+            from safetensors.torch import load_file
+
+            try:
+                tensors = load_file(self.dir / WEIGHTS, device=str(torch.device(device)))
+            except (SafetensorsError, OSError) as e:
+                raise EngineError(f"{self.dir / WEIGHTS}: cannot read weights: {e}") from e
+        expected = self.spec.tensor_shapes()
+        dt = TORCH_DTYPES[self.build.dtype]
+        if set(tensors) != set(expected):
+            diff = sorted(set(tensors) ^ set(expected))
+            raise EngineError(f"{self.dir / WEIGHTS}: tensor names differ from the spec: {diff}")
+        for name, shape in expected.items():
+            t = tensors[name]
+            if tuple(t.shape) != shape or t.dtype != dt:
+                raise EngineError(
+                    f"{self.dir / WEIGHTS}: tensor {name!r} is {list(t.shape)} {t.dtype}, "
+                    f"expected {list(shape)} {dt}"
+                )
+        return tensors
+
+
+def _read_json(path: Path, what: str) -> dict[str, Any]:
+    try:
+        d = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise EngineError(f"{path}: {what} is missing; the engine is incomplete") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise EngineError(f"{path}: {what} is not valid JSON ({e})") from e
+    if not isinstance(d, dict):
+        raise EngineError(f"{path}: {what} is not a JSON object")
+    return d
+
+
+def _check_target(manifest: dict[str, Any], engine_dir: Path, built: str, target: str) -> None:
+    """A cpu engine runs anywhere through the torch backend (target None/'cpu'); the CUDA
+    backend on an sm_XX GPU needs an engine built for exactly that arch."""
+    if target == "cpu" or built == target:
+        return
+    fix = rebuild_command(manifest, engine_dir, target=target)
+    raise EngineError(
+        f"engine {engine_dir} was built for target {built!r}, but this run needs {target!r} "
+        f"(the CUDA backend needs kernels for the GPU's arch; the torch backend runs any "
+        f"engine); rebuild it: {fix}"
+    )
+
+
+def load_engine(
+    engine_dir: str | Path, *, target: str | None = None, verify_checksums: bool = True
+) -> LoadedEngine:
+    """Open and verify an engine directory (see module docstring for what is refused).
+
+    ``target``: None or 'cpu' for the torch backend (runs any engine on CPU or CUDA), or
+    the GPU arch ('sm_90') the CUDA backend will run on (the engine must be built for it).
+    """
+    d = Path(engine_dir)
+    if not d.is_dir():
+        raise EngineError(
+            f"engine directory {str(d)!r} does not exist; build one with "
+            f"`llmc build --checkpoint_dir MODEL --output_dir {d}`"
+        )
+    manifest = _read_json(d / MANIFEST, MANIFEST)
+    fmt, ver = manifest.get("format_version"), manifest.get("llmc_version")
+    if fmt != llmc.ENGINE_FORMAT_VERSION or ver != llmc.__version__:
+        raise EngineError(
+            f"engine {d} has format version {fmt!r} (llmc {ver}), this llmc {llmc.__version__} "
+            f"reads format version {llmc.ENGINE_FORMAT_VERSION}; rebuild it: "
+            f"{rebuild_command(manifest, d)}"
+        )
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        raise EngineError(f"{d / MANIFEST}: has no 'files' table of checksums")
+    try:
+        spec = ModelSpec.from_dict(manifest["model"])
+        build = ResolvedBuild.from_dict(manifest["build"])
+        manifest["kernels"]["files"]
+    except KeyError as e:
+        raise EngineError(f"{d / MANIFEST}: missing section {e}") from e
+    except LlmcError as e:
+        raise EngineError(f"{d / MANIFEST}: {e}") from e
+    required = [PLAN] + ([WEIGHTS] if build.load_format != "dummy" else [])
+    for name in [*required, *files]:
+        if not (d / name).is_file():
+            raise EngineError(
+                f"{d / name} is missing; the engine is incomplete; rebuild it: "
+                f"{rebuild_command(manifest, d)}"
+            )
+        if name not in files:
+            raise EngineError(f"{d / MANIFEST}: no checksum for {name}")
+    if verify_checksums:
+        for name, digest in files.items():
+            got = sha256_file(d / name)
+            if got != digest:
+                raise EngineError(
+                    f"{d / name} is corrupt: sha256 {got[:16]}... differs from the manifest's "
+                    f"{str(digest)[:16]}...; rebuild it: {rebuild_command(manifest, d)}"
+                )
+    if target is not None:
+        _check_target(manifest, d, build.target, target)
+    plan = MemoryPlan.from_json((d / PLAN).read_text())
+    tok = d / "tokenizer.json"
+    return LoadedEngine(
+        dir=d,
+        manifest=manifest,
+        spec=spec,
+        build=build,
+        plan=plan,
+        tokenizer_path=tok if tok.is_file() else None,
+        kernels_dir=d / KERNELS_DIR,
+    )
