@@ -45,6 +45,10 @@ class AttentionMetadata:
     num_decode_seqs: int  # the first num_decode_seqs sequences have one token each
     max_query_len: int
     max_seq_len: int
+    # Split-KV (flash-decoding) scratch from the memory plan's workspace, for backends that
+    # use it (shapes: the plan's attn_partial_out / attn_partial_lse); None = not provided.
+    partial_out: torch.Tensor | None = None
+    partial_lse: torch.Tensor | None = None
 
 
 @dataclass
