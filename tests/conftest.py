@@ -84,3 +84,11 @@ def smollm2_gguf() -> Path:
     from llmc.compiler.model_cache import smollm2_gguf as fetch
 
     return fetch()
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_dir(smollm2_gguf, tmp_path_factory) -> Path:
+    """SmolLM2 imported from its GGUF into a HF checkpoint directory (float32 safetensors)."""
+    from llmc.compiler.gguf_reader import import_gguf
+
+    return import_gguf(smollm2_gguf, tmp_path_factory.mktemp("smollm2_hf") / "model")

@@ -1,0 +1,91 @@
+"""The compiler's one entry point to a checkpoint, whatever its format.
+
+``read_model_spec`` is cheap (config.json, or a GGUF's header without tensor data) and is
+what ``llmc build`` uses to plan before loading. ``load_checkpoint`` returns a ``Checkpoint``:
+the spec, the HF-style config, every tensor under its HuggingFace name (already validated
+against the spec: a missing, unexpected or mis-shaped tensor is a CheckpointError naming
+it), and the tokenizer files the engine directory will carry.
+
+Formats: an HF directory (``config.json`` + safetensors) is ``"hf"``; a ``.gguf`` file (or any
+file starting with the GGUF magic) is ``"gguf"``, dequantized to float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from llmc.compiler import gguf_reader, hf_reader
+from llmc.compiler.spec import ModelSpec
+from llmc.compiler.weight_passes import validate_hf_tensors
+
+from llmc.errors import CheckpointError
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    spec: ModelSpec
+    hf_config: dict[str, Any]
+    tensors: dict[str, torch.Tensor]  # HF names, float dtypes
+    tokenizer_files: dict[str, bytes]  # tokenizer.json, tokenizer_config.json, ...
+    source_format: str  # "hf" | "gguf"
+
+
+def checkpoint_format(path: str | Path) -> str:
+    """'hf' for a directory, 'gguf' for a GGUF file; CheckpointError otherwise."""
+    p = Path(path)
+    if p.is_dir():
+        return "hf"
+    if not p.exists():
+        raise CheckpointError(f"{p}: checkpoint does not exist")
+    if p.suffix.lower() == ".gguf":
+        return "gguf"
+    try:
+        with open(p, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise CheckpointError(f"{p}: cannot read checkpoint ({e})") from None
+    if magic == gguf_reader.GGUF_MAGIC:
+        return "gguf"
+    raise CheckpointError(
+        f"{p}: not a checkpoint (expected a HuggingFace directory with config.json, "
+        "or a .gguf file)"
+    )
+
+
+def _hf_spec(path: Path, cfg: dict[str, Any]) -> ModelSpec:
+    spec = ModelSpec.from_hf_config(cfg)
+    extra = hf_reader.read_generation_eos(path)
+    eos = tuple(dict.fromkeys(spec.eos_token_ids + extra))
+    return dataclasses.replace(spec, eos_token_ids=eos) if eos != spec.eos_token_ids else spec
+
+
+def read_model_spec(path: str | Path) -> tuple[ModelSpec, dict[str, Any]]:
+    """``(spec, hf_config)`` from config.json or the GGUF header; reads no tensor data.
+
+    The spec's ``eos_token_ids`` also include generation_config.json's, where present.
+    """
+    p = Path(path)
+    if checkpoint_format(p) == "hf":
+        cfg = hf_reader.read_hf_config(p)
+        return _hf_spec(p, cfg), cfg
+    cfg = gguf_reader.gguf_hf_config(gguf_reader.read_gguf_header(p))
+    return ModelSpec.from_hf_config(cfg), cfg
+
+
+def load_checkpoint(path: str | Path) -> Checkpoint:
+    """Read a whole checkpoint (tensors validated against its spec)."""
+    p = Path(path)
+    if checkpoint_format(p) == "hf":
+        cfg = hf_reader.read_hf_config(p)
+        spec = _hf_spec(p, cfg)
+        # Headers first: a wrong checkpoint fails before gigabytes are read.
+        validate_hf_tensors(spec, hf_reader.hf_tensor_shapes(p), source=str(p))
+        tokenizer_files = hf_reader.read_tokenizer_files(p)
+        tensors = hf_reader.load_hf_tensors(p)
+        return Checkpoint(spec, cfg, tensors, tokenizer_files, "hf")
+    cfg, tensors, tokenizer_files = gguf_reader.load_gguf(p)  # validated from its header
+    return Checkpoint(ModelSpec.from_hf_config(cfg), cfg, tensors, tokenizer_files, "gguf")

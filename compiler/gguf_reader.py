@@ -1,0 +1,365 @@
+"""GGUF checkpoints (llama.cpp's format): header parsing, dequantization, and HF conversion.
+
+What this module owns:
+- ``read_gguf_header``: the metadata and tensor table, parsed straight from a memory map.
+  Large string arrays (the vocabulary and merges) are skipped unless asked for, so reading a
+  model's spec takes milliseconds. Every tensor's byte range is checked against the file
+  size, so a truncated file fails here, before any data is read.
+- ``gguf_hf_config``: a HuggingFace ``config.json`` dictionary rebuilt from the metadata.
+- ``read_gguf_tensors``: every tensor dequantized to float32 (``gguf.quants``, vectorised in
+  numpy) under its HuggingFace name, with llama.cpp's rotary row permutation of the Q and K
+  projections undone for the ``llama`` architecture.
+- ``import_gguf``: writes a complete HuggingFace checkpoint directory.
+
+Invariants: the HF tensors equal what transformers' own GGUF loader produces (tested on
+SmolLM2 through logits); any malformed file raises CheckpointError naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from llmc.errors import CheckpointError, UnsupportedError
+
+GGUF_MAGIC = b"GGUF"
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# Metadata string arrays that are large; read only when a caller asks for them.
+TOKENIZER_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges")
+
+# GGUF metadata value types (gguf.GGUFValueType) with a fixed size: id → struct format.
+_SCALAR_FORMATS = {
+    0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i",
+    6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d",
+}  # fmt: skip
+_STRING, _ARRAY = 8, 9
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    """One tensor of the file: torch-order shape, ggml type id, absolute byte range."""
+
+    name: str
+    shape: tuple[int, ...]
+    ggml_type: int
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class GGUFHeader:
+    path: Path
+    version: int
+    metadata: dict[str, Any]
+    tensors: tuple[GGUFTensorInfo, ...]
+
+    @property
+    def architecture(self) -> str:
+        return str(self.metadata.get("general.architecture", "<missing>"))
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """Architecture-scoped key: ``get('block_count')`` reads ``llama.block_count``."""
+        return self.metadata.get(f"{self.architecture}.{key}", default)
+
+
+class _Cursor:
+    """Bounds-checked little-endian reads from a buffer."""
+
+    def __init__(self, buf: mmap.mmap, path: Path) -> None:
+        self.buf, self.pos, self.size, self.path = buf, 0, len(buf), path
+
+    def unpack(self, fmt: str) -> tuple:
+        values = struct.unpack_from(fmt, self.buf, self.pos)  # struct.error past the end
+        self.pos += struct.calcsize(fmt)
+        return values
+
+    def string(self) -> str:
+        (n,) = self.unpack("<Q")
+        if self.pos + n > self.size:
+            raise CheckpointError(f"{self.path}: truncated or corrupt GGUF (string past the end)")
+        s = self.buf[self.pos : self.pos + n].decode("utf-8")
+        self.pos += n
+        return s
+
+    def value(self, vtype: int, keep_strings: bool) -> Any:
+        if vtype in _SCALAR_FORMATS:
+            return self.unpack(_SCALAR_FORMATS[vtype])[0]
+        if vtype == _STRING:
+            return self.string()
+        if vtype != _ARRAY:
+            raise CheckpointError(f"{self.path}: corrupt GGUF (unknown metadata type {vtype})")
+        etype, count = self.unpack("<IQ")
+        if count > self.size - self.pos:  # every element takes at least one byte
+            raise CheckpointError(f"{self.path}: corrupt GGUF (array of {count} elements)")
+        if etype in _SCALAR_FORMATS:
+            fmt = _SCALAR_FORMATS[etype]
+            values = struct.unpack_from(f"<{count}{fmt[1]}", self.buf, self.pos)
+            self.pos += count * struct.calcsize(fmt)
+            return list(values)
+        if etype != _STRING:
+            raise CheckpointError(f"{self.path}: unsupported GGUF metadata array type {etype}")
+        if keep_strings:
+            return [self.string() for _ in range(count)]
+        buf, pos, unpack = self.buf, self.pos, struct.unpack_from
+        for _ in range(count):  # skip without decoding; only the count is kept
+            pos += 8 + unpack("<Q", buf, pos)[0]
+        if pos > self.size:
+            raise CheckpointError(f"{self.path}: truncated or corrupt GGUF (array past the end)")
+        self.pos = pos
+        return count
+
+
+def _open_map(path: Path) -> mmap.mmap:
+    try:
+        with open(path, "rb") as f:
+            if f.seek(0, 2) < 24:
+                raise CheckpointError(f"{path}: too small to be a GGUF file (truncated?)")
+            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read GGUF file: {e}") from e
+
+
+def read_gguf_header(path: str | Path, string_arrays: tuple[str, ...] = ()) -> GGUFHeader:
+    """Parse metadata and tensor table; string arrays not in ``string_arrays`` become counts."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    path = Path(path)
+    buf = _open_map(path)
+    cur = _Cursor(buf, path)
+    try:
+        if buf[:4] != GGUF_MAGIC:
+            raise CheckpointError(f"{path}: not a GGUF file (bad magic {bytes(buf[:4])!r})")
+        cur.pos = 4
+        version, n_tensors, n_kv = cur.unpack("<IQQ")
+        if version not in (2, 3):
+            raise UnsupportedError(f"{path}: GGUF version {version} is not supported (2 or 3)")
+        metadata: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key = cur.string()
+            (vtype,) = cur.unpack("<I")
+            metadata[key] = cur.value(vtype, key in string_arrays)
+        raw = []
+        for _ in range(n_tensors):
+            name = cur.string()
+            (ndim,) = cur.unpack("<I")
+            if ndim > 8:
+                raise CheckpointError(f"{path}: corrupt GGUF (tensor {name!r} has {ndim} dims)")
+            dims = cur.unpack(f"<{ndim}Q")
+            ggml_type, offset = cur.unpack("<IQ")
+            raw.append((name, tuple(reversed(dims)), ggml_type, offset))
+    except (struct.error, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: truncated or corrupt GGUF header ({e})") from e
+    alignment = int(metadata.get("general.alignment", 32))
+    data_start = -(-cur.pos // alignment) * alignment
+    tensors = []
+    for name, shape, ggml_type, offset in raw:
+        try:
+            block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+        except (ValueError, KeyError):
+            raise UnsupportedError(
+                f"{path}: tensor {name!r} has unknown ggml type {ggml_type}"
+            ) from None
+        n = int(np.prod(shape)) if shape else 1
+        if shape and shape[-1] % block:
+            raise CheckpointError(f"{path}: tensor {name!r} row length {shape[-1]} % {block} != 0")
+        info = GGUFTensorInfo(name, shape, ggml_type, data_start + offset, n // block * type_size)
+        if info.offset + info.nbytes > cur.size:
+            raise CheckpointError(
+                f"{path}: truncated GGUF: tensor {name!r} needs bytes up to "
+                f"{info.offset + info.nbytes}, file has {cur.size}"
+            )
+        tensors.append(info)
+    return GGUFHeader(path, version, metadata, tuple(tensors))
+
+
+def _float32_repr(x: float) -> float:
+    """GGUF stores float32; give back the shortest decimal (1e-05, not 9.99999974e-06)."""
+    return float(str(np.float32(x)))
+
+
+def gguf_hf_config(header: GGUFHeader) -> dict[str, Any]:
+    """A HuggingFace config.json dictionary for the model in ``header``."""
+    arch = header.architecture
+    if arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedError(
+            f"{header.path}: GGUF architecture {arch!r} is not supported; "
+            f"supported: {', '.join(GGUF_ARCHITECTURES)}"
+        )
+    names = {t.name for t in header.tensors}
+    if "rope_freqs.weight" in names:
+        raise UnsupportedError(
+            f"{header.path}: per-dimension RoPE frequency factors (rope_freqs, llama3-style "
+            "scaling) in GGUF are not supported; use the HF checkpoint instead"
+        )
+
+    def need(key: str) -> Any:
+        value = header.get(key)
+        if value is None:
+            raise CheckpointError(f"{header.path}: GGUF metadata lacks {arch}.{key}")
+        return value
+
+    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
+    vocab = header.get("vocab_size", header.metadata.get("tokenizer.ggml.tokens"))
+    if vocab is None:
+        raise CheckpointError(f"{header.path}: GGUF metadata has neither vocab_size nor tokens")
+    vocab = vocab if isinstance(vocab, int) else len(vocab)
+    md = header.metadata
+    eos = [md[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in md]
+    eos = list(dict.fromkeys(int(e) for e in eos))
+    cfg: dict[str, Any] = {
+        "architectures": [GGUF_ARCHITECTURES[arch]],
+        "model_type": arch,
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(need("feed_forward_length")),
+        "num_hidden_layers": int(need("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(header.get("attention.head_count_kv", heads)),
+        "head_dim": int(header.get("attention.key_length", hidden // heads)),
+        "max_position_embeddings": int(header.get("context_length", 2048)),
+        "rms_norm_eps": _float32_repr(header.get("attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": _float32_repr(header.get("rope.freq_base", 10000.0)),
+        "hidden_act": "silu",
+        "tie_word_embeddings": "output.weight" not in names,
+        "torch_dtype": "float32",
+    }
+    scaling = header.get("rope.scaling.type")
+    if scaling == "linear":
+        cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(need("rope.scaling.factor"))}
+    elif scaling not in (None, "none"):
+        raise UnsupportedError(f"{header.path}: GGUF rope scaling {scaling!r} is not supported")
+    if arch == "llama":
+        cfg.update(attention_bias=False, mlp_bias=False)
+    else:
+        cfg.update(use_sliding_window=False, sliding_window=None)
+    if "tokenizer.ggml.bos_token_id" in md:
+        cfg["bos_token_id"] = int(md["tokenizer.ggml.bos_token_id"])
+    if eos:
+        cfg["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+    if "tokenizer.ggml.padding_token_id" in md:
+        cfg["pad_token_id"] = int(md["tokenizer.ggml.padding_token_id"])
+    return cfg
+
+
+def hf_tensor_name(gguf_name: str, path: Path) -> str:
+    """llama.cpp tensor name → HuggingFace name (CheckpointError for an unknown one)."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    raise CheckpointError(f"{path}: unexpected GGUF tensor {gguf_name!r}")
+
+
+def unpermute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Invert convert_hf_to_gguf's Q/K row permutation (interleaved → half-split rotary).
+
+    llama.cpp writes ``w.reshape(h, 2, d // 2, ...).swapaxes(1, 2)``; this undoes it.
+    """
+    half = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
+
+
+def _dequantize(buf: mmap.mmap, info: GGUFTensorInfo) -> np.ndarray:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    raw = np.frombuffer(buf, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+    rows = info.shape[:-1] if len(info.shape) > 1 else ()
+    qtype = GGMLQuantizationType(info.ggml_type)
+    try:
+        out = dequantize(raw.reshape(*rows, -1), qtype)
+    except NotImplementedError as e:
+        raise UnsupportedError(f"{info.name}: ggml type {qtype.name} cannot be dequantized") from e
+    out = np.asarray(out, dtype=np.float32).reshape(info.shape)
+    return out if out.flags.writeable else out.copy()  # F32 is a view of the read-only map
+
+
+def read_gguf_tensors(header: GGUFHeader, config: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Every tensor as float32 under its HF name, Q/K un-permuted for ``llama``."""
+    buf = _open_map(header.path)
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    out: dict[str, torch.Tensor] = {}
+    for info in header.tensors:
+        name = hf_tensor_name(info.name, header.path)
+        t = torch.from_numpy(_dequantize(buf, info))
+        if header.architecture == "llama" and ".attn_q." in info.name:
+            t = unpermute_rotary(t, heads)
+        elif header.architecture == "llama" and ".attn_k." in info.name:
+            t = unpermute_rotary(t, kv_heads)
+        out[name] = t
+    return out
+
+
+def gguf_hf_shapes(header: GGUFHeader) -> dict[str, tuple[int, ...]]:
+    """HF tensor name → shape, from the tensor table only."""
+    return {hf_tensor_name(t.name, header.path): t.shape for t in header.tensors}
+
+
+def generation_config(config: dict[str, Any]) -> dict[str, Any]:
+    keys = ("bos_token_id", "eos_token_id", "pad_token_id")
+    return {k: config[k] for k in keys if k in config}
+
+
+def load_gguf(
+    path: str | Path,
+) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, bytes]]:
+    """``(hf_config, hf_tensors (float32), files)`` of a GGUF file.
+
+    ``files`` are tokenizer.json, tokenizer_config.json and generation_config.json. The tensor
+    table is validated against the config before any tensor is dequantized.
+    """
+    from llmc.compiler.gguf_tokenizer import gguf_tokenizer_files
+    from llmc.compiler.spec import ModelSpec
+    from llmc.compiler.weight_passes import validate_hf_tensors
+
+    header = read_gguf_header(path, string_arrays=TOKENIZER_ARRAYS)
+    config = gguf_hf_config(header)
+    validate_hf_tensors(ModelSpec.from_hf_config(config), gguf_hf_shapes(header), str(path))
+    files = gguf_tokenizer_files(header)
+    files["generation_config.json"] = json.dumps(generation_config(config), indent=2).encode()
+    return config, read_gguf_tensors(header, config), files
+
+
+def import_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
+    """Write a HuggingFace checkpoint directory (float32 safetensors) for a GGUF file."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    config, tensors, tokenizer_files = load_gguf(gguf_path)
+    if out.exists() and any(out.iterdir()):
+        raise CheckpointError(f"{out}: output directory exists and is not empty")
+    out.mkdir(parents=True, exist_ok=True)
+    files = {**tokenizer_files, "config.json": json.dumps(config, indent=2).encode()}
+    for name, data in files.items():
+        (out / name).write_bytes(data)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "model.safetensors").chmod(0o644)
+    return out

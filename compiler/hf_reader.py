@@ -1,0 +1,151 @@
+"""HuggingFace checkpoint directories: config.json, safetensors (single or sharded), tokenizer.
+
+What this module owns: finding and reading the files of an HF model directory, and turning
+every way they can be broken (missing, truncated, not JSON, an index naming a shard that is
+absent or a tensor that its shard lacks, a tensor in two shards) into a CheckpointError that
+names the file. Tensors keep the dtype they were stored in.
+
+Tokenizer files are returned as bytes: ``tokenizer.json`` and ``tokenizer_config.json`` are
+required; ``generation_config.json`` and ``special_tokens_map.json`` are copied when present.
+A ``chat_template.jinja`` (how transformers 5 saves a template) is folded into
+``tokenizer_config.json``'s ``chat_template`` so that one file carries it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llmc.errors import CheckpointError, UnsupportedError
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+REQUIRED_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+OPTIONAL_FILES = ("generation_config.json", "special_tokens_map.json")
+
+
+def read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: not a valid JSON file ({e})") from None
+
+
+def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
+    d = Path(model_dir)
+    if not d.is_dir():
+        raise CheckpointError(f"{d}: checkpoint directory does not exist")
+    cfg = read_json(d / "config.json")
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{d / 'config.json'}: expected a JSON object")
+    return cfg
+
+
+def read_generation_eos(model_dir: str | Path) -> tuple[int, ...]:
+    """EOS ids of generation_config.json (transformers' generate stops on these), or ()."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return ()
+    eos = read_json(path).get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+
+
+def shard_map(model_dir: str | Path) -> dict[Path, list[str] | None]:
+    """Safetensors files of the checkpoint → tensor names the index assigns them (None: all)."""
+    d = Path(model_dir)
+    index = d / INDEX_FILE
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index}: has no 'weight_map'")
+        shards: dict[Path, list[str] | None] = {}
+        for name, shard in weight_map.items():
+            shards.setdefault(d / shard, []).append(name)  # type: ignore[union-attr]
+        for shard in shards:
+            if not shard.is_file():
+                raise CheckpointError(f"{shard}: shard named in {index.name} is missing")
+        return shards
+    if (d / SINGLE_FILE).is_file():
+        return {d / SINGLE_FILE: None}
+    if any(d.glob("*.bin")) or any(d.glob("*.pt")):
+        raise UnsupportedError(
+            f"{d}: only safetensors checkpoints are supported (found PyTorch .bin/.pt files); "
+            "convert with transformers' save_pretrained(safe_serialization=True)"
+        )
+    raise CheckpointError(f"{d}: no {SINGLE_FILE} or {INDEX_FILE} found")
+
+
+def _open(shard: Path):
+    from safetensors import safe_open
+
+    try:
+        return safe_open(str(shard), framework="pt")
+    except Exception as e:  # SafetensorError / OSError: truncated, corrupt header, ...
+        raise CheckpointError(f"{shard}: cannot read safetensors file ({e})") from None
+
+
+def hf_tensor_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
+    """Name → shape of every tensor, from the safetensors headers only (no data read)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for shard, names in shard_map(model_dir).items():
+        with _open(shard) as f:
+            keys = list(f.keys())
+            _check_index(shard, names, keys)
+            for k in keys:
+                if k in shapes:
+                    raise CheckpointError(f"{shard}: tensor {k!r} also appears in another shard")
+                shapes[k] = tuple(f.get_slice(k).get_shape())
+    return shapes
+
+
+def _check_index(shard: Path, names: list[str] | None, keys: list[str]) -> None:
+    if names is None:
+        return
+    absent = sorted(set(names) - set(keys))
+    if absent:
+        raise CheckpointError(f"{shard}: tensor {absent[0]!r} named in the index is not in it")
+
+
+def load_hf_tensors(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint, in its stored dtype."""
+    tensors: dict[str, torch.Tensor] = {}
+    for shard, names in shard_map(model_dir).items():
+        with _open(shard) as f:
+            keys = list(f.keys())
+            _check_index(shard, names, keys)
+            for k in keys:
+                if k in tensors:
+                    raise CheckpointError(f"{shard}: tensor {k!r} also appears in another shard")
+                try:
+                    tensors[k] = f.get_tensor(k)
+                except Exception as e:
+                    raise CheckpointError(f"{shard}: cannot read tensor {k!r} ({e})") from None
+    return tensors
+
+
+def read_tokenizer_files(model_dir: str | Path) -> dict[str, bytes]:
+    d = Path(model_dir)
+    files: dict[str, bytes] = {}
+    for name in REQUIRED_TOKENIZER_FILES:
+        if not (d / name).is_file():
+            raise CheckpointError(f"{d / name} is missing (the engine needs the tokenizer)")
+    tok_cfg = read_json(d / "tokenizer_config.json")
+    if not isinstance(tok_cfg, dict):
+        raise CheckpointError(f"{d / 'tokenizer_config.json'}: expected a JSON object")
+    read_json(d / "tokenizer.json")  # must at least parse
+    template = d / "chat_template.jinja"
+    if "chat_template" not in tok_cfg and template.is_file():
+        tok_cfg["chat_template"] = template.read_text(encoding="utf-8")
+    files["tokenizer.json"] = (d / "tokenizer.json").read_bytes()
+    files["tokenizer_config.json"] = json.dumps(tok_cfg, indent=2, ensure_ascii=False).encode()
+    for name in OPTIONAL_FILES:
+        if (d / name).is_file():
+            files[name] = (d / name).read_bytes()
+    return files
