@@ -194,6 +194,8 @@ class ModelSpec:
         head_dim = int(cfg.get("head_dim") or hidden // heads)
         scaling = None
         rs = cfg.get("rope_scaling")
+        if not rs and isinstance(cfg.get("rope_parameters"), dict):
+            rs = cfg["rope_parameters"]  # transformers >= 5 writes rope_parameters instead
         if rs:
             kind = rs.get("rope_type", rs.get("type"))
             if kind == "llama3":
