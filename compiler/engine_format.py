@@ -97,7 +97,16 @@ def write_engine_files(
     }
     manifest = {**manifest, "files": files}
     (tmp_dir / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    _normal_permissions(tmp_dir)
     return manifest
+
+
+def _normal_permissions(root: Path) -> None:
+    """mkdtemp (and safetensors) create owner-only entries; give the usual umask modes."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for p in [root, *root.rglob("*")]:
+        os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~umask)
 
 
 def commit_engine_dir(tmp_dir: Path, output_dir: Path, force: bool) -> None:
@@ -171,12 +180,12 @@ class LoadedEngine:
 
             tensors = dummy_weights(self.spec, self.build.dtype, self.build.dummy_seed, device)
         else:
-            from safetensors import SafetensorsError
+            from safetensors import SafetensorError
             from safetensors.torch import load_file
 
             try:
                 tensors = load_file(self.dir / WEIGHTS, device=str(torch.device(device)))
-            except (SafetensorsError, OSError) as e:
+            except (SafetensorError, OSError) as e:
                 raise EngineError(f"{self.dir / WEIGHTS}: cannot read weights: {e}") from e
         expected = self.spec.tensor_shapes()
         dt = TORCH_DTYPES[self.build.dtype]

@@ -1,0 +1,67 @@
+"""``llmc import``: a GGUF file → a HuggingFace checkpoint directory (atomically written).
+
+The directory (config.json, model.safetensors in float32, tokenizer files) can then be
+built with ``llmc build --checkpoint_dir DIR`` or loaded by transformers.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from llmc.cli.options import JSON_OPTION, err_console, handle_errors, option, print_json
+
+from llmc.errors import UsageError
+
+
+def import_command(
+    gguf: Annotated[
+        str | None,
+        option("gguf", "GGUF file to import. Default: none (required).", metavar="FILE"),
+    ] = None,
+    output_dir: Annotated[
+        str | None,
+        option(
+            "output_dir",
+            "HuggingFace checkpoint directory to write; refused if it exists unless --force. "
+            "Default: none (required).",
+            metavar="DIR",
+        ),
+    ] = None,
+    force: Annotated[
+        bool, option("force", "Replace an existing --output_dir. Default: off.")
+    ] = False,
+    json_out: Annotated[bool, JSON_OPTION] = False,
+) -> None:
+    """Convert a GGUF file into a HuggingFace checkpoint directory."""
+    from llmc.compiler.engine_format import check_output_dir, commit_engine_dir, temp_engine_dir
+    from llmc.compiler.gguf_reader import import_gguf
+
+    if gguf is None or output_dir is None:
+        missing = "--gguf" if gguf is None else "--output_dir"
+        raise UsageError(
+            f"llmc import needs {missing} (usage: llmc import --gguf FILE --output_dir DIR)"
+        )
+    out = Path(output_dir)
+    check_output_dir(out, force)
+    if not json_out:
+        err_console().print(f"llmc import: {gguf} -> {out}", markup=False)
+    tmp = temp_engine_dir(out)
+    try:
+        import_gguf(gguf, tmp)
+        tmp.chmod(0o755)
+        commit_engine_dir(tmp, out, force)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    files = sorted(p.name for p in out.iterdir())
+    if json_out:
+        print_json({"output_dir": str(out), "files": files})
+    else:
+        err_console().print(f"wrote {out}: {', '.join(files)}", markup=False)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("import")(handle_errors(import_command))
