@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import typer
+from llmc.cli.options import handle_errors, out_console
 from rich.console import Console
 
-from llmc.errors import LlmcError, UsageError
+from llmc.errors import UsageError
 
 SCHEMA = "llmc.bench"
 
@@ -60,17 +61,15 @@ def compare(a_path: str, b_path: str | None, console: Console) -> None:
         )
 
 
+def compare_command(
+    a: str = typer.Argument(..., help="Saved result of `llmc bench --json FILE` (numerator)."),
+    b: str | None = typer.Argument(
+        None, help="Second saved result (denominator); omit to compare A with its peer run."
+    ),
+) -> None:
+    """Ratio table of two saved bench results (A ÷ B), or of one run and its peer."""
+    compare(a, b, out_console())
+
+
 def register(app: typer.Typer) -> None:
-    @app.command("compare")
-    def compare_command(
-        a: str = typer.Argument(..., help="Saved result of `llmc bench --json` (numerator)."),
-        b: str | None = typer.Argument(
-            None, help="Second result (denominator); omit to compare A with the peer run it holds."
-        ),
-    ) -> None:
-        """Ratio table of two saved bench results (A ÷ B), or of one run and its peer."""
-        try:
-            compare(a, b, Console())
-        except LlmcError as e:
-            Console(stderr=True).print(f"[red]error:[/red] {e}")
-            raise typer.Exit(e.exit_code) from None
+    app.command("compare")(handle_errors(compare_command))
