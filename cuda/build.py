@@ -1,0 +1,90 @@
+"""Compile an engine's kernels to cubins at build time.
+
+``compile_engine_kernels(spec, dtype, arch, out_dir)`` writes one cubin per kernel family
+(named by ``llmc.cuda.kernels.cubin_name``) into ``out_dir`` and returns their paths. It
+uses ``nvcc -cubin -arch=<arch>`` when nvcc is on the PATH (in parallel, one process per
+family), else NVRTC through CuPy's bindings (``cupy.cuda.nvrtc``). The run time loads
+these cubins without compiling (``KernelLibrary(kernel_dir=...)``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from llmc.cuda.kernels import FAMILIES, NVCC_FLAGS, KernelConfig, cubin_name, source
+
+from llmc.errors import UnsupportedError
+
+
+def families_for(cfg: KernelConfig) -> list[str]:
+    """Families that have kernels under ``cfg`` (no tensor-core prefill for fp32)."""
+    return [f for f in FAMILIES if f != "prefill_attention" or cfg.tensor_core_prefill]
+
+
+def _check_arch(arch: str) -> None:
+    if not (arch.startswith("sm_") and arch[3:].isdigit()):
+        raise UnsupportedError(f"kernel target {arch!r} is not a CUDA arch like sm_90")
+
+
+def nvcc_compile(src: str, arch: str, out: Path, extra: tuple[str, ...] = ()) -> None:
+    """Compile self-contained source text to ``out`` (a cubin) with nvcc."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        raise UnsupportedError("nvcc is not on the PATH")
+    with tempfile.TemporaryDirectory() as tmp:
+        cu = Path(tmp) / (out.stem + ".cu")
+        cu.write_text(src)
+        cmd = [nvcc, "-cubin", f"-arch={arch}", *NVCC_FLAGS, *extra, "-o", str(out), str(cu)]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise UnsupportedError(
+                f"nvcc failed for {out.name} ({' '.join(cmd)}):\n{res.stderr.strip()}"
+            )
+
+
+def nvrtc_compile(src: str, arch: str, out: Path) -> None:
+    """Compile self-contained source text to a cubin with NVRTC (CuPy's bindings)."""
+    from cupy.cuda import nvrtc
+
+    prog = nvrtc.createProgram(src, out.stem + ".cu", [], [])
+    try:
+        opts = [b"-std=c++17", f"--gpu-architecture={arch}".encode()]
+        try:
+            nvrtc.compileProgram(prog, opts)
+        except nvrtc.NVRTCError as e:
+            log = nvrtc.getProgramLog(prog)
+            raise UnsupportedError(f"NVRTC failed for {out.name}: {e}\n{log}") from e
+        out.write_bytes(nvrtc.getCUBIN(prog))
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+def compile_engine_kernels(spec, dtype: str, arch: str, out_dir: Path) -> list[Path]:
+    """Compile every kernel family for ``spec`` / ``dtype`` / ``arch`` into ``out_dir``.
+
+    ``spec`` is a ``llmc.compiler.spec.ModelSpec``; returns the written cubin paths.
+    """
+    _check_arch(arch)
+    cfg = KernelConfig.from_spec(spec, dtype)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    use_nvcc = shutil.which("nvcc") is not None
+    jobs = [(f, out_dir / cubin_name(f, cfg, arch)) for f in families_for(cfg)]
+
+    def one(job: tuple[str, Path]) -> Path:
+        family, path = job
+        src = source(family, cfg)
+        if use_nvcc:
+            nvcc_compile(src, arch, path)
+        else:
+            nvrtc_compile(src, arch, path)
+        return path
+
+    workers = max(1, min(len(jobs), os.cpu_count() or 1))
+    with ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(one, jobs))

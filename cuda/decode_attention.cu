@@ -1,0 +1,250 @@
+// decode_attention.cu: paged attention, one CTA per (query token, kv head, split).
+//
+// The CTA serves the G = NQ / NKV query heads that share kv head `blockIdx.y`, so each K
+// and V row is read from device memory once for all of them (GQA).  The keys of the
+// token's context [0, kv_len) are divided into gridDim.z splits (flash-decoding); each
+// split keeps an online softmax in float32 and writes either the final output
+// (gridDim.z == 1) or a partial (acc, max, sum) that attention_reduce_kernel combines.
+//
+// Inside a CTA, LPK lanes share one key (each lane owns DPL = HD / LPK dims), so a warp
+// streams 32 / LPK keys at once, U keys per stream per step; every stream keeps its own
+// softmax state, merged across lanes and warps at the end.  Scores are in the log2
+// domain (q is pre-scaled by scale * log2(e)).
+//
+// Token -> sequence: decode_mode = 1 means token i is sequence i (decode batch);
+// otherwise the sequence is found by binary search in cu_seqlens_q, and the query at
+// offset i of a chunk of ql tokens sees kv_len = seq_len - ql + i + 1 keys (causal,
+// chunked-prefill aware).  This makes the kernel a correct (slower) prefill kernel too.
+// Sequences with seq_len <= 0 (graph padding) write zeros.
+#include "common.cuh"
+
+#define NQ NUM_Q_HEADS
+#define NKV NUM_KV_HEADS
+#define HD HEAD_DIM
+#define G (NQ / NKV)
+#define NW 4
+#define U 4
+
+__host__ __device__ constexpr int pick_lpk() {
+    for (int l = 1; l <= 32; l *= 2)
+        if (HD % l == 0 && (HD / l) * G <= 32) return l;
+    int best = 1;
+    for (int l = 1; l <= 32; l *= 2)
+        if (HD % l == 0) best = l;
+    return best;
+}
+#define LPK pick_lpk()
+#define DPL (HD / LPK)
+#define KG (32 / LPK)
+
+__device__ __forceinline__ int find_seq(const int* cu, int num_seqs, int t) {
+    int lo = 0, hi = num_seqs - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (cu[mid] <= t) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+}
+
+extern "C" __global__ void __launch_bounds__(NW * 32)
+paged_attention_kernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k_cache,
+                       const scalar_t* __restrict__ v_cache, const int* __restrict__ block_tables,
+                       int max_blocks_per_seq, int block_size, const int* __restrict__ seq_lens,
+                       const int* __restrict__ cu_seqlens_q, int num_seqs, int token_begin,
+                       int decode_mode, scalar_t* __restrict__ out, float* __restrict__ part_acc,
+                       float* __restrict__ part_ml, float scale_log2) {
+    constexpr int lpk = LPK, dpl = DPL, kg = KG, ns = NW * kg;
+    constexpr int dv = vec_width_for(dpl);
+    const int tl = blockIdx.x;
+    const int t = token_begin + tl;
+    const int kvh = blockIdx.y;
+    const int split = blockIdx.z, nsplit = gridDim.z;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int sub = lane % lpk, grp = lane / lpk;
+    const int stream = warp * kg + grp;
+
+    const int s = decode_mode ? t : find_seq(cu_seqlens_q, num_seqs, t);
+    const int q0 = cu_seqlens_q[s];
+    const int ql = cu_seqlens_q[s + 1] - q0;
+    const int sl = seq_lens[s];
+    const int kv_len = sl <= 0 ? 0 : sl - ql + (t - q0) + 1;
+    const int chunk = (kv_len + nsplit - 1) / nsplit;
+    const int kbeg = split * chunk;
+    const int kend = min(kv_len, kbeg + chunk);
+    const int* bt = block_tables + (long long)s * max_blocks_per_seq;
+
+    float qf[G][dpl];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        load_vec<dv>(q + ((long long)t * NQ + kvh * G + g) * HD + sub * dpl, qf[g]);
+#pragma unroll
+        for (int d = dv; d < dpl; d += dv)
+            load_vec<dv>(q + ((long long)t * NQ + kvh * G + g) * HD + sub * dpl + d, qf[g] + d);
+#pragma unroll
+        for (int d = 0; d < dpl; ++d) qf[g][d] *= scale_log2;
+    }
+
+    float m[G], l[G], acc[G][dpl];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        m[g] = LLMC_NEG_INF;
+        l[g] = 0.f;
+#pragma unroll
+        for (int d = 0; d < dpl; ++d) acc[g][d] = 0.f;
+    }
+
+    const long long row_stride = (long long)NKV * HD;
+    for (int base = kbeg; base < kend; base += ns * U) {
+        float kf[U][dpl];
+        long long off[U];
+        bool valid[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int j = base + u * ns + stream;
+            valid[u] = j < kend;
+            off[u] = 0;
+            if (valid[u]) {
+                const int blk = bt[j / block_size];
+                off[u] = ((long long)blk * block_size + (j % block_size)) * row_stride +
+                         kvh * HD + sub * dpl;
+#pragma unroll
+                for (int d = 0; d < dpl; d += dv) load_vec<dv>(k_cache + off[u] + d, kf[u] + d);
+            } else {
+#pragma unroll
+                for (int d = 0; d < dpl; ++d) kf[u][d] = 0.f;
+            }
+        }
+        float sc[U][G];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+                float a = 0.f;
+#pragma unroll
+                for (int d = 0; d < dpl; ++d) a = fmaf(qf[g][d], kf[u][d], a);
+#pragma unroll
+                for (int o = lpk / 2; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
+                sc[u][g] = valid[u] ? a : LLMC_NEG_INF;
+            }
+        }
+        // V loads (reuse the K registers).
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            if (valid[u]) {
+#pragma unroll
+                for (int d = 0; d < dpl; d += dv) load_vec<dv>(v_cache + off[u] + d, kf[u] + d);
+            } else {
+#pragma unroll
+                for (int d = 0; d < dpl; ++d) kf[u][d] = 0.f;
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            float mx = m[g];
+#pragma unroll
+            for (int u = 0; u < U; ++u) mx = fmaxf(mx, sc[u][g]);
+            if (mx == LLMC_NEG_INF) continue;  // nothing valid yet for this stream
+            const float alpha = exp2f(m[g] - mx);
+            m[g] = mx;
+            float p[U];
+            float psum = 0.f;
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                p[u] = exp2f(sc[u][g] - mx);
+                psum += p[u];
+            }
+            l[g] = l[g] * alpha + psum;
+#pragma unroll
+            for (int d = 0; d < dpl; ++d) {
+                float a = acc[g][d] * alpha;
+#pragma unroll
+                for (int u = 0; u < U; ++u) a = fmaf(p[u], kf[u][d], a);
+                acc[g][d] = a;
+            }
+        }
+    }
+
+    // Merge the streams of this warp (lanes with the same `sub`).
+#pragma unroll
+    for (int o = 16; o >= lpk; o >>= 1) {
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            const float mo = __shfl_xor_sync(0xffffffffu, m[g], o);
+            const float lo = __shfl_xor_sync(0xffffffffu, l[g], o);
+            const float mn = fmaxf(m[g], mo);
+            const float fa = mn == LLMC_NEG_INF ? 0.f : exp2f(m[g] - mn);
+            const float fb = mn == LLMC_NEG_INF ? 0.f : exp2f(mo - mn);
+            l[g] = l[g] * fa + lo * fb;
+#pragma unroll
+            for (int d = 0; d < dpl; ++d) {
+                const float ao = __shfl_xor_sync(0xffffffffu, acc[g][d], o);
+                acc[g][d] = acc[g][d] * fa + ao * fb;
+            }
+            m[g] = mn;
+        }
+    }
+
+    __shared__ float sm_ml[NW][G][2];
+    __shared__ float sm_acc[NW][G][HD];
+    if (grp == 0) {
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            if (sub == 0) {
+                sm_ml[warp][g][0] = m[g];
+                sm_ml[warp][g][1] = l[g];
+            }
+#pragma unroll
+            for (int d = 0; d < dpl; ++d) sm_acc[warp][g][sub * dpl + d] = acc[g][d];
+        }
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < G * HD; idx += blockDim.x) {
+        const int g = idx / HD, d = idx % HD;
+        float M = LLMC_NEG_INF;
+#pragma unroll
+        for (int w = 0; w < NW; ++w) M = fmaxf(M, sm_ml[w][g][0]);
+        float L = 0.f, A = 0.f;
+        if (M != LLMC_NEG_INF) {
+#pragma unroll
+            for (int w = 0; w < NW; ++w) {
+                const float f = exp2f(sm_ml[w][g][0] - M);
+                L += sm_ml[w][g][1] * f;
+                A += sm_acc[w][g][d] * f;
+            }
+        }
+        const int h = kvh * G + g;
+        if (nsplit == 1) {
+            out[((long long)t * NQ + h) * HD + d] = from_float(L > 0.f ? A / L : 0.f);
+        } else {
+            const long long pidx = ((long long)tl * NQ + h) * nsplit + split;
+            part_acc[pidx * HD + d] = A;
+            if (d == 0) {
+                part_ml[pidx * 2] = M;
+                part_ml[pidx * 2 + 1] = L;
+            }
+        }
+    }
+}
+
+// Combine the splits of paged_attention_kernel: grid (num_tokens, NQ), block HD (<= 1024,
+// loops otherwise).
+extern "C" __global__ void attention_reduce_kernel(const float* __restrict__ part_acc,
+                                                   const float* __restrict__ part_ml,
+                                                   int nsplit, int token_begin,
+                                                   scalar_t* __restrict__ out) {
+    const int tl = blockIdx.x, h = blockIdx.y;
+    const long long pbase = ((long long)tl * NQ + h) * nsplit;
+    float M = LLMC_NEG_INF;
+    for (int i = 0; i < nsplit; ++i) M = fmaxf(M, part_ml[(pbase + i) * 2]);
+    for (int d = threadIdx.x; d < HD; d += blockDim.x) {
+        float L = 0.f, A = 0.f;
+        if (M != LLMC_NEG_INF) {
+            for (int i = 0; i < nsplit; ++i) {
+                const float f = exp2f(part_ml[(pbase + i) * 2] - M);
+                L += part_ml[(pbase + i) * 2 + 1] * f;
+                A += part_acc[(pbase + i) * HD + d] * f;
+            }
+        }
+        out[((long long)(token_begin + tl) * NQ + h) * HD + d] = from_float(L > 0.f ? A / L : 0.f);
+    }
+}

@@ -1,0 +1,155 @@
+"""Kernel sources, their compile-time constants, and loading them as CuPy kernels.
+
+One ``.cu`` file per kernel family (this folder). A family is compiled per *kernel
+config*: the activation dtype plus, for the attention-shaped families, the model
+constants head_dim / num_q_heads / num_kv_heads (baked in as macros, so register arrays
+and loops are sized at compile time). Everything else (token counts, hidden sizes, block
+size, vocab) is a run-time argument.
+
+The source handed to a compiler is self-contained: the ``#define`` lines of the config,
+then the file with ``#include "common.cuh"`` replaced by that header's text. The same
+text goes to nvcc (``llmc.cuda.build``) and NVRTC (here), so a cubin in an engine's
+``kernels/`` directory and a run-time compile are the same program. File names of cubins
+carry the config key; a missing or stale cubin falls back to NVRTC through
+``cupy.RawModule``.
+
+Invariant: importing this module needs neither CuPy nor a GPU (CPU tests and the engine
+builder use the source helpers); ``KernelLibrary`` imports CuPy lazily.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llmc.errors import UnsupportedError
+
+CUDA_DIR = Path(__file__).resolve().parent
+DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
+NVCC_FLAGS = ("-std=c++17", "-O3")
+
+# family -> (source file, uses model constants)
+FAMILIES: dict[str, tuple[str, bool]] = {
+    "embedding": ("embedding.cu", False),
+    "rmsnorm": ("rmsnorm.cu", False),
+    "activation": ("activation.cu", False),
+    "rope_kv": ("rope_kv.cu", True),
+    "decode_attention": ("decode_attention.cu", True),
+    "prefill_attention": ("prefill_attention.cu", True),
+    "sampling": ("sampling.cu", False),
+}
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Compile-time constants of one engine's kernels."""
+
+    dtype: str
+    head_dim: int
+    num_q_heads: int
+    num_kv_heads: int
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_CODES:
+            raise UnsupportedError(
+                f"kernel dtype {self.dtype!r} is not supported; choose one of "
+                f"{', '.join(DTYPE_CODES)}"
+            )
+        for name in ("head_dim", "num_q_heads", "num_kv_heads"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise UnsupportedError(f"kernel config: {name} must be a positive int, got {v!r}")
+        if self.num_q_heads % self.num_kv_heads:
+            raise UnsupportedError(
+                f"kernel config: num_q_heads ({self.num_q_heads}) is not a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise UnsupportedError(f"kernel config: head_dim must be even, got {self.head_dim}")
+
+    @classmethod
+    def from_spec(cls, spec: Any, dtype: str) -> KernelConfig:
+        """From a ``ModelSpec`` and the engine dtype."""
+        return cls(dtype, spec.head_dim, spec.num_heads, spec.num_kv_heads)
+
+    @property
+    def tensor_core_prefill(self) -> bool:
+        """Whether prefill_attention.cu has a kernel for this config (16-bit, hd % 16 == 0)."""
+        return self.dtype != "float32" and self.head_dim % 16 == 0
+
+
+def macros(family: str, cfg: KernelConfig) -> dict[str, int]:
+    """The ``#define``s of ``family`` under ``cfg`` (only those the family reads)."""
+    if family not in FAMILIES:
+        raise UnsupportedError(f"unknown kernel family {family!r}; known: {', '.join(FAMILIES)}")
+    if family == "sampling":
+        return {}
+    m = {"LLMC_DTYPE": DTYPE_CODES[cfg.dtype]}
+    if FAMILIES[family][1]:
+        m.update(HEAD_DIM=cfg.head_dim, NUM_Q_HEADS=cfg.num_q_heads, NUM_KV_HEADS=cfg.num_kv_heads)
+    return m
+
+
+def source(family: str, cfg: KernelConfig | None = None) -> str:
+    """Self-contained source text of ``family`` (config macros first, header inlined)."""
+    file, _ = FAMILIES[family]
+    text = (CUDA_DIR / file).read_text()
+    header = (CUDA_DIR / "common.cuh").read_text().replace("#pragma once\n", "")
+    text = text.replace('#include "common.cuh"', header)
+    defines = "".join(f"#define {k} {v}\n" for k, v in (macros(family, cfg) if cfg else {}).items())
+    return defines + text
+
+
+def cubin_name(family: str, cfg: KernelConfig, arch: str) -> str:
+    """File name of a family's cubin: family, readable config, and a hash of the source."""
+    m = macros(family, cfg)
+    tag = "-".join(f"{k.lower()}{v}" for k, v in m.items()) or "any"
+    digest = hashlib.sha256(source(family, cfg).encode()).hexdigest()[:10]
+    return f"{family}.{tag}.{arch}.{digest}.cubin"
+
+
+class KernelLibrary:
+    """CuPy kernels of one config: cubins from ``kernel_dir`` when present, else NVRTC.
+
+    ``get(family, name)`` returns a ``cupy.RawKernel``; modules are loaded once and cached.
+    """
+
+    def __init__(self, cfg: KernelConfig, kernel_dir: Path | str | None = None) -> None:
+        import cupy  # noqa: F401  (fail early with ImportError where CuPy is missing)
+
+        self.cfg = cfg
+        self.kernel_dir = Path(kernel_dir) if kernel_dir is not None else None
+        self._modules: dict[str, Any] = {}
+        self.loaded_from: dict[str, str] = {}
+
+    def _arch(self) -> str:
+        import cupy
+
+        return f"sm_{cupy.cuda.Device().compute_capability}"  # e.g. sm_90
+
+    def module(self, family: str) -> Any:
+        mod = self._modules.get(family)
+        if mod is not None:
+            return mod
+        import cupy
+
+        if family == "prefill_attention" and not self.cfg.tensor_core_prefill:
+            raise UnsupportedError(
+                f"prefill_attention has no kernel for dtype {self.cfg.dtype} / head_dim "
+                f"{self.cfg.head_dim} (needs a 16-bit dtype and head_dim % 16 == 0)"
+            )
+        if self.kernel_dir is not None:
+            path = self.kernel_dir / cubin_name(family, self.cfg, self._arch())
+            if path.is_file():
+                mod = cupy.RawModule(path=str(path))
+                self.loaded_from[family] = str(path)
+        if mod is None:
+            mod = cupy.RawModule(code=source(family, self.cfg), options=NVCC_FLAGS[:1])
+            self.loaded_from[family] = "nvrtc"
+        self._modules[family] = mod
+        return mod
+
+    def get(self, family: str, name: str) -> Any:
+        return self.module(family).get_function(name)

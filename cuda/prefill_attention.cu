@@ -1,0 +1,236 @@
+// prefill_attention.cu: paged causal attention for prefill chunks on tensor cores
+// (mma.sync m16n8k16, bf16 / fp16 inputs, float32 accumulation; FlashAttention-2 style
+// online softmax).  Built only for 16-bit dtypes with HEAD_DIM % 16 == 0; other cases use
+// paged_attention_kernel of decode_attention.cu.
+//
+// Grid (num_row_tiles, num_prefill_seqs, NKV), block 128 (4 warps x 16 rows).  A CTA
+// serves BM = 64 "rows" of one kv head, a row being (token of the chunk, query head of
+// the kv head's group): row r -> token r / G, head kvh * G + r % G, so the G heads that
+// share a kv head read each K/V tile once.  Tiles are taken heaviest-first.
+// The chunk of sequence s has ql tokens at positions seq_len - ql ... seq_len - 1; each
+// attends to keys 0 .. its position, all read from the paged cache (the chunk's own K/V
+// were written by rope_kv_kernel before).  K and V tiles of BN keys are gathered through
+// the block table with cp.async (V's copy overlaps the QK^T product).
+#include "common.cuh"
+
+#if LLMC_DTYPE != 0 && (HEAD_DIM % 16 == 0)
+
+#define NQ NUM_Q_HEADS
+#define NKV NUM_KV_HEADS
+#define HD HEAD_DIM
+#define G (NQ / NKV)
+#define BM 64
+#define BN (HD <= 128 ? 64 : 32)
+#define LDS (HD + 8)
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    unsigned r;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ void mma16816(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+#if LLMC_DTYPE == 2
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+__device__ __forceinline__ void ldsm_x4(unsigned addr, unsigned* r) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+__device__ __forceinline__ void ldsm_x4_trans(unsigned addr, unsigned* r) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+__device__ __forceinline__ void cp_async16(unsigned saddr, const void* g, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(saddr), "l"(g),
+                 "r"(bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+__device__ __forceinline__ void cp_async_wait_all() {
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+}
+
+// Gather BN keys [kt, kt + BN) of kv head kvh into smem rows (zero-fill past kv_end).
+__device__ __forceinline__ void load_tile(scalar_t* smem, const scalar_t* cache, const int* bt,
+                                          int block_size, int kt, int kv_end, int kvh) {
+    constexpr int chunks = HD / 8;
+    for (int i = threadIdx.x; i < BN * chunks; i += blockDim.x) {
+        const int key = i / chunks, c = i % chunks;
+        const int j = kt + key;
+        const scalar_t* src = cache;
+        int bytes = 0;
+        if (j < kv_end) {
+            const int blk = bt[j / block_size];
+            src = cache + (((long long)blk * block_size + (j % block_size)) * NKV + kvh) * HD + c * 8;
+            bytes = 16;
+        }
+        cp_async16(smem_addr(smem + key * LDS + c * 8), src, bytes);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+prefill_attention_kernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k_cache,
+                         const scalar_t* __restrict__ v_cache,
+                         const int* __restrict__ block_tables, int max_blocks_per_seq,
+                         int block_size, const int* __restrict__ seq_lens,
+                         const int* __restrict__ cu_seqlens_q, int seq_begin,
+                         scalar_t* __restrict__ out, float scale_log2) {
+    __shared__ alignas(16) scalar_t sK[BN * LDS];
+    __shared__ alignas(16) scalar_t sV[BN * LDS];
+
+    const int s = seq_begin + blockIdx.y;
+    const int kvh = blockIdx.z;
+    const int tile = gridDim.x - 1 - blockIdx.x;
+    const int q0 = cu_seqlens_q[s];
+    const int ql = cu_seqlens_q[s + 1] - q0;
+    const int sl = seq_lens[s];
+    const int rows = ql * G;
+    const int row0 = tile * BM;
+    if (row0 >= rows || sl <= 0) return;
+    const int ctx = sl - ql;
+    const int* bt = block_tables + (long long)s * max_blocks_per_seq;
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g8 = lane >> 2, tq = lane & 3;
+    const int rA = row0 + warp * 16 + g8, rB = rA + 8;
+    const bool vA = rA < rows, vB = rB < rows;
+    const int qpA = vA ? ctx + rA / G : -1;
+    const int qpB = vB ? ctx + rB / G : -1;
+    const long long qoffA = ((long long)(q0 + rA / G) * NQ + kvh * G + rA % G) * HD;
+    const long long qoffB = ((long long)(q0 + rB / G) * NQ + kvh * G + rB % G) * HD;
+    const int last_row = min(row0 + BM, rows) - 1;
+    const int kv_end = ctx + last_row / G + 1;
+
+    unsigned qa[HD / 16][4];
+#pragma unroll
+    for (int ks = 0; ks < HD / 16; ++ks) {
+        const int d = ks * 16 + 2 * tq;
+        qa[ks][0] = vA ? *reinterpret_cast<const unsigned*>(q + qoffA + d) : 0u;
+        qa[ks][1] = vB ? *reinterpret_cast<const unsigned*>(q + qoffB + d) : 0u;
+        qa[ks][2] = vA ? *reinterpret_cast<const unsigned*>(q + qoffA + d + 8) : 0u;
+        qa[ks][3] = vB ? *reinterpret_cast<const unsigned*>(q + qoffB + d + 8) : 0u;
+    }
+
+    float o[HD / 8][4];
+#pragma unroll
+    for (int n = 0; n < HD / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    float mA = LLMC_NEG_INF, mB = LLMC_NEG_INF, lA = 0.f, lB = 0.f;
+
+    const unsigned sK0 = smem_addr(sK), sV0 = smem_addr(sV);
+    // ldmatrix row addresses (bytes) relative to the tile base, see header comment.
+    const int k_row = (lane >> 4) * 8 + (lane & 7), k_col = ((lane >> 3) & 1) * 8;
+    const int v_row = ((lane >> 3) & 1) * 8 + (lane & 7), v_col = (lane >> 4) * 8;
+
+    for (int kt = 0; kt < kv_end; kt += BN) {
+        load_tile(sK, k_cache, bt, block_size, kt, kv_end, kvh);
+        cp_async_commit();
+        cp_async_wait_all();
+        __syncthreads();
+        load_tile(sV, v_cache, bt, block_size, kt, kv_end, kvh);
+        cp_async_commit();
+
+        float sc[BN / 8][4];
+#pragma unroll
+        for (int n = 0; n < BN / 8; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < HD / 16; ++ks) {
+#pragma unroll
+            for (int np = 0; np < BN / 16; ++np) {
+                unsigned r[4];
+                ldsm_x4(sK0 + ((np * 16 + k_row) * LDS + ks * 16 + k_col) * 2, r);
+                mma16816(sc[2 * np], qa[ks], r[0], r[1]);
+                mma16816(sc[2 * np + 1], qa[ks], r[2], r[3]);
+            }
+        }
+        float mxA = LLMC_NEG_INF, mxB = LLMC_NEG_INF;
+#pragma unroll
+        for (int n = 0; n < BN / 8; ++n) {
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const int key = kt + n * 8 + 2 * tq + (c & 1);
+                const int qp = c < 2 ? qpA : qpB;
+                const float v = key <= qp ? sc[n][c] * scale_log2 : LLMC_NEG_INF;
+                sc[n][c] = v;
+            }
+            mxA = fmaxf(mxA, fmaxf(sc[n][0], sc[n][1]));
+            mxB = fmaxf(mxB, fmaxf(sc[n][2], sc[n][3]));
+        }
+        mxA = fmaxf(mxA, __shfl_xor_sync(0xffffffffu, mxA, 1));
+        mxA = fmaxf(mxA, __shfl_xor_sync(0xffffffffu, mxA, 2));
+        mxB = fmaxf(mxB, __shfl_xor_sync(0xffffffffu, mxB, 1));
+        mxB = fmaxf(mxB, __shfl_xor_sync(0xffffffffu, mxB, 2));
+        const float mnA = fmaxf(mA, mxA), mnB = fmaxf(mB, mxB);
+        const float muA = mnA == LLMC_NEG_INF ? 0.f : mnA;
+        const float muB = mnB == LLMC_NEG_INF ? 0.f : mnB;
+        const float alA = exp2f(mA - muA), alB = exp2f(mB - muB);
+        mA = mnA;
+        mB = mnB;
+        float psA = 0.f, psB = 0.f;
+#pragma unroll
+        for (int n = 0; n < BN / 8; ++n) {
+            sc[n][0] = exp2f(sc[n][0] - muA);
+            sc[n][1] = exp2f(sc[n][1] - muA);
+            sc[n][2] = exp2f(sc[n][2] - muB);
+            sc[n][3] = exp2f(sc[n][3] - muB);
+            psA += sc[n][0] + sc[n][1];
+            psB += sc[n][2] + sc[n][3];
+        }
+        lA = lA * alA + psA;
+        lB = lB * alB + psB;
+#pragma unroll
+        for (int n = 0; n < HD / 8; ++n) {
+            o[n][0] *= alA;
+            o[n][1] *= alA;
+            o[n][2] *= alB;
+            o[n][3] *= alB;
+        }
+        cp_async_wait_all();
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            unsigned pa[4];
+            pa[0] = pack2(sc[2 * kk][0], sc[2 * kk][1]);
+            pa[1] = pack2(sc[2 * kk][2], sc[2 * kk][3]);
+            pa[2] = pack2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+            pa[3] = pack2(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+#pragma unroll
+            for (int dp = 0; dp < HD / 16; ++dp) {
+                unsigned r[4];
+                ldsm_x4_trans(sV0 + ((kk * 16 + v_row) * LDS + dp * 16 + v_col) * 2, r);
+                mma16816(o[2 * dp], pa, r[0], r[1]);
+                mma16816(o[2 * dp + 1], pa, r[2], r[3]);
+            }
+        }
+        __syncthreads();
+    }
+
+    lA += __shfl_xor_sync(0xffffffffu, lA, 1);
+    lA += __shfl_xor_sync(0xffffffffu, lA, 2);
+    lB += __shfl_xor_sync(0xffffffffu, lB, 1);
+    lB += __shfl_xor_sync(0xffffffffu, lB, 2);
+    const float iA = lA > 0.f ? 1.f / lA : 0.f, iB = lB > 0.f ? 1.f / lB : 0.f;
+#pragma unroll
+    for (int n = 0; n < HD / 8; ++n) {
+        const int d = n * 8 + 2 * tq;
+        if (vA) *reinterpret_cast<unsigned*>(out + qoffA + d) = pack2(o[n][0] * iA, o[n][1] * iA);
+        if (vB) *reinterpret_cast<unsigned*>(out + qoffB + d) = pack2(o[n][2] * iB, o[n][3] * iB);
+    }
+}
+
+#endif

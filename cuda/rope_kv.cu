@@ -1,0 +1,73 @@
+// rope_kv.cu: rotary embedding of q and k fused with the write of k and v into the paged
+// KV cache.
+//   qkv [T, (NQ + 2 NKV) * HD] (rows: q heads | k heads | v heads)
+//   q_out [T, NQ, HD] = rope(q);  k_cache[slot, kh] = rope(k);  v_cache[slot, kh] = v
+//   cache layout [num_blocks, tokens_per_block, NKV, HD] == [num_slots, NKV, HD]
+// RoPE is the NeoX "rotate_half" form with float32 tables cos/sin [max_pos, HD/2]
+// (llama3 / linear scaling is already folded into the tables).  slot < 0 skips the cache
+// write (CUDA-graph padding rows); q is still written.  Positions are clamped to
+// [0, max_pos) so a bad position cannot read out of bounds.
+// Launch: grid min(T, 65535), block 128; pointers aligned to PV elements (checked by the
+// Python wrapper).
+#include "common.cuh"
+
+#define NQ NUM_Q_HEADS
+#define NKV NUM_KV_HEADS
+#define HD HEAD_DIM
+#define HALF (HD / 2)
+// Pair vector: elements of each half rotated per thread.
+#define PV vec_width_for(HALF)
+#define VV vec_width_for(HD)
+
+extern "C" __global__ void rope_kv_kernel(const scalar_t* __restrict__ qkv,
+                                          const long long* __restrict__ positions,
+                                          const float* __restrict__ cos_t,
+                                          const float* __restrict__ sin_t,
+                                          scalar_t* __restrict__ k_cache,
+                                          scalar_t* __restrict__ v_cache,
+                                          const long long* __restrict__ slots,
+                                          scalar_t* __restrict__ q_out, int T, int max_pos) {
+    constexpr int pv = PV, vv = VV;
+    constexpr int rot_units = (NQ + NKV) * (HALF / pv);
+    constexpr int v_units = NKV * (HD / vv);
+    for (int t = blockIdx.x; t < T; t += gridDim.x) {
+        const scalar_t* row = qkv + (long long)t * (NQ + 2 * NKV) * HD;
+        long long pos = positions[t];
+        pos = pos < 0 ? 0 : (pos >= max_pos ? max_pos - 1 : pos);
+        const long long slot = slots[t];
+        const float* c = cos_t + pos * HALF;
+        const float* s = sin_t + pos * HALF;
+        for (int u = threadIdx.x; u < rot_units + v_units; u += blockDim.x) {
+            if (u < rot_units) {
+                const int h = u / (HALF / pv);
+                const int i0 = (u % (HALF / pv)) * pv;
+                float x1[pv], x2[pv], y1[pv], y2[pv];
+                load_vec<pv>(row + h * HD + i0, x1);
+                load_vec<pv>(row + h * HD + HALF + i0, x2);
+#pragma unroll
+                for (int e = 0; e < pv; ++e) {
+                    const float ce = c[i0 + e], se = s[i0 + e];
+                    y1[e] = x1[e] * ce - x2[e] * se;
+                    y2[e] = x2[e] * ce + x1[e] * se;
+                }
+                scalar_t* dst;
+                if (h < NQ) {
+                    dst = q_out + ((long long)t * NQ + h) * HD;
+                } else {
+                    if (slot < 0) continue;
+                    dst = k_cache + (slot * NKV + (h - NQ)) * HD;
+                }
+                store_vec<pv>(dst + i0, y1);
+                store_vec<pv>(dst + HALF + i0, y2);
+            } else {
+                if (slot < 0) continue;
+                const int uu = u - rot_units;
+                const int kh = uu / (HD / vv);
+                const int i0 = (uu % (HD / vv)) * vv;
+                float v[vv];
+                load_vec<vv>(row + (NQ + NKV + kh) * HD + i0, v);
+                store_vec<vv>(v_cache + (slot * NKV + kh) * HD + i0, v);
+            }
+        }
+    }
+}

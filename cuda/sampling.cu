@@ -1,0 +1,239 @@
+// sampling.cu: one CTA per sampled row; writes only the token id (int64).
+//
+// Same function as llmc.cuda.reference.sample:
+//   pen   = penalties(logits)  (repetition on prompt|output tokens, then frequency and
+//           presence on output tokens; only when has_pen)
+//   greedy rows (temperature <= 0): argmax(pen), first index on ties
+//   sampled rows: l = pen / T; keep l >= kth (k-th largest, ties kept, k = 0 off);
+//           top-p on the top-k-kept set: keep l >= tau, tau = the smallest kept value x
+//           with mass(l > x) < p * mass(kept) (p >= 1 off, p <= 0 keeps the max ties);
+//           min-p: keep exp(l - max) >= min_p (= p >= min_p * p_max);
+//           token = argmax over kept of l - log(-log u), u = philox_uniform(seed, offset, v).
+// Thresholds are found by bisection over the order-preserving 32-bit key of the float
+// values (32 counting / mass passes each, only when the filter is on); values are
+// recomputed from the logits on every pass (no scratch memory).  The Philox4x32-10 RNG
+// reproduces reference.philox_uniform bit for bit.
+// Launch: grid S, block SAMPLE_THREADS.
+
+#define SAMPLE_THREADS 512
+#define NEG_INF (__int_as_float(0xff800000))
+
+__device__ __forceinline__ unsigned philox_word0(unsigned c0, unsigned c1, unsigned c2,
+                                                 unsigned c3, unsigned k0, unsigned k1) {
+#pragma unroll
+    for (int r = 0; r < 10; ++r) {
+        if (r) {
+            k0 += 0x9E3779B9u;
+            k1 += 0xBB67AE85u;
+        }
+        const unsigned hi0 = __umulhi(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
+        const unsigned hi1 = __umulhi(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
+        const unsigned n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
+        c0 = n0;
+        c1 = lo1;
+        c2 = n2;
+        c3 = lo0;
+    }
+    return c0;
+}
+
+__device__ __forceinline__ float philox_uniform(unsigned long long seed,
+                                                unsigned long long offset, unsigned v) {
+    const unsigned x = philox_word0(v, (unsigned)offset, (unsigned)(offset >> 32), 0u,
+                                    (unsigned)seed, (unsigned)(seed >> 32));
+    return (float)(2u * (x >> 9) + 1u) * 5.9604644775390625e-08f;  // 2**-24
+}
+
+__device__ __forceinline__ unsigned order_key(float f) {
+    const unsigned u = __float_as_uint(f);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+struct RowCtx {
+    const float* logits;
+    const int* counts;
+    const unsigned char* pmask;
+    float rep, pres, freq, temp;
+    int has_pen, scaled;
+};
+
+__device__ __forceinline__ float proc_value(const RowCtx& c, int v) {
+    float l = c.logits[v];
+    if (c.has_pen) {
+        const int n = c.counts[v];
+        if (c.pmask[v] || n > 0) l = l > 0.f ? __fdiv_rn(l, c.rep) : __fmul_rn(l, c.rep);
+        l = __fsub_rn(l, __fmul_rn(c.freq, (float)n));
+        l = __fsub_rn(l, __fmul_rn(c.pres, n > 0 ? 1.f : 0.f));
+    }
+    if (c.scaled) l = __fdiv_rn(l, c.temp);
+    return l;
+}
+
+__device__ __forceinline__ float blk_sum(float v, float* sh) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    __syncthreads();
+    if (lane == 0) sh[w] = v;
+    __syncthreads();
+    if (w == 0) {
+        float t = lane < (int)(blockDim.x >> 5) ? sh[lane] : 0.f;
+        for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
+        if (lane == 0) sh[32] = t;
+    }
+    __syncthreads();
+    return sh[32];
+}
+
+__device__ __forceinline__ float blk_max(float v, float* sh) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    __syncthreads();
+    if (lane == 0) sh[w] = v;
+    __syncthreads();
+    if (w == 0) {
+        float t = lane < (int)(blockDim.x >> 5) ? sh[lane] : NEG_INF;
+        for (int o = 16; o > 0; o >>= 1) t = fmaxf(t, __shfl_xor_sync(0xffffffffu, t, o));
+        if (lane == 0) sh[32] = t;
+    }
+    __syncthreads();
+    return sh[32];
+}
+
+// Block argmax: largest value, smallest index among equal values.
+__device__ __forceinline__ int blk_argmax(float v, int idx, float* shv, int* shi) {
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, idx, o);
+        if (ov > v || (ov == v && oi < idx)) {
+            v = ov;
+            idx = oi;
+        }
+    }
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    __syncthreads();
+    if (lane == 0) {
+        shv[w] = v;
+        shi[w] = idx;
+    }
+    __syncthreads();
+    if (w == 0) {
+        v = lane < (int)(blockDim.x >> 5) ? shv[lane] : NEG_INF;
+        idx = lane < (int)(blockDim.x >> 5) ? shi[lane] : 0x7fffffff;
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+            const int oi = __shfl_xor_sync(0xffffffffu, idx, o);
+            if (ov > v || (ov == v && oi < idx)) {
+                v = ov;
+                idx = oi;
+            }
+        }
+        if (lane == 0) shi[32] = idx;
+    }
+    __syncthreads();
+    return shi[32];
+}
+
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+sample_kernel(const float* __restrict__ logits, int V, const float* __restrict__ temperature,
+              const int* __restrict__ top_k, const float* __restrict__ top_p,
+              const float* __restrict__ min_p, const long long* __restrict__ seeds,
+              const long long* __restrict__ offsets, const float* __restrict__ rep,
+              const float* __restrict__ pres, const float* __restrict__ freq,
+              const int* __restrict__ counts, const unsigned char* __restrict__ prompt_mask,
+              int has_pen, long long* __restrict__ out) {
+    __shared__ float shf[33];
+    __shared__ int shi[33];
+    const int s = blockIdx.x;
+    RowCtx c;
+    c.logits = logits + (long long)s * V;
+    c.has_pen = has_pen;
+    if (has_pen) {
+        c.counts = counts + (long long)s * V;
+        c.pmask = prompt_mask + (long long)s * V;
+        c.rep = rep[s];
+        c.pres = pres[s];
+        c.freq = freq[s];
+    }
+    const float temp = temperature[s];
+    c.temp = temp;
+    c.scaled = temp > 0.f;
+
+    if (!c.scaled) {  // greedy
+        float best = NEG_INF;
+        int bi = 0x7fffffff;
+        for (int v = threadIdx.x; v < V; v += blockDim.x) {
+            const float l = proc_value(c, v);
+            if (l > best || bi == 0x7fffffff) {
+                best = l;
+                bi = v;
+            }
+        }
+        const int tok = blk_argmax(best, bi, shf, shi);
+        if (threadIdx.x == 0) out[s] = tok;
+        return;
+    }
+
+    float mx = NEG_INF;
+    for (int v = threadIdx.x; v < V; v += blockDim.x) mx = fmaxf(mx, proc_value(c, v));
+    const float M = blk_max(mx, shf);
+
+    // top-k: kth key = the largest key x with count(key >= x) >= k.
+    unsigned kth = 0u;
+    const int k = top_k[s];
+    if (k > 0 && k < V) {
+        unsigned lo = 0u, hi = 0xffffffffu;
+        while (lo < hi) {
+            const unsigned mid = lo + (unsigned)(((unsigned long long)hi - lo + 1ull) >> 1);
+            float cnt = 0.f;
+            for (int v = threadIdx.x; v < V; v += blockDim.x)
+                cnt += order_key(proc_value(c, v)) >= mid ? 1.f : 0.f;
+            if (blk_sum(cnt, shf) >= (float)k) lo = mid; else hi = mid - 1u;
+        }
+        kth = lo;
+    }
+
+    // top-p: tau = the smallest key x >= kth with mass(key > x) < p * mass(key >= kth).
+    unsigned tau = kth;
+    const float p = top_p[s];
+    if (p < 1.f) {
+        if (p <= 0.f) {
+            tau = order_key(M);
+        } else {
+            float z = 0.f;
+            for (int v = threadIdx.x; v < V; v += blockDim.x) {
+                const float l = proc_value(c, v);
+                if (order_key(l) >= kth) z += expf(l - M);
+            }
+            const float target = p * blk_sum(z, shf);
+            unsigned lo = kth, hi = 0xffffffffu;
+            while (lo < hi) {
+                const unsigned mid = lo + ((hi - lo) >> 1);
+                float m = 0.f;
+                for (int v = threadIdx.x; v < V; v += blockDim.x) {
+                    const float l = proc_value(c, v);
+                    if (order_key(l) > mid) m += expf(l - M);
+                }
+                if (blk_sum(m, shf) < target) hi = mid; else lo = mid + 1u;
+            }
+            tau = lo;
+        }
+    }
+    const float mp = min_p[s];
+    const unsigned long long seed = (unsigned long long)seeds[s];
+    const unsigned long long off = (unsigned long long)offsets[s];
+    float best = NEG_INF;
+    int bi = 0x7fffffff;
+    for (int v = threadIdx.x; v < V; v += blockDim.x) {
+        const float l = proc_value(c, v);
+        if (order_key(l) < tau) continue;
+        if (mp > 0.f && expf(l - M) < mp) continue;
+        const float u = philox_uniform(seed, off, (unsigned)v);
+        const float key = l - logf(-logf(u));
+        if (key > best || bi == 0x7fffffff) {
+            best = key;
+            bi = v;
+        }
+    }
+    const int tok = blk_argmax(best, bi, shf, shi);
+    if (threadIdx.x == 0) out[s] = tok;
+}
