@@ -183,12 +183,11 @@ def build_command(
         if config.checkpoint_dir is None:
             model = str(prof.path)
 
+    with progress_reporter("llmc build") as progress:  # on stderr, also with --json
+        result = build(config, progress, model_config=model, dry_run=dry_run)
     if json_out:
-        result = build(config, None, model_config=model, dry_run=dry_run)
         print_json(result.to_dict())
         return
-    with progress_reporter("llmc build") as progress:
-        result = build(config, progress, model_config=model, dry_run=dry_run)
     from llmc.cli.build_report import print_report
 
     print_report(out_console(), result)
