@@ -1,0 +1,344 @@
+"""EngineRuntime: an engine directory made runnable — weights on the device, a KV pool,
+a ModelRunner on a Backend, a KVCacheManager and a Scheduler, plus the tokenizer.
+
+Loading order (what ``EngineRuntime.load`` does):
+1. resolve the device (``auto``: CUDA when torch sees a GPU, else CPU) and the backend
+   (``auto``: the CUDA kernels when the device is a GPU and the engine was built for its arch
+   with kernels, else the torch reference backend);
+2. ``load_engine`` verifies the directory (checksums, versions, target for the CUDA backend);
+3. weights go to the device, then the free memory is measured and the KV pool is sized with
+   ``compiler.memory_plan.kv_cache_blocks`` (``kv_cache_free_gpu_mem_fraction`` of free memory
+   after weights and the planned workspace, or ``max_kv_tokens``). On CPU, host RAM is shared
+   with everything else, so without ``max_kv_tokens`` the pool is also capped at
+   ``CPU_DEFAULT_KV_BYTES``; on every device it is capped at ``max_batch_size × max_seq_len``
+   tokens (more could never be in use at once);
+4. ModelRunner + KVCacheManager + Scheduler are built with the engine's limits, optionally
+   lowered by the run (``max_batch_size``/``max_num_tokens`` above the build are refused).
+
+``EngineRuntime.from_weights`` builds the same from in-memory weights (tests, a checkpoint
+driven without an engine directory).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llmc.runtime.kv_cache import KVCacheManager
+from llmc.runtime.scheduler import GUARANTEED_NO_EVICT, POLICIES, Scheduler, SchedulerConfig
+from llmc.runtime.tokenizer import Tokenizer
+
+from llmc.errors import ConfigError, UnsupportedError, did_you_mean
+
+DEVICES = ("auto", "cpu", "cuda")
+BACKENDS = ("auto", "torch", "cuda")
+CPU_DEFAULT_KV_BYTES = 1 << 30
+"""KV pool cap on CPU when max_kv_tokens is not given (it is at least one max_seq_len)."""
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Settings of one run of an engine (``llmc run`` / ``bench`` flags)."""
+
+    device: str = "auto"
+    backend: str = "auto"
+    max_batch_size: int | None = None
+    """Lower the engine's max_batch_size for this run (None: the engine's)."""
+    max_num_tokens: int | None = None
+    """Lower the engine's per-step token budget for this run (None: the engine's)."""
+    kv_cache_free_gpu_mem_fraction: float = 0.9
+    max_kv_tokens: int | None = None
+    enable_block_reuse: bool = True
+    scheduler_policy: str = GUARANTEED_NO_EVICT
+    enable_chunked_prefill: bool | None = None
+    """None: the engine's build setting."""
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("device", DEVICES), ("backend", BACKENDS)):
+            v = getattr(self, name)
+            if v not in allowed:
+                raise ConfigError(
+                    f"{name} {v!r} is not one of {', '.join(allowed)}" + did_you_mean(v, allowed)
+                )
+        if self.scheduler_policy not in POLICIES:
+            raise ConfigError(
+                f"scheduler_policy {self.scheduler_policy!r} is not one of {', '.join(POLICIES)}"
+                + did_you_mean(self.scheduler_policy, POLICIES)
+            )
+        for name in ("max_batch_size", "max_num_tokens", "max_kv_tokens"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+                raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+        if not 0.0 < self.kv_cache_free_gpu_mem_fraction <= 1.0:
+            raise ConfigError(
+                "kv_cache_free_gpu_mem_fraction must be in (0, 1], got "
+                f"{self.kv_cache_free_gpu_mem_fraction}"
+            )
+        if self.device == "cpu" and self.backend == "cuda":
+            raise ConfigError("backend 'cuda' needs device cuda (or auto on a GPU machine)")
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The engine limits a run uses (the build's, possibly lowered)."""
+
+    max_batch_size: int
+    max_input_len: int
+    max_seq_len: int
+    max_num_tokens: int
+    tokens_per_block: int
+    enable_chunked_prefill: bool
+    dtype: str
+
+
+def resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UnsupportedError(
+            "device 'cuda' was asked for but torch sees no CUDA GPU; use --device cpu"
+        )
+    return device
+
+
+def _gpu_arch() -> str:
+    import torch
+
+    major, minor = torch.cuda.get_device_capability()
+    return f"sm_{major}{minor}"
+
+
+def _lowered(name: str, asked: int | None, built: int) -> int:
+    if asked is None:
+        return built
+    if asked > built:
+        raise ConfigError(
+            f"{name}={asked} exceeds the engine's {name}={built} (the workspace was planned for "
+            f"it); use {built} or less, or rebuild the engine with --{name} {asked}"
+        )
+    return asked
+
+
+def _free_bytes(device: str, workspace_bytes: int) -> int:
+    """Device memory free for the KV pool, after weights (already loaded) and workspace."""
+    if device == "cuda":
+        import torch
+
+        free, _ = torch.cuda.mem_get_info()
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        try:  # MemAvailable counts reclaimable page cache; SC_AVPHYS_PAGES does not
+            for line in Path("/proc/meminfo").read_text().splitlines():
+                if line.startswith("MemAvailable:"):
+                    free = int(line.split()[1]) * 1024
+        except OSError:
+            pass
+    return max(0, int(free) - workspace_bytes)
+
+
+class EngineRuntime:
+    """Every component of a runnable engine; ``executor()`` drives them."""
+
+    def __init__(
+        self,
+        *,
+        spec: Any,
+        runner: Any,
+        kv: KVCacheManager,
+        scheduler: Scheduler,
+        tokenizer: Tokenizer | None,
+        limits: Limits,
+        device: str,
+        backend: str,
+        engine: Any = None,
+    ) -> None:
+        self.spec = spec
+        self.runner = runner
+        self.kv = kv
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.device = device
+        self.backend = backend
+        self.engine = engine
+        self.vocab_size = spec.vocab_size
+
+    # ---- construction --------------------------------------------------------------
+    @classmethod
+    def load(cls, engine_dir: str | Path, config: RuntimeConfig | None = None) -> EngineRuntime:
+        """Load and verify an engine directory and build every runtime component."""
+        from llmc.compiler.engine_format import load_engine
+        from llmc.compiler.memory_plan import kv_cache_blocks
+
+        config = config or RuntimeConfig()
+        device = resolve_device(config.device)
+        backend, target = cls._pick_backend(config.backend, device, engine_dir)
+        engine = load_engine(engine_dir, target=target)
+        b = engine.build
+        limits = Limits(
+            max_batch_size=_lowered("max_batch_size", config.max_batch_size, b.max_batch_size),
+            max_input_len=b.max_input_len,
+            max_seq_len=b.max_seq_len,
+            max_num_tokens=_lowered("max_num_tokens", config.max_num_tokens, b.max_num_tokens),
+            tokens_per_block=b.tokens_per_block,
+            enable_chunked_prefill=b.enable_chunked_prefill
+            if config.enable_chunked_prefill is None
+            else config.enable_chunked_prefill,
+            dtype=b.dtype,
+        )
+        weights = engine.load_weights(device)
+        cap = limits.max_batch_size * limits.max_seq_len
+        if device == "cpu" and config.max_kv_tokens is None:
+            cpu_tokens = CPU_DEFAULT_KV_BYTES // engine.plan.kv_bytes_per_token
+            cap = min(cap, max(cpu_tokens, limits.max_seq_len))
+        max_kv = cap if config.max_kv_tokens is None else min(cap, config.max_kv_tokens)
+        free = _free_bytes(device, engine.plan.workspace_bytes)
+        num_blocks = kv_cache_blocks(
+            engine.plan, free, config.kv_cache_free_gpu_mem_fraction, max_kv
+        )
+        tokenizer = None
+        if engine.tokenizer_path is not None:
+            tokenizer = Tokenizer.from_dir(engine.tokenizer_path, engine.spec.eos_token_ids)
+        return cls.from_weights(
+            engine.spec,
+            weights,
+            limits=limits,
+            num_kv_blocks=num_blocks,
+            tokenizer=tokenizer,
+            device=device,
+            backend=backend,
+            config=config,
+            engine=engine,
+        )
+
+    @staticmethod
+    def _pick_backend(backend: str, device: str, engine_dir: str | Path) -> tuple[str, str | None]:
+        """(backend name, target load_engine must check) for this device."""
+        if device == "cpu":
+            if backend == "cuda":
+                raise ConfigError("backend 'cuda' needs a CUDA device; use --backend torch")
+            return "torch", None
+        arch = _gpu_arch()
+        if backend == "torch":
+            return "torch", None
+        if backend == "cuda":
+            return "cuda", arch
+        import json
+
+        try:  # auto: the kernels when the engine has them for this GPU and CuPy is present
+            manifest = json.loads((Path(engine_dir) / "manifest.json").read_text())
+            has_kernels = manifest["build"]["target"] == arch and manifest["kernels"]["files"]
+            import cupy  # noqa: F401
+        except Exception:
+            return "torch", None
+        return ("cuda", arch) if has_kernels else ("torch", None)
+
+    @classmethod
+    def from_weights(
+        cls,
+        spec: Any,
+        weights: dict[str, Any],
+        *,
+        limits: Limits,
+        num_kv_blocks: int,
+        tokenizer: Tokenizer | None = None,
+        device: str = "cpu",
+        backend: str = "torch",
+        config: RuntimeConfig | None = None,
+        engine: Any = None,
+    ) -> EngineRuntime:
+        """Build the runtime around engine-layout weights already in memory."""
+        from llmc.runtime.model_runner import ModelRunner
+
+        config = config or RuntimeConfig()
+        eos = tuple(
+            dict.fromkeys((*spec.eos_token_ids, *(tokenizer.eos_token_ids if tokenizer else ())))
+        )
+        kv = KVCacheManager(num_kv_blocks, limits.tokens_per_block, config.enable_block_reuse)
+        scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_tokens=limits.max_num_tokens,
+                max_batch_size=limits.max_batch_size,
+                max_seq_len=limits.max_seq_len,
+                max_input_len=limits.max_input_len,
+                tokens_per_block=limits.tokens_per_block,
+                enable_chunked_prefill=limits.enable_chunked_prefill,
+                policy=config.scheduler_policy,
+                eos_token_ids=eos,
+            ),
+            kv,
+        )
+        be = cls._make_backend(backend, device, engine)
+        workspace = None
+        if (
+            engine is not None
+            and limits.max_num_tokens == engine.build.max_num_tokens
+            and (limits.max_batch_size == engine.build.max_batch_size)
+        ):
+            # the engine's own packed arena (memory plan offsets); lowered limits use the
+            # runner's default table for the smaller shapes
+            workspace = {b.name: (b.offset, b.shape, b.dtype) for b in engine.plan.buffers}
+        runner = ModelRunner(
+            spec,
+            weights,
+            backend=be,
+            device=device,
+            dtype=limits.dtype,
+            max_num_tokens=limits.max_num_tokens,
+            max_batch_size=limits.max_batch_size,
+            max_seq_len=limits.max_seq_len,
+            tokens_per_block=limits.tokens_per_block,
+            num_kv_blocks=num_kv_blocks,
+            workspace=workspace,
+        )
+        return cls(
+            spec=spec,
+            runner=runner,
+            kv=kv,
+            scheduler=scheduler,
+            tokenizer=tokenizer,
+            limits=limits,
+            device=device,
+            backend=backend,
+            engine=engine,
+        )
+
+    @staticmethod
+    def _make_backend(backend: str, device: str, engine: Any) -> Any:
+        if backend == "cuda":
+            from llmc.cuda.cuda_backend import CudaBackend
+
+            return CudaBackend(device=device, kernels_dir=engine.kernels_dir if engine else None)
+        from llmc.runtime.torch_backend import TorchBackend
+
+        return TorchBackend(device)
+
+    # ---- use -----------------------------------------------------------------------
+    def executor(self) -> Any:
+        """A new Executor over this runtime (one at a time: they share the KV pool)."""
+        from llmc.runtime.executor import Executor
+
+        return Executor(self)
+
+    def summary(self) -> dict[str, Any]:
+        """What was loaded, for logs and --json."""
+        kv = self.kv.stats()
+        return {
+            "device": self.device,
+            "backend": self.backend,
+            "engine_dir": str(self.engine.dir) if self.engine is not None else None,
+            **dataclasses.asdict(self.limits),
+            "kv_blocks": kv.total_blocks,
+            "kv_tokens": kv.total_blocks * kv.tokens_per_block,
+            "enable_block_reuse": self.kv.enable_block_reuse,
+            "scheduler_policy": self.scheduler.config.policy,
+        }

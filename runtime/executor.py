@@ -1,0 +1,487 @@
+"""Executor: requests in, streamed responses out, one in-flight-batching engine loop.
+
+The loop has three verbs: ``Scheduler.schedule()`` → ``ModelRunner.step(batch)`` →
+``Scheduler.update(batch, token_ids)``, then post-processing (detokenize, stop strings,
+responses, records). It runs in the caller's thread (``step``, ``run_until_complete``,
+``await_responses`` and ``generate`` drive it) or in a background thread (``start`` /
+``shutdown``), as TensorRT-LLM's Executor does.
+
+Invariants:
+- A bad request never stops the engine: validation and ``Scheduler.add`` errors become an
+  immediate final Response with ``finish_reason=ERROR`` and the message; others keep running.
+- Every request gets exactly one final Response (``is_final``), after which no other.
+- For a streaming request, the concatenation of every ``new_text`` equals the final
+  ``text``, and of every ``new_token_ids`` the final ``token_ids``. A non-streaming request
+  gets only its final Response, which carries everything.
+- Thread safety: one condition variable guards all state; ``enqueue_request``,
+  ``cancel_request`` and ``await_responses`` may be called from any thread. The loop holds
+  the lock while it schedules and updates, never while the model runs. Cancellations are
+  applied at the start of the next step, so a running step never loses its blocks.
+- One RequestRecord per request and one StepRecord per step (runtime/records.py).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from llmc.runtime.detokenizer import IncrementalDetokenizer
+from llmc.runtime.records import RequestRecord, StepRecord
+from llmc.runtime.responses import RequestOutput, Response
+from llmc.runtime.tokenizer import Tokenizer
+from llmc.runtime.types import (
+    FinishReason,
+    Request,
+    SamplingParams,
+    ScheduledBatch,
+    Sequence,
+)
+
+from llmc.errors import EngineError, LlmcError, RequestError
+
+
+class Runner(Protocol):
+    def step(self, batch: ScheduledBatch) -> Any: ...
+
+
+@dataclass
+class _State:
+    """The executor's view of one request."""
+
+    request: Request
+    record: RequestRecord
+    seq: Sequence | None = None
+    detok: IncrementalDetokenizer | None = None
+    num_seen: int = 0
+    """Output tokens already post-processed."""
+    logprobs: list[Any] = field(default_factory=list)
+    final: bool = False
+
+
+def _now() -> float:
+    return time.perf_counter()
+
+
+class Executor:
+    """In-flight-batching executor over a Scheduler and a ModelRunner.
+
+    ``engine`` is anything with ``runner``, ``scheduler``, ``tokenizer`` (or None) and
+    ``vocab_size`` attributes: an ``EngineRuntime`` or an ``ExecutorParts``.
+    """
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.runner: Runner = engine.runner
+        self.scheduler = engine.scheduler
+        self.tokenizer: Tokenizer | None = getattr(engine, "tokenizer", None)
+        self.vocab_size: int = int(engine.vocab_size)
+        self._eos = frozenset(self.scheduler.config.eos_token_ids)
+        self._cv = threading.Condition(threading.RLock())
+        self._next_id = 0
+        self._states: dict[int, _State] = {}
+        self._ready: list[Response] = []
+        self._cancels: list[int] = []
+        self._records: dict[int, RequestRecord] = {}
+        self.step_records: list[StepRecord] = []
+        self._thread: threading.Thread | None = None
+        self._stop_loop = False
+        self._fatal: BaseException | None = None
+
+    # ------------------------------------------------------------------ requests
+    def enqueue_request(self, request: Request) -> int:
+        """Queue a request; returns its id. A bad request gets a final error Response."""
+        with self._cv:
+            if self._fatal is not None:
+                raise EngineError(f"the engine loop failed and stopped: {self._fatal}")
+            rid = self._next_id
+            self._next_id += 1
+            record = RequestRecord(request_id=rid, arrival_time=_now(), num_prompt_tokens=0)
+            self._records[rid] = record
+            state = _State(request=request, record=record)
+            self._states[rid] = state
+            try:
+                ids = self._prompt_ids(rid, request)
+                record.num_prompt_tokens = len(ids)
+                seq = Sequence(
+                    request_id=rid,
+                    prompt_token_ids=ids,
+                    sampling=request.sampling,
+                    max_new_tokens=request.sampling.max_new_tokens,
+                    arrival_time=record.arrival_time,
+                    priority=request.priority,
+                )
+                self.scheduler.add(seq)
+            except LlmcError as e:
+                self._fail(state, e)
+                return rid
+            state.seq = seq
+            if self.tokenizer is not None:
+                state.detok = IncrementalDetokenizer(self.tokenizer, ids, request.sampling.stop)
+            self._cv.notify_all()
+            return rid
+
+    def _prompt_ids(self, rid: int, request: Request) -> list[int]:
+        if not isinstance(request.sampling, SamplingParams):
+            raise RequestError(f"request {rid}: sampling must be a SamplingParams")
+        if request.prompt is not None and request.prompt_token_ids is not None:
+            raise RequestError(f"request {rid}: give the prompt as text or as token ids, not both")
+        if request.sampling.stop and self.tokenizer is None:
+            raise RequestError(f"request {rid}: stop strings need a tokenizer; the engine has none")
+        if request.prompt is not None:
+            if self.tokenizer is None:
+                raise RequestError(
+                    f"request {rid}: the engine has no tokenizer; send prompt_token_ids"
+                )
+            if request.apply_chat_template:
+                ids = list(self.tokenizer.apply_chat_template(request.prompt))
+            else:
+                ids = self.tokenizer.encode(request.prompt)
+        elif request.prompt_token_ids is not None:
+            ids = list(request.prompt_token_ids)
+            bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int)]
+            bad += [t for t in ids if not bad and not 0 <= t < self.vocab_size]
+            if bad:
+                raise RequestError(
+                    f"request {rid}: prompt token id {bad[0]!r} is outside the vocabulary "
+                    f"[0, {self.vocab_size})"
+                )
+        else:
+            ids = []
+        if not ids:
+            raise RequestError(f"request {rid}: the prompt is empty")
+        return ids
+
+    def cancel_request(self, request_id: int) -> bool:
+        """Cancel a queued or running request (applied at the next step; frees its blocks).
+
+        Returns False when the request is unknown or already finished.
+        """
+        with self._cv:
+            state = self._states.get(request_id)
+            if state is None or state.final:
+                return False
+            self._cancels.append(request_id)
+            self._cv.notify_all()
+            return True
+
+    # ------------------------------------------------------------------ responses
+    def _emit(self, response: Response) -> None:
+        self._ready.append(response)
+        self._cv.notify_all()
+
+    def _fail(self, state: _State, error: LlmcError | BaseException) -> None:
+        rec = state.record
+        code = getattr(error, "exit_code", 1)
+        rec.error, rec.finish_reason, rec.finish_time = str(error), FinishReason.ERROR.value, _now()
+        if state.seq is not None:
+            rec.num_output_tokens = len(state.seq.output_token_ids)
+        state.final = True
+        ids = list(state.seq.output_token_ids) if state.seq is not None else []
+        text = state.detok.text if state.detok is not None else ""
+        self._emit(
+            Response(
+                request_id=rec.request_id,
+                new_token_ids=[] if state.request.streaming else ids,
+                new_text="" if state.request.streaming else text,
+                is_final=True,
+                finish_reason=FinishReason.ERROR,
+                error=str(error),
+                error_code=code,
+                token_ids=ids,
+                text=text,
+            )
+        )
+
+    def _take(self, request_ids: set[int] | None) -> list[Response]:
+        if request_ids is None:
+            taken, self._ready = self._ready, []
+            return taken
+        taken = [r for r in self._ready if r.request_id in request_ids]
+        if taken:
+            self._ready = [r for r in self._ready if r.request_id not in request_ids]
+        return taken
+
+    def _pending(self, request_ids: set[int] | None) -> bool:
+        """Some selected request has not yet produced its final response."""
+        if request_ids is None:
+            return any(not s.final for s in self._states.values())
+        return any((s := self._states.get(i)) is not None and not s.final for i in request_ids)
+
+    def await_responses(
+        self, request_ids: int | Seq[int] | None = None, timeout: float | None = None
+    ) -> list[Response]:
+        """Responses ready for the given requests (all when None), waiting up to ``timeout``
+        seconds for at least one. Without a background loop, this call runs engine steps.
+
+        Returns [] on timeout or when the selected requests have nothing more to say.
+        """
+        ids = (
+            {request_ids}
+            if isinstance(request_ids, int)
+            else (None if request_ids is None else set(request_ids))
+        )
+        deadline = None if timeout is None else _now() + timeout
+        while True:
+            with self._cv:
+                got = self._take(ids)
+                if got or not self._pending(ids):
+                    if not got and self._fatal is not None:
+                        raise EngineError(f"the engine loop failed: {self._fatal}")
+                    return got
+                remaining = None if deadline is None else deadline - _now()
+                if remaining is not None and remaining <= 0:
+                    return []
+                if self._thread is not None:
+                    self._cv.wait(remaining)
+                    continue
+            self.step()
+
+    def generate(
+        self,
+        prompts: str | Seq[int] | Request | Seq[str | Seq[int] | Request],
+        sampling: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        apply_chat_template: bool = False,
+    ) -> list[RequestOutput]:
+        """Blocking: run every prompt (text, token ids or a Request) to completion."""
+        if isinstance(prompts, (str, Request)) or (
+            isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if sampling is None or isinstance(sampling, SamplingParams):
+            params = [sampling or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling)
+            if len(params) != len(prompts):
+                raise RequestError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        ids: list[int] = []
+        for p, sp in zip(prompts, params, strict=True):
+            if isinstance(p, Request):
+                req = p
+            elif isinstance(p, str):
+                req = Request(prompt=p, sampling=sp, apply_chat_template=apply_chat_template)
+            else:
+                req = Request(prompt_token_ids=list(p), sampling=sp)
+            ids.append(self.enqueue_request(req))
+        finals: dict[int, Response] = {}
+        parts: dict[int, list[Response]] = {i: [] for i in ids}
+        while len(finals) < len(ids):
+            for r in self.await_responses([i for i in ids if i not in finals]):
+                parts[r.request_id].append(r)
+                if r.is_final:
+                    finals[r.request_id] = r
+        return [self._output(i, prompts[n], parts[i]) for n, i in enumerate(ids)]
+
+    def _output(self, rid: int, prompt: Any, responses: list[Response]) -> RequestOutput:
+        final = responses[-1]
+        state = self._states[rid]
+        logprobs = [lp for r in responses for lp in (r.logprobs or [])]
+        return RequestOutput(
+            request_id=rid,
+            prompt=prompt if isinstance(prompt, str) else state.request.prompt,
+            prompt_token_ids=list(state.seq.prompt_token_ids) if state.seq else [],
+            token_ids=list(final.token_ids or []),
+            text=final.text or "",
+            finish_reason=final.finish_reason,
+            error=final.error,
+            error_code=final.error_code,
+            logprobs=logprobs or None,
+            record=state.record,
+        )
+
+    # ------------------------------------------------------------------ the loop
+    def has_work(self) -> bool:
+        with self._cv:
+            return bool(self._cancels) or self.scheduler.has_unfinished()
+
+    def step(self) -> bool:
+        """Run one engine step (cancellations, schedule, model, update); False if idle."""
+        t0 = _now()
+        with self._cv:
+            self._apply_cancels()
+            if not self.scheduler.has_unfinished():
+                return False
+            batch = self.scheduler.schedule()
+            kv = self.scheduler.kv
+            used = kv.num_used_blocks
+            for ss in batch.sequences:
+                rec = self._states[ss.seq.request_id].record
+                if rec.scheduled_time is None:
+                    rec.scheduled_time = t0
+        t1 = _now()
+        if batch.is_empty:
+            raise RuntimeError(
+                f"step {batch.step_id}: the scheduler scheduled nothing although "
+                f"{self.scheduler.num_waiting} requests wait (scheduler bug)"
+            )
+        out = self.runner.step(batch)
+        t2 = _now()
+        with self._cv:
+            self.scheduler.update(batch, list(out.token_ids))
+            self._postprocess(batch, out, t2)
+            t3 = _now()
+            phases = {"schedule": t1 - t0, **dict(out.phase_times or {}), "update": t3 - t2}
+            self.step_records.append(
+                StepRecord(
+                    step_id=batch.step_id,
+                    start_time=t0,
+                    end_time=t3,
+                    num_tokens=batch.num_tokens,
+                    num_prefill_tokens=batch.num_prefill_tokens,
+                    num_decode_tokens=batch.num_decode_tokens,
+                    batch_size=len(batch.sequences),
+                    kv_blocks_used=used,
+                    kv_blocks_total=kv.total_blocks,
+                    num_preempted=len(batch.preempted_request_ids),
+                    phase_times=phases,
+                )
+            )
+        return True
+
+    def _apply_cancels(self) -> None:
+        for rid in self._cancels:
+            state = self._states[rid]
+            if state.final:
+                continue
+            self.scheduler.finish(rid, FinishReason.CANCELLED)
+            self._finalize(state, FinishReason.CANCELLED, [], "", [], _now())
+        self._cancels.clear()
+
+    def _postprocess(self, batch: ScheduledBatch, out: Any, now: float) -> None:
+        logprobs = list(getattr(out, "logprobs", None) or [])
+        row = 0
+        for ss in batch.sequences:
+            if not ss.sample:
+                continue
+            lp = logprobs[row] if row < len(logprobs) else None
+            row += 1
+            seq, state = ss.seq, self._states[ss.seq.request_id]
+            if state.final:
+                continue
+            new = seq.output_token_ids[state.num_seen :]
+            state.num_seen = len(seq.output_token_ids)
+            rec = state.record
+            if new and rec.first_token_time is None:
+                rec.first_token_time = now
+            rec.token_times.extend([now] * len(new))
+            new_lp = [lp] if lp is not None and new else []
+            state.logprobs.extend(new_lp)
+            reason = seq.finish_reason if seq.is_finished else None
+            text_ids = new
+            if reason is FinishReason.STOP and new and self._is_stop_token(seq, new[-1]):
+                text_ids = new[:-1]  # the EOS / stop token has no text in the output
+            delta = ""
+            if state.detok is not None:
+                delta = state.detok.add_tokens(text_ids)
+                if reason is None and state.detok.stopped:
+                    self.scheduler.finish(seq.request_id, FinishReason.STOP)
+                    reason = FinishReason.STOP
+            if reason is not None:
+                self._finalize(state, reason, new, delta, new_lp, now)
+            elif state.request.streaming and (new or delta):
+                self._emit(Response(seq.request_id, list(new), delta, logprobs=new_lp or None))
+
+    def _is_stop_token(self, seq: Sequence, token: int) -> bool:
+        sp = seq.sampling
+        return token in sp.stop_token_ids or (not sp.ignore_eos and token in self._eos)
+
+    def _finalize(
+        self,
+        state: _State,
+        reason: FinishReason,
+        new: list[int],
+        delta: str,
+        new_lp: list[Any],
+        now: float,
+    ) -> None:
+        seq = state.seq
+        assert seq is not None
+        if state.detok is not None:
+            delta += state.detok.finish()
+        text = state.detok.text if state.detok is not None else ""
+        ids = list(seq.output_token_ids)
+        rec = state.record
+        rec.finish_time, rec.finish_reason = now, reason.value
+        rec.num_output_tokens = len(ids)
+        rec.num_cached_tokens = seq.num_cached_tokens
+        rec.num_preemptions = seq.num_preemptions
+        state.final = True
+        streaming = state.request.streaming
+        self._emit(
+            Response(
+                request_id=seq.request_id,
+                new_token_ids=list(new) if streaming else ids,
+                new_text=delta if streaming else text,
+                is_final=True,
+                finish_reason=reason,
+                logprobs=(new_lp if streaming else state.logprobs) or None,
+                token_ids=ids,
+                text=text,
+            )
+        )
+
+    def run_until_complete(self) -> None:
+        """Step until every queued request has finished (caller-thread mode)."""
+        while self.step():
+            pass
+
+    # ------------------------------------------------------------------ background loop
+    def start(self) -> Executor:
+        """Run the engine loop in a background thread (until ``shutdown``)."""
+        with self._cv:
+            if self._thread is None:
+                self._stop_loop = False
+                self._thread = threading.Thread(target=self._loop, name="llmc-executor")
+                self._thread.daemon = True
+                self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stop_loop and not (
+                    self._cancels or self.scheduler.has_unfinished()
+                ):
+                    self._cv.wait()
+                if self._stop_loop:
+                    return
+            try:
+                self.step()
+            except BaseException as e:  # fail every open request; the engine is unusable
+                with self._cv:
+                    self._fatal = e
+                    for state in self._states.values():
+                        if not state.final:
+                            self._fail(state, EngineError(f"engine failure: {e!r}"))
+                return
+
+    def shutdown(self) -> None:
+        """Stop the background loop (requests in flight stay queued; step() can resume)."""
+        with self._cv:
+            thread, self._thread = self._thread, None
+            self._stop_loop = True
+            self._cv.notify_all()
+        if thread is not None:
+            thread.join()
+
+    def __enter__(self) -> Executor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def request_records(self) -> list[RequestRecord]:
+        with self._cv:
+            return list(self._records.values())
+
+    def kv_stats(self) -> Any:
+        return self.scheduler.kv.stats()
+
+    def scheduler_stats(self) -> Any:
+        return self.scheduler.stats()

@@ -1,0 +1,69 @@
+"""What the Executor hands back: streamed ``Response`` objects and ``RequestOutput`` results.
+
+No torch here. ``ExecutorParts`` bundles the components an Executor drives when they are not
+built by ``EngineRuntime`` (tests, a runtime driven from an in-memory checkpoint).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from llmc.runtime.records import RequestRecord
+from llmc.runtime.types import FinishReason
+
+
+@dataclass
+class Response:
+    """One message about one request.
+
+    Streaming requests get one per step that produced tokens or text; every request gets
+    exactly one final one (``is_final``), which also carries the whole output
+    (``token_ids``, ``text``). ``logprobs`` holds one entry per token of ``new_token_ids``
+    (``llmc.runtime.sampling.TokenLogprobs``) when the request asked for them.
+    """
+
+    request_id: int
+    new_token_ids: list[int]
+    new_text: str
+    is_final: bool = False
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    error_code: int | None = None
+    """The exit code of the error's llmc.errors class (RequestError: 8)."""
+    logprobs: list[Any] | None = None
+    token_ids: list[int] | None = None
+    """Final response only: every output token id."""
+    text: str | None = None
+    """Final response only: the whole output text."""
+
+
+@dataclass
+class RequestOutput:
+    """The result of one request of ``Executor.generate``."""
+
+    request_id: int
+    prompt: Any
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None
+    error: str | None
+    error_code: int | None
+    logprobs: list[Any] | None
+    record: RequestRecord
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass
+class ExecutorParts:
+    """Components for an Executor built by hand: ``runner.step(batch)`` → an object with
+    ``token_ids`` (one per sampled sequence, batch order), ``logprobs`` and ``phase_times``."""
+
+    runner: Any
+    scheduler: Any
+    vocab_size: int
+    tokenizer: Any = None
