@@ -35,9 +35,11 @@ def fmt(value: Any, spec: str = ",.2f", scale: float = 1.0, suffix: str = "") ->
     if isinstance(value, bool):
         return "yes" if value else "no"
     if isinstance(value, (int, float)):
-        v = value * scale
         if isinstance(value, int) and scale == 1.0:
-            return f"{v:,}{suffix}"
+            return f"{value:,}{suffix}"
+        v = value * scale
+        if spec == ",.2f" and v != 0 and abs(v) < 1:
+            spec = ".3g"  # small numbers keep three significant digits
         return f"{v:{spec}}{suffix}"
     return str(value)
 
@@ -211,7 +213,11 @@ def throughput_section(result: dict[str, Any]) -> Table:
     _row(t, "Total tokens/s", result, a + "total_tokens_per_s", has_peer)
     _row(t, "Per-user tokens/s (mean)", result, a + "per_user_tokens_per_s.mean", has_peer)
     _row(t, "Duration (s)", result, a + "duration_s", has_peer, spec=",.3f")
-    _row(t, "Completed / failed", result, a + "num_completed", has_peer)
+    done = [
+        fmt(dig(r, "aggregates.num_completed")) + " / " + fmt(dig(r, "aggregates.num_failed"))
+        for r in (result, result.get("peer") or {})
+    ]
+    t.add_row("Completed / failed", done[0], *([done[1], ""] if has_peer else []))
     ach = result.get("achieved") or {}
     ceil = result.get("ceilings") or {}
     src = ceil.get("source", "no ceilings measured")
