@@ -67,7 +67,9 @@ paged_attention_kernel(const scalar_t* __restrict__ q, const scalar_t* __restric
     const int q0 = cu_seqlens_q[s];
     const int ql = cu_seqlens_q[s + 1] - q0;
     const int sl = seq_lens[s];
-    const int kv_len = sl <= 0 ? 0 : sl - ql + (t - q0) + 1;
+    // rows past the last sequence's tokens (padding) attend to nothing -> zeros
+    const bool live = sl > 0 && t - q0 < ql;
+    const int kv_len = live ? sl - ql + (t - q0) + 1 : 0;
     const int chunk = (kv_len + nsplit - 1) / nsplit;
     const int kbeg = split * chunk;
     const int kend = min(kv_len, kbeg + chunk);

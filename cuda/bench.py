@@ -1,0 +1,323 @@
+"""``python -m llmc.cuda.bench``: each kernel's achieved rate beside the measured ceilings.
+
+Measures the device-to-device copy bandwidth (bytes read + written) and the bf16 matmul
+rate once per run, then times every CudaBackend kernel on random inputs at the issue's
+shapes (CUDA events, warm-up, median of repeats; tensors of 64 MB and up, so L2 does not
+serve them) and prints a table: achieved GB/s (memory-bound kernels) or TFLOP/s
+(prefill attention), the fraction of the ceiling, and the target of issue 4. Writes JSON
+(``--json PATH``, default ``$OUT/kernel_bench.json`` when OUT is set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DEV = torch.device("cuda")
+BF16 = torch.bfloat16
+
+
+def time_ms(fn: Callable[[], Any], repeats: int = 20, warmup: int = 3) -> float:
+    """Median milliseconds of ``fn`` over ``repeats`` event-timed runs."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def ceilings() -> dict[str, float]:
+    n = 1 << 30  # 1 GiB each way
+    src = torch.randn(n // 4, device=DEV)
+    dst = torch.empty_like(src)
+    copy_ms = time_ms(lambda: dst.copy_(src))
+    m = 8192
+    a = torch.randn(m, m, device=DEV).to(BF16)
+    b = torch.randn(m, m, device=DEV).to(BF16)
+    mm_ms = time_ms(lambda: a @ b, repeats=10)
+    return {"copy_GBps": 2 * n / copy_ms / 1e6, "matmul_TFLOPs": 2 * m**3 / mm_ms / 1e9}
+
+
+def paged_kv(batch: int, ctx: int, nkv: int, hd: int, bs: int):
+    from llmc.runtime.backend import AttentionMetadata
+
+    nb_seq = math.ceil(ctx / bs)
+    nblocks = batch * nb_seq
+    perm = torch.randperm(nblocks, device=DEV).to(torch.int32).view(batch, nb_seq)
+    kc = torch.randn(nblocks, bs, nkv, hd, device=DEV).to(BF16)
+    vc = torch.randn(nblocks, bs, nkv, hd, device=DEV).to(BF16)
+    return kc, vc, perm, AttentionMetadata
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from llmc.cuda.cuda_backend import CudaBackend
+
+    torch.manual_seed(0)
+    be = CudaBackend(DEV, max_num_seqs=256)
+    ceil = ceilings()
+    bw, mm = ceil["copy_GBps"], ceil["matmul_TFLOPs"]
+    rows: list[dict[str, Any]] = []
+
+    def mem_row(name, shape, nbytes, ms, target):
+        gbps = nbytes / ms / 1e6
+        rows.append(
+            dict(
+                kernel=name,
+                shape=shape,
+                ms=ms,
+                MB=nbytes / 1e6,
+                achieved=gbps,
+                unit="GB/s",
+                fraction=gbps / bw,
+                target=target,
+            )
+        )
+
+    # RMSNorm / fused add + RMSNorm: 16384 x 4096 bf16 (128 MiB per tensor)
+    t, h = 16384, 4096
+    x = torch.randn(t, h, device=DEV).to(BF16)
+    res = torch.randn(t, h, device=DEV).to(BF16)
+    w = torch.randn(h, device=DEV).to(BF16)
+    out = torch.empty_like(x)
+    mem_row(
+        "rms_norm",
+        f"{t}x{h} bf16",
+        2 * x.nbytes,
+        time_ms(lambda: be.rms_norm(x, w, 1e-5, out)),
+        0.8,
+    )
+    mem_row(
+        "add_rms_norm",
+        f"{t}x{h} bf16",
+        4 * x.nbytes,
+        time_ms(lambda: be.add_rms_norm(x, res, w, 1e-5, out)),
+        0.8,
+    )
+    ids = torch.randint(0, 32000, (t,), device=DEV)
+    table = torch.randn(32000, h, device=DEV).to(BF16)
+    mem_row(
+        "embedding",
+        f"{t} ids x {h} bf16",
+        2 * x.nbytes,
+        time_ms(lambda: be.embedding(ids, table, out)),
+        None,
+    )
+
+    # SiLU-and-mul: 4096 x 2*14336 bf16 in (235 MB), 117 MB out
+    t, i = 4096, 14336
+    gu = torch.randn(t, 2 * i, device=DEV).to(BF16)
+    act = torch.empty(t, i, device=DEV, dtype=BF16)
+    mem_row(
+        "silu_and_mul",
+        f"{t}x{2 * i} bf16",
+        gu.nbytes + act.nbytes,
+        time_ms(lambda: be.silu_and_mul(gu, act)),
+        0.8,
+    )
+
+    # RoPE + KV write: 16384 tokens, GQA 32/8, head_dim 128, bf16 (201 MB qkv)
+    t, nq, nkv, hd, bs = 16384, 32, 8, 128, 32
+    qkv = torch.randn(t, (nq + 2 * nkv) * hd, device=DEV).to(BF16)
+    pos = torch.randint(0, 8192, (t,), device=DEV)
+    inv = 1.0 / (500000.0 ** (torch.arange(0, hd, 2, device=DEV).float() / hd))
+    f = torch.arange(8192, device=DEV).float()[:, None] * inv[None]
+    cos, sin = f.cos().contiguous(), f.sin().contiguous()
+    nblk = t // bs + 8
+    kc = torch.empty(nblk, bs, nkv, hd, device=DEV, dtype=BF16)
+    vc = torch.empty_like(kc)
+    slots = torch.randperm(nblk * bs, device=DEV)[:t]
+    qo = torch.empty(t, nq, hd, device=DEV, dtype=BF16)
+    mem_row(
+        "rope_kv_write",
+        f"{t} tok 32/8x128 bf16",
+        2 * qkv.nbytes,
+        time_ms(lambda: be.rope_and_cache_write(qkv, pos, cos, sin, kc, vc, slots, qo)),
+        0.8,
+    )
+
+    # Decode attention: batch 64 x 4096 context, GQA 32/8, head_dim 128, bf16 KV
+    from llmc.runtime.backend import AttentionMetadata
+
+    batch, ctx = 64, 4096
+    nb_seq = ctx // bs
+    kc = torch.randn(batch * nb_seq, bs, nkv, hd, device=DEV).to(BF16)
+    vc = torch.randn_like(kc, dtype=torch.float32).to(BF16)
+    tables = torch.randperm(batch * nb_seq, device=DEV).to(torch.int32).view(batch, nb_seq)
+    meta = AttentionMetadata(
+        positions=torch.full((batch,), ctx - 1, device=DEV),
+        slot_mapping=torch.zeros(batch, dtype=torch.int64, device=DEV),
+        cu_seqlens_q=torch.arange(batch + 1, dtype=torch.int32, device=DEV),
+        seq_lens=torch.full((batch,), ctx, dtype=torch.int32, device=DEV),
+        block_tables=tables.contiguous(),
+        num_decode_seqs=batch,
+        max_query_len=1,
+        max_seq_len=ctx,
+    )
+    q = torch.randn(batch, nq, hd, device=DEV).to(BF16)
+    ao = torch.empty(batch, nq * hd, device=DEV, dtype=BF16)
+    kv_bytes = kc.nbytes + vc.nbytes + 2 * q.nbytes
+    auto = be.num_splits(batch, nkv, ctx)
+    for splits in [None, 1, 2, 4, 8]:
+        be.force_splits = splits
+        ms = time_ms(lambda: be.attention(q, kc, vc, meta, ao))
+        name = f"decode_attention(splits={splits or auto}{' auto' if splits is None else ''})"
+        mem_row(name, f"{batch}x{ctx} 32/8x128 bf16", kv_bytes, ms, 0.7 if splits is None else None)
+    be.force_splits = None
+
+    # Prefill attention: 4096 tokens causal, one sequence, GQA 32/8, head_dim 128, bf16
+    for tq in (4096,):
+        nb = tq // bs
+        kc = torch.randn(nb, bs, nkv, hd, device=DEV).to(BF16)
+        vc = torch.randn(nb, bs, nkv, hd, device=DEV).to(BF16)
+        meta = AttentionMetadata(
+            positions=torch.arange(tq, device=DEV),
+            slot_mapping=torch.arange(tq, device=DEV),
+            cu_seqlens_q=torch.tensor([0, tq], dtype=torch.int32, device=DEV),
+            seq_lens=torch.tensor([tq], dtype=torch.int32, device=DEV),
+            block_tables=torch.arange(nb, dtype=torch.int32, device=DEV)[None].contiguous(),
+            num_decode_seqs=0,
+            max_query_len=tq,
+            max_seq_len=tq,
+        )
+        q = torch.randn(tq, nq, hd, device=DEV).to(BF16)
+        ao = torch.empty(tq, nq * hd, device=DEV, dtype=BF16)
+        flops = 4.0 * nq * hd * tq * (tq + 1) / 2
+        ms = time_ms(lambda q=q, kc=kc, vc=vc, meta=meta, ao=ao: be.attention(q, kc, vc, meta, ao))
+        tf = flops / ms / 1e9
+        rows.append(
+            dict(
+                kernel="prefill_attention",
+                shape=f"{tq} tok causal 32/8x128 bf16",
+                ms=ms,
+                achieved=tf,
+                unit="TFLOP/s",
+                fraction=tf / mm,
+                target=0.35,
+            )
+        )
+        # torch SDPA on contiguous K/V, for comparison (not paged)
+        qs = q.transpose(0, 1)[None]
+        ks = kc.view(tq, nkv, hd).transpose(0, 1)[None]
+        vs = vc.view(tq, nkv, hd).transpose(0, 1)[None]
+        try:
+            sdpa = torch.nn.functional.scaled_dot_product_attention
+            ms = time_ms(
+                lambda qs=qs, ks=ks, vs=vs, sdpa=sdpa: sdpa(
+                    qs, ks, vs, is_causal=True, enable_gqa=True
+                )
+            )
+            tf = flops / ms / 1e9
+            rows.append(
+                dict(
+                    kernel="torch_sdpa (reference point)",
+                    shape=f"{tq} tok causal",
+                    ms=ms,
+                    achieved=tf,
+                    unit="TFLOP/s",
+                    fraction=tf / mm,
+                    target=None,
+                )
+            )
+        except Exception as e:  # pragma: no cover - informational only
+            print("sdpa comparison skipped:", e)
+
+    # Sampling: 64 rows x 128256 vocab (time only)
+    from llmc.runtime.backend import SamplingMetadata
+
+    s, v = 64, 128256
+    logits = torch.randn(s, v, device=DEV) * 3
+    for label, k, p in (("sample(temperature)", 0, 1.0), ("sample(top_k=50,top_p=0.9)", 50, 0.9)):
+        sm = SamplingMetadata(
+            temperature=torch.full((s,), 0.8, device=DEV),
+            top_k=torch.full((s,), k, dtype=torch.int32, device=DEV),
+            top_p=torch.full((s,), p, device=DEV),
+            min_p=torch.zeros(s, device=DEV),
+            seeds=torch.arange(s, device=DEV),
+            offsets=torch.zeros(s, dtype=torch.int64, device=DEV),
+            repetition_penalty=torch.ones(s, device=DEV),
+            presence_penalty=torch.zeros(s, device=DEV),
+            frequency_penalty=torch.zeros(s, device=DEV),
+        )
+        ms = time_ms(lambda sm=sm: be.sample(logits, sm), repeats=10)
+        mem_row(label, f"{s}x{v} f32", logits.nbytes, ms, None)
+
+    return {
+        "device": torch.cuda.get_device_name(),
+        "ceilings": ceil,
+        "kernels": rows,
+        "commit": _commit(),
+        "date": time.strftime("%Y-%m-%d"),
+        "command": " ".join(sys.argv),
+    }
+
+
+def _commit() -> str:
+    try:
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                capture_output=True,
+                text=True,
+                cwd=Path(__file__).parent,
+            ).stdout.strip()
+            or "unknown"
+        )
+    except OSError:
+        return "unknown"
+
+
+def render(res: dict[str, Any]) -> str:
+    c = res["ceilings"]
+    lines = [
+        f"device {res['device']}  commit {res['commit']}  "
+        f"copy {c['copy_GBps']:.0f} GB/s  bf16 matmul {c['matmul_TFLOPs']:.0f} TFLOP/s",
+        f"{'kernel':40s} {'shape':28s} {'ms':>8s} {'achieved':>14s} {'of ceil':>8s} "
+        f"{'target':>7s} ok",
+    ]
+    for r in res["kernels"]:
+        tgt = r["target"]
+        ok = "" if tgt is None else ("yes" if r["fraction"] >= tgt else "NO")
+        lines.append(
+            f"{r['kernel']:40s} {r['shape']:28s} {r['ms']:8.3f} "
+            f"{r['achieved']:9.1f} {r['unit']:>4s} {100 * r['fraction']:7.1f}% "
+            f"{'' if tgt is None else f'{100 * tgt:.0f}%':>7s} {ok}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    default = Path(os.environ["OUT"]) / "kernel_bench.json" if os.environ.get("OUT") else None
+    ap.add_argument("--json", type=Path, default=default, help="write results here")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("llmc.cuda.bench: no CUDA device; nothing to measure")
+        return 0
+    res = run(args)
+    print(render(res))
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

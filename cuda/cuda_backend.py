@@ -1,0 +1,344 @@
+"""CudaBackend: the Backend protocol on llmc's CuPy RawKernels plus cuBLAS matmuls.
+
+Every kernel is launched on torch's *current* stream (``cupy.cuda.ExternalStream`` over
+``torch.cuda.current_stream().cuda_stream``), so torch and CuPy work interleave in order
+and a step can be captured in a CUDA graph. Tensors are passed by ``data_ptr``; results go
+into the caller's ``out=`` workspace views. Launches never allocate, synchronise or read
+device values on the host: the only device memory the backend owns is the flash-decoding
+partials buffer and the sampled-token buffer, allocated by ``reserve`` (called lazily on
+first use: call it, or run one eager step, before capturing graphs).
+
+Kernel constants (dtype, head_dim, query / kv heads) are read from the tensors of each
+call; kernels of each config come from the engine's ``kernels/`` cubins when present,
+else NVRTC (``llmc.cuda.kernels.KernelLibrary``). Matrix products are torch.mm/addmm.
+
+Limits of the current kernels: contiguous tensors with 16-byte-aligned bases for the
+vector paths (unaligned views raise), q/k/v and cache of one dtype, cos/sin float32.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+from llmc.cuda.kernels import KernelConfig, KernelLibrary
+from llmc.runtime.backend import AttentionMetadata, SamplingMetadata
+
+from llmc.errors import UnsupportedError
+
+_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+LOG2E = 1.4426950408889634
+MAX_SPLITS = 32
+SPLIT_ROWS_PER_SEQ = 8  # partials budget: max_num_seqs * 8 (token, split) rows
+
+
+def _p(t: torch.Tensor) -> np.uint64:
+    return np.uint64(t.data_ptr())
+
+
+def _i(v: int) -> np.int32:
+    return np.int32(v)
+
+
+def _aligned(*ts: torch.Tensor) -> bool:
+    return all(t.data_ptr() % 16 == 0 for t in ts)
+
+
+def _need(t: torch.Tensor, name: str, dtype: torch.dtype | None = None) -> None:
+    if not t.is_cuda or not t.is_contiguous():
+        raise UnsupportedError(f"CudaBackend: {name} must be a contiguous CUDA tensor")
+    if dtype is not None and t.dtype != dtype:
+        raise UnsupportedError(f"CudaBackend: {name} must be {dtype}, got {t.dtype}")
+
+
+class CudaBackend:
+    """Backend on CuPy kernels. ``kernels_dir``: an engine's cubins (None = NVRTC)."""
+
+    name = "cuda"
+
+    def __init__(
+        self,
+        device: torch.device | str = "cuda",
+        kernels_dir: Any = None,
+        max_num_seqs: int = 256,
+    ) -> None:
+        import cupy
+
+        self.device = torch.device(device)
+        if self.device.type != "cuda":
+            raise UnsupportedError(f"CudaBackend needs a CUDA device, got {device!r}")
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.kernels_dir = kernels_dir
+        self.max_num_seqs = max_num_seqs
+        self._cp = cupy
+        self._cp_device = cupy.cuda.Device(self.device.index)
+        self._libs: dict[KernelConfig, KernelLibrary] = {}
+        self._streams: dict[int, Any] = {}
+        self._sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self._part_acc: torch.Tensor | None = None
+        self._part_ml: torch.Tensor | None = None
+        self._tokens: torch.Tensor | None = None
+        self.force_splits: int | None = None  # benchmark override of num_splits
+
+    # ---- plumbing ------------------------------------------------------------------
+    def _lib(self, dtype: torch.dtype, hd: int = 2, nq: int = 1, nkv: int = 1) -> KernelLibrary:
+        if dtype not in _DTYPES:
+            raise UnsupportedError(f"CudaBackend: dtype {dtype} is not supported")
+        cfg = KernelConfig(_DTYPES[dtype], hd, nq, nkv)
+        lib = self._libs.get(cfg)
+        if lib is None:
+            lib = self._libs[cfg] = KernelLibrary(cfg, self.kernels_dir)
+        return lib
+
+    def _launch(self, kernel: Any, grid: tuple, block: tuple, args: tuple) -> None:
+        ptr = torch.cuda.current_stream(self.device).cuda_stream
+        stream = self._streams.get(ptr)
+        if stream is None:
+            stream = self._streams[ptr] = self._cp.cuda.ExternalStream(ptr, self.device.index)
+        with self._cp_device, stream:
+            kernel(grid, block, args)
+
+    def reserve(self, max_num_seqs: int, num_q_heads: int, head_dim: int, vocab_rows: int = 0):
+        """Allocate the decode partials and token buffers (before any graph capture)."""
+        rows = max_num_seqs * SPLIT_ROWS_PER_SEQ * num_q_heads
+        if self._part_acc is None or self._part_acc.numel() < rows * head_dim:
+            self._part_acc = torch.empty(rows * head_dim, dtype=torch.float32, device=self.device)
+            self._part_ml = torch.empty(rows * 2, dtype=torch.float32, device=self.device)
+        n = max(max_num_seqs, vocab_rows)
+        if self._tokens is None or self._tokens.numel() < n:
+            self._tokens = torch.empty(n, dtype=torch.int64, device=self.device)
+
+    # ---- ops -----------------------------------------------------------------------
+    def embedding(
+        self, ids: torch.Tensor, table: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        _need(ids, "ids", torch.int64)
+        _need(table, "embedding table")
+        t, h = ids.shape[0], table.shape[1]
+        if out is None:
+            out = torch.empty(t, h, dtype=table.dtype, device=self.device)
+        if t == 0:
+            return out
+        vec_ok = (h * table.element_size()) % 16 == 0 and _aligned(table, out)
+        k = self._lib(table.dtype).get("embedding", "embedding_kernel")
+        args = (_p(ids), _p(table), _p(out), _i(t), _i(h), np.int64(table.shape[0]), _i(vec_ok))
+        self._launch(k, (min(t, 65535),), (128,), args)
+        return out
+
+    def _rms(self, x, residual, weight, eps, out) -> torch.Tensor:
+        _need(x, "x")
+        _need(weight, "norm weight", x.dtype)
+        t, h = x.shape
+        if out is None:
+            out = torch.empty_like(x)
+        if t == 0:
+            return out
+        vec = 16 // x.element_size()
+        ts = (x, weight, out) + ((residual,) if residual is not None else ())
+        vec_ok = h % vec == 0 and _aligned(*ts)
+        per = math.ceil(h / vec / 4) if vec_ok else h
+        block = min(1024, max(32, (per + 31) // 32 * 32))
+        k = self._lib(x.dtype).get("rmsnorm", "rms_norm_kernel")
+        res = residual if residual is not None else x
+        args = (
+            _p(x), _p(res), _p(weight), _p(out), _i(t), _i(h), np.float32(eps),
+            _i(residual is not None), _i(vec_ok),
+        )  # fmt: skip
+        self._launch(k, (min(t, 65535),), (block,), args)
+        return out
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return self._rms(x, None, weight, eps, out)
+
+    def add_rms_norm(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        _need(residual, "residual", x.dtype)
+        return self._rms(x, residual, weight, eps, out), residual
+
+    def linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if out is None:
+            return torch.nn.functional.linear(x, weight, bias)
+        if out.dtype != x.dtype:  # e.g. float32 logits from 16-bit weights
+            out.copy_(torch.nn.functional.linear(x, weight, bias))
+            return out
+        if bias is None:
+            return torch.mm(x, weight.t(), out=out)
+        return torch.addmm(bias, x, weight.t(), out=out)
+
+    def rope_and_cache_write(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        _need(qkv, "qkv")
+        _need(positions, "positions", torch.int64)
+        _need(slot_mapping, "slot_mapping", torch.int64)
+        _need(cos, "cos", torch.float32)
+        _need(sin, "sin", torch.float32)
+        _need(k_cache, "k_cache", qkv.dtype)
+        _need(v_cache, "v_cache", qkv.dtype)
+        nkv, hd = k_cache.shape[2], k_cache.shape[3]
+        t = qkv.shape[0]
+        nq = qkv.shape[1] // hd - 2 * nkv
+        out = torch.empty(t, nq, hd, dtype=qkv.dtype, device=self.device) if out is None else out
+        out = out.view(t, nq, hd)
+        if not _aligned(qkv, k_cache, v_cache, out):
+            raise UnsupportedError(
+                "CudaBackend.rope_and_cache_write: tensors must be 16-byte aligned"
+            )
+        if t == 0:
+            return out
+        k = self._lib(qkv.dtype, hd, nq, nkv).get("rope_kv", "rope_kv_kernel")
+        args = (
+            _p(qkv), _p(positions), _p(cos), _p(sin), _p(k_cache), _p(v_cache),
+            _p(slot_mapping), _p(out), _i(t), _i(cos.shape[0]),
+        )  # fmt: skip
+        self._launch(k, (min(t, 65535),), (128,), args)
+        return out
+
+    def num_splits(self, num_decode: int, num_kv_heads: int, max_seq_len: int) -> int:
+        """Flash-decoding splits: enough CTAs for ~12 per SM, >= 256 keys per split."""
+        if self.force_splits:
+            return max(1, min(self.force_splits, MAX_SPLITS))
+        ctas = max(1, num_decode * num_kv_heads)
+        want = math.ceil(12 * self._sm_count / ctas)
+        budget = (self.max_num_seqs * SPLIT_ROWS_PER_SEQ) // max(1, num_decode)
+        return max(1, min(want, max(1, max_seq_len // 256), MAX_SPLITS, budget))
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        _need(q, "q")
+        _need(k_cache, "k_cache", q.dtype)
+        _need(v_cache, "v_cache", q.dtype)
+        for name in ("cu_seqlens_q", "seq_lens", "block_tables"):
+            _need(getattr(meta, name), name, torch.int32)
+        t, nq, hd = q.shape
+        nkv, bs = k_cache.shape[2], k_cache.shape[1]
+        if out is None:
+            out = torch.empty(t, nq * hd, dtype=q.dtype, device=self.device)
+        if not _aligned(q, k_cache, v_cache, out):
+            raise UnsupportedError("CudaBackend.attention: tensors must be 16-byte aligned")
+        b = meta.seq_lens.shape[0]
+        nd = meta.num_decode_seqs
+        if t == 0 or b == 0:
+            return out
+        if self._part_acc is None or self._part_acc.numel() < (
+            self.max_num_seqs * SPLIT_ROWS_PER_SEQ * nq * hd
+        ):
+            self.reserve(self.max_num_seqs, nq, hd)
+        lib = self._lib(q.dtype, hd, nq, nkv)
+        mbps = meta.block_tables.shape[1]
+        scale = LOG2E / math.sqrt(hd)
+        paged = lib.get("decode_attention", "paged_attention_kernel")
+        common = (_p(q), _p(k_cache), _p(v_cache), _p(meta.block_tables), _i(mbps), _i(bs))
+        if nd > 0:
+            splits = self.num_splits(nd, nkv, meta.max_seq_len)
+            args = common + (
+                _p(meta.seq_lens), _p(meta.cu_seqlens_q), _i(b), _i(0), _i(1), _p(out),
+                _p(self._part_acc), _p(self._part_ml), np.float32(scale),
+            )  # fmt: skip
+            self._launch(paged, (nd, nkv, splits), (128,), args)
+            if splits > 1:
+                red = lib.get("decode_attention", "attention_reduce_kernel")
+                red_args = (_p(self._part_acc), _p(self._part_ml), _i(splits), _i(0), _p(out))
+                self._launch(red, (nd, nq), (min(1024, (hd + 31) // 32 * 32),), red_args)
+        if b > nd and t > nd:
+            if lib.cfg.tensor_core_prefill:
+                g = nq // nkv
+                tiles = math.ceil(meta.max_query_len * g / 64)
+                pre = lib.get("prefill_attention", "prefill_attention_kernel")
+                args = common + (
+                    _p(meta.seq_lens),
+                    _p(meta.cu_seqlens_q),
+                    _i(nd),
+                    _p(out),
+                    np.float32(scale),
+                )
+                self._launch(pre, (tiles, b - nd, nkv), (128,), args)
+            else:
+                args = common + (
+                    _p(meta.seq_lens), _p(meta.cu_seqlens_q), _i(b), _i(nd), _i(0), _p(out),
+                    _p(out), _p(out), np.float32(scale),
+                )  # fmt: skip
+                self._launch(paged, (t - nd, nkv, 1), (128,), args)
+        return out
+
+    def silu_and_mul(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        _need(x, "x")
+        t, i2 = x.shape
+        i = i2 // 2
+        if out is None:
+            out = torch.empty(t, i, dtype=x.dtype, device=self.device)
+        if t == 0:
+            return out
+        vec = 16 // x.element_size()
+        vec_ok = i % vec == 0 and _aligned(x, out)
+        per = i // vec if vec_ok else i
+        k = self._lib(x.dtype).get("activation", "silu_and_mul_kernel")
+        args = (_p(x), _p(out), _i(t), _i(i), _i(vec_ok))
+        self._launch(k, (math.ceil(per / 256), min(t, 65535)), (256,), args)
+        return out
+
+    def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """Token ids [S] int64: a view of a buffer the next call overwrites."""
+        _need(logits, "logits", torch.float32)
+        s, v = logits.shape
+        if self._tokens is None or self._tokens.numel() < s:
+            self._tokens = torch.empty(
+                max(s, self.max_num_seqs), dtype=torch.int64, device=self.device
+            )
+        out = self._tokens[:s]
+        if s == 0:
+            return out
+        checks = (
+            ("temperature", torch.float32), ("top_k", torch.int32), ("top_p", torch.float32),
+            ("min_p", torch.float32), ("seeds", torch.int64), ("offsets", torch.int64),
+            ("repetition_penalty", torch.float32), ("presence_penalty", torch.float32),
+            ("frequency_penalty", torch.float32),
+        )  # fmt: skip
+        for name, dt in checks:
+            _need(getattr(meta, name), name, dt)
+        has_pen = meta.output_counts is not None
+        if has_pen:
+            _need(meta.output_counts, "output_counts", torch.int32)
+            _need(meta.prompt_mask, "prompt_mask", torch.bool)
+        counts = meta.output_counts if has_pen else logits
+        pmask = meta.prompt_mask if has_pen else logits
+        k = self._lib(torch.float32).get("sampling", "sample_kernel")
+        args = (
+            _p(logits), _i(v), _p(meta.temperature), _p(meta.top_k), _p(meta.top_p),
+            _p(meta.min_p), _p(meta.seeds), _p(meta.offsets), _p(meta.repetition_penalty),
+            _p(meta.presence_penalty), _p(meta.frequency_penalty), _p(counts), _p(pmask),
+            _i(has_pen), _p(out),
+        )  # fmt: skip
+        self._launch(k, (s,), (512,), args)
+        return out

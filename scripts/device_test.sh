@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# What `make device-test` runs ON THE H200 IMAGE (python3.12, torch, cupy; no registry):
+# install llmc from this checkout (no deps), run the GPU tests (pytest -m cuda), then the
+# kernel benchmark. Logs and a summary land under $OUT (default ./device-out).
+# Exit status: non-zero when the install or any GPU test failed.
+set -u
+OUT=${OUT:-device-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PY=${PY:-python3}
+status=0
+
+{ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
+  $PY -c 'import torch, cupy; print("torch", torch.__version__, "cupy", cupy.__version__)'
+  which nvcc && nvcc --version | tail -1; } > "$OUT/env.txt" 2>&1
+
+if ! $PY -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1; then
+    echo "install failed; see install.log"; tail -20 "$OUT/install.log"; exit 1
+fi
+
+$PY -m pytest -m cuda -o addopts="" -q -p no:cacheprovider --continue-on-collection-errors \
+    --junitxml "$OUT/pytest.xml" ${PYTEST_ARGS:-tests} > "$OUT/pytest.log" 2>&1 || status=1
+
+if [ "${SKIP_BENCH:-0}" != "1" ]; then
+    $PY -m llmc.cuda.bench --json "$OUT/kernel_bench.json" > "$OUT/bench.txt" 2>&1 || status=1
+fi
+
+{ echo "== env"; cat "$OUT/env.txt"
+  echo "== pytest -m cuda (failures first)"
+  grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -40
+  tail -3 "$OUT/pytest.log"
+  echo "== kernel benchmark"; cat "$OUT/bench.txt" 2>/dev/null | tail -30; } > "$OUT/summary.txt"
+cat "$OUT/summary.txt"
+exit $status
