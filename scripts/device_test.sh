@@ -4,8 +4,13 @@
 # kernel benchmark. Logs and a summary land under $OUT (default ./device-out).
 # Exit status: non-zero when the install or any GPU test failed.
 set -u
-OUT=${OUT:-device-out}
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+OUT=${OUT:-$REPO/device-out}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+# Run Python outside the checkout: its top-level cuda/ folder would shadow NVIDIA's `cuda`
+# package (cuda.pathfinder, which cupy imports) when the working directory is on sys.path.
+cd "$(mktemp -d)"
 export PYTHONUNBUFFERED=1
 PY=${PY:-python3}
 status=0
@@ -14,12 +19,13 @@ status=0
   $PY -c 'import torch, cupy; print("torch", torch.__version__, "cupy", cupy.__version__)'
   which nvcc && nvcc --version | tail -1; } > "$OUT/env.txt" 2>&1
 
-if ! $PY -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1; then
+if ! $PY -m pip install -q --no-deps --no-build-isolation -e "$REPO" > "$OUT/install.log" 2>&1; then
     echo "install failed; see install.log"; tail -20 "$OUT/install.log"; exit 1
 fi
 
 $PY -m pytest -m cuda -o addopts="" -q -p no:cacheprovider --continue-on-collection-errors \
-    --junitxml "$OUT/pytest.xml" ${PYTEST_ARGS:-tests} > "$OUT/pytest.log" 2>&1 || status=1
+    --rootdir "$REPO" -c "$REPO/pyproject.toml" --junitxml "$OUT/pytest.xml" \
+    ${PYTEST_ARGS:-$REPO/tests} > "$OUT/pytest.log" 2>&1 || status=1
 
 if [ "${SKIP_BENCH:-0}" != "1" ]; then
     $PY -m llmc.cuda.bench --json "$OUT/kernel_bench.json" > "$OUT/bench.txt" 2>&1 || status=1
