@@ -46,7 +46,7 @@ def buffer_sets(draw):
     return out
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(buffer_sets())
 def test_packing_never_overlaps_live_buffers(buffers):
     placed, packed, naive = pack_buffers(buffers)
