@@ -264,6 +264,27 @@ def test_newest_preempts_itself_when_it_is_the_one_short() -> None:
     assert len(a.output_token_ids) == 6 and len(b.output_token_ids) == 6
 
 
+def test_no_admission_in_a_step_that_preempted() -> None:
+    s = make(num_blocks=5, tpb=4, max_batch_size=2, policy="max_utilization", reuse=False)
+    a, b = mkseq(0, 8, max_new=12), mkseq(1, 4, max_new=8)
+    s.add(a)
+    s.add(b)
+    step(s)
+    c = mkseq(2, 2, max_new=1, priority=1)  # waits: the batch is full
+    s.add(c)
+    for _ in range(10):
+        batch, _ = step(s)
+        if batch.preempted_request_ids:
+            break
+    assert batch.preempted_request_ids == (1,)
+    assert shape(batch) == [(0, 12, 1, True)]  # room for c now, but memory is tight: wait
+    assert [q.request_id for q in s.waiting()] == [2, 1]
+    batch, _ = step(s)
+    assert shape(batch) == [(0, 13, 1, True), (2, 0, 2, True)]
+    run_all(s)
+    assert [len(q.output_token_ids) for q in (a, b, c)] == [12, 8, 1]
+
+
 def test_prefix_reuse_through_the_scheduler() -> None:
     s = make(num_blocks=32, tpb=4)
     shared = list(range(100, 112))  # 3 full blocks
