@@ -1,0 +1,353 @@
+"""ModelRunner: one engine step on a Backend — flattened tokens in, sampled token ids out.
+
+Per ``step(batch)``:
+1. prepare: order the sequences decode-first (one-token sequences first, then the rest in
+   batch order), flatten their new tokens with no padding, compute positions, cache slots
+   (from each ``seq.block_table``, allocated by the KVCacheManager before the step), the
+   sequences' offsets/context lengths/block tables, the rows to sample and the sampling
+   columns; stage all of it in one host buffer and send it with ONE host→device copy,
+   then copy each section into its static workspace buffer (device-to-device).
+2. forward: embed → per layer [norm, qkv, rope + KV write, paged attention, o_proj,
+   add+norm, gate_up, silu·mul, down, (add+norm fused with the next layer's norm)] →
+   final add+norm → gather the sampled rows → lm_head (embed_tokens when tied) → logits.
+   Every op writes into a view of the workspace arena (the memory plan's offsets).
+3. sample: ``backend.sample`` → ``sampled_ids``; ONE device→host copy returns the ids (and,
+   when a row asked for them, the log-probabilities packed in the same copy).
+
+Invariants: tokens are returned in the batch's order (one per sequence with ``sample``);
+the KV-cache tensors (``kv_cache``) are written only at the step's slots; on CUDA the only
+synchronisation is the final device→host copy, so ``phase_times['forward']`` measures
+launch time there and ``'sample'`` includes waiting for the device. Nothing is allocated on
+the device inside a step except torch-internal temporaries of the reference ops and, only
+when a row uses them, penalty counts and logprobs (documented in llmc.runtime.sampling).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from llmc.compiler.spec import ModelSpec
+from llmc.runtime import sampling as smp
+from llmc.runtime.backend import AttentionMetadata, Backend, SamplingMetadata
+from llmc.runtime.kv_tensors import KVCacheTensors, allocate_kv_cache
+from llmc.runtime.rope import cos_sin_tables
+from llmc.runtime.types import ScheduledBatch, ScheduledSequence
+from llmc.runtime.workspace import (
+    TORCH_DTYPES,
+    Staging,
+    Workspace,
+    WorkspaceTable,
+    check_table,
+    default_table,
+    expected_shapes,
+)
+
+from llmc.errors import ConfigError, EngineError, RequestError
+
+
+@dataclass
+class StepOutput:
+    """Result of one step: one token per sampled sequence, in the batch's order."""
+
+    token_ids: list[int]
+    logprobs: list[smp.TokenLogprobs | None] | None = None
+    phase_times: dict[str, float] = field(default_factory=dict)
+    """Seconds of 'prepare', 'forward' and 'sample'."""
+
+
+@dataclass
+class _StepInputs:
+    num_tokens: int
+    num_sampled: int
+    sampled: list[ScheduledSequence]
+    attn: AttentionMetadata
+    input_ids: torch.Tensor
+    logits_indices: torch.Tensor
+    sampling: SamplingMetadata | None
+
+
+class ModelRunner:
+    """Runs ScheduledBatches of one model on one Backend from static buffers."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        weights: dict[str, torch.Tensor],
+        *,
+        backend: Backend,
+        device: torch.device | str,
+        dtype: str,
+        max_num_tokens: int,
+        max_batch_size: int,
+        max_seq_len: int,
+        tokens_per_block: int,
+        num_kv_blocks: int,
+        workspace: WorkspaceTable | None = None,
+    ) -> None:
+        if dtype not in ("float32", "float16", "bfloat16"):
+            raise ConfigError(f"dtype {dtype!r} is not one of float32, float16, bfloat16")
+        limits = dict(
+            max_num_tokens=max_num_tokens,
+            max_batch_size=max_batch_size,
+            max_seq_len=max_seq_len,
+            tokens_per_block=tokens_per_block,
+            num_kv_blocks=num_kv_blocks,
+        )
+        for name, v in limits.items():
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+        self.spec = spec
+        self.backend = backend
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.max_num_tokens, self.max_batch_size = max_num_tokens, max_batch_size
+        self.max_seq_len, self.tokens_per_block = max_seq_len, tokens_per_block
+        self.max_blocks_per_seq = -(-max_seq_len // tokens_per_block)
+        self.weights = self._load_weights(weights)
+        self.kv_cache: KVCacheTensors = allocate_kv_cache(
+            spec, num_kv_blocks, tokens_per_block, TORCH_DTYPES[dtype], self.device
+        )
+        self.cos, self.sin = cos_sin_tables(spec, max_seq_len, self.device)
+        shape_args = (spec, dtype, max_num_tokens, max_batch_size, max_seq_len, tokens_per_block)
+        table = workspace if workspace is not None else default_table(*shape_args)
+        check_table(table, expected_shapes(*shape_args))
+        self.workspace = Workspace(table, self.device)
+        t, b = max_num_tokens, max_batch_size
+        stage_bytes = 8 * (3 * t + 3 * b) + 4 * (2 * b + 1 + b * self.max_blocks_per_seq)
+        stage_bytes += 4 * b * (1 + len(smp.FLOAT_COLUMNS)) + 8 * 32
+        self.staging = Staging(stage_bytes, self.device)
+        self._host_ids = torch.empty(b, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+
+    # ---- set-up --------------------------------------------------------------------
+    def _load_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        expected = self.spec.tensor_shapes()
+        dt = TORCH_DTYPES[self.dtype]
+        out: dict[str, torch.Tensor] = {}
+        for name, shape in expected.items():
+            if name not in weights:
+                raise EngineError(f"engine weights: tensor {name!r} is missing")
+            w = weights[name]
+            if tuple(w.shape) != shape:
+                raise EngineError(
+                    f"engine weights: tensor {name!r} has shape {list(w.shape)}, "
+                    f"expected {list(shape)}"
+                )
+            out[name] = w.to(device=self.device, dtype=dt).contiguous()
+        unexpected = sorted(set(weights) - set(expected))
+        if unexpected:
+            raise EngineError(f"engine weights: unexpected tensor {unexpected[0]!r}")
+        if self.spec.tie_word_embeddings:
+            out["lm_head"] = out["embed_tokens"]
+        return out
+
+    # ---- prepare -------------------------------------------------------------------
+    def _check(self, batch: ScheduledBatch) -> None:
+        if batch.num_tokens > self.max_num_tokens:
+            raise ConfigError(
+                f"step {batch.step_id}: {batch.num_tokens} tokens exceed max_num_tokens "
+                f"({self.max_num_tokens})"
+            )
+        if len(batch.sequences) > self.max_batch_size:
+            raise ConfigError(
+                f"step {batch.step_id}: {len(batch.sequences)} sequences exceed max_batch_size "
+                f"({self.max_batch_size})"
+            )
+        for s in batch.sequences:
+            rid, end = s.seq.request_id, s.start_position + s.num_new_tokens
+            if s.num_new_tokens <= 0 or s.start_position < 0 or end > s.seq.num_tokens:
+                raise RequestError(
+                    f"request {rid}: scheduled tokens [{s.start_position}, {end}) are not "
+                    f"within its {s.seq.num_tokens} known tokens"
+                )
+            if end > self.max_seq_len:
+                raise RequestError(
+                    f"request {rid}: position {end - 1} is beyond max_seq_len ({self.max_seq_len})"
+                )
+            if len(s.seq.block_table) * self.tokens_per_block < end:
+                raise RequestError(
+                    f"request {rid}: block table of {len(s.seq.block_table)} blocks cannot hold "
+                    f"{end} tokens (tokens_per_block={self.tokens_per_block})"
+                )
+
+    def _prepare(self, batch: ScheduledBatch) -> _StepInputs:
+        self._check(batch)
+        seqs = list(batch.sequences)
+        order = [s for s in seqs if s.num_new_tokens == 1]
+        order += [s for s in seqs if s.num_new_tokens != 1]
+        tpb = self.tokens_per_block
+        ids: list[np.ndarray] = []
+        positions: list[np.ndarray] = []
+        slots: list[np.ndarray] = []
+        cu, seq_lens, last_row = [0], [], {}
+        for s in order:
+            seq, a, n = s.seq, s.start_position, s.num_new_tokens
+            p = seq.prompt_token_ids
+            toks = p[a : a + n] if a + n <= len(p) else seq.all_token_ids[a : a + n]
+            pos = np.arange(a, a + n, dtype=np.int64)
+            table = np.asarray(seq.block_table[: -(-(a + n) // tpb)], dtype=np.int64)
+            ids.append(np.asarray(toks, dtype=np.int64))
+            positions.append(pos)
+            slots.append(table[pos // tpb] * tpb + pos % tpb)
+            last_row[id(s)] = cu[-1] + n - 1
+            cu.append(cu[-1] + n)
+            seq_lens.append(a + n)
+        flat_ids = np.concatenate(ids)
+        if flat_ids.min() < 0 or flat_ids.max() >= self.spec.vocab_size:
+            bad = next(
+                s
+                for s, x in zip(order, ids, strict=True)
+                if x.min() < 0 or x.max() >= self.spec.vocab_size
+            )
+            raise RequestError(
+                f"request {bad.seq.request_id}: token id outside the vocabulary "
+                f"[0, {self.spec.vocab_size})"
+            )
+        b = len(order)
+        nb = max(-(-n // tpb) for n in seq_lens)
+        tables = np.full((b, nb), -1, dtype=np.int32)
+        for i, s in enumerate(order):
+            blocks = s.seq.block_table[: -(-seq_lens[i] // tpb)]
+            tables[i, : len(blocks)] = blocks
+        sampled = [s for s in seqs if s.sample]
+        st = self.staging
+        st.begin()
+        st.add("input_ids", flat_ids, "int64")
+        st.add("positions", np.concatenate(positions), "int64")
+        st.add("slot_mapping", np.concatenate(slots), "int64")
+        st.add("logits_indices", [last_row[id(s)] for s in sampled], "int64")
+        st.add("cu_seqlens_q", cu, "int32")
+        st.add("seq_lens", seq_lens, "int32")
+        st.add("block_tables", tables.reshape(-1), "int32")
+        cols = smp.sampling_columns([s.seq for s in sampled])
+        for name in smp.INT64_COLUMNS:
+            st.add(name, cols[name], "int64")
+        for name in smp.INT32_COLUMNS:
+            st.add(name, cols[name], "int32")
+        for name in smp.FLOAT_COLUMNS:
+            st.add(name, cols[name], "float32")
+        dev = st.upload()
+        ws = self.workspace
+        t = len(flat_ids)
+        static = {}
+        for name in ("input_ids", "positions", "slot_mapping", "logits_indices"):
+            n = dev[name].shape[0]
+            static[name] = ws[name][:n]
+            static[name].copy_(dev[name])
+        for name in ("cu_seqlens_q", "seq_lens"):
+            static[name] = ws[name][: dev[name].shape[0]]
+            static[name].copy_(dev[name])
+        bt = ws["block_tables"].view(-1)[: b * nb].view(b, nb)
+        bt.copy_(dev["block_tables"].view(b, nb))
+        attn = AttentionMetadata(
+            positions=static["positions"],
+            slot_mapping=static["slot_mapping"],
+            cu_seqlens_q=static["cu_seqlens_q"],
+            seq_lens=static["seq_lens"],
+            block_tables=bt,
+            num_decode_seqs=sum(1 for s in order if s.num_new_tokens == 1),
+            max_query_len=max(s.num_new_tokens for s in order),
+            max_seq_len=max(seq_lens),
+            partial_out=ws["attn_partial_out"],
+            partial_lse=ws["attn_partial_lse"],
+        )
+        meta = None
+        if sampled:
+            meta = smp.build_metadata(
+                dev, [s.seq for s in sampled], self.spec.vocab_size, self.device
+            )
+        return _StepInputs(
+            num_tokens=t,
+            num_sampled=len(sampled),
+            sampled=sampled,
+            attn=attn,
+            input_ids=static["input_ids"],
+            logits_indices=static["logits_indices"],
+            sampling=meta,
+        )
+
+    # ---- forward -------------------------------------------------------------------
+    def _forward(self, inp: _StepInputs) -> torch.Tensor | None:
+        """Run the layers; returns logits [S, V] float32 (a workspace view) or None if S = 0."""
+        be, w, ws, spec = self.backend, self.weights, self.workspace, self.spec
+        t, s = inp.num_tokens, inp.num_sampled
+        eps = spec.rms_norm_eps
+        nq, hd = spec.num_heads, spec.head_dim
+        residual, normed = ws["residual"][:t], ws["normed"][:t]
+        qkv, q, attn_out = ws["qkv"][:t], ws["q"][:t], ws["attn_out"][:t]
+        proj_out, gate_up, act = ws["proj_out"][:t], ws["gate_up"][:t], ws["act"][:t]
+        meta = inp.attn
+        be.embedding(inp.input_ids, w["embed_tokens"], out=residual)
+        for i in range(spec.num_layers):
+            p = f"layers.{i}."
+            k_cache, v_cache = self.kv_cache.layer(i)
+            if i == 0:
+                be.rms_norm(residual, w[p + "input_norm"], eps, out=normed)
+            else:  # the previous layer's MLP residual add, fused with this layer's norm
+                be.add_rms_norm(proj_out, residual, w[p + "input_norm"], eps, out=normed)
+            be.linear(normed, w[p + "qkv_proj"], w.get(p + "qkv_bias"), out=qkv)
+            qh = be.rope_and_cache_write(
+                qkv,
+                meta.positions,
+                self.cos,
+                self.sin,
+                k_cache,
+                v_cache,
+                meta.slot_mapping,
+                out=q,
+            )
+            be.attention(qh.view(t, nq, hd), k_cache, v_cache, meta, out=attn_out)
+            be.linear(attn_out, w[p + "o_proj"], out=proj_out)
+            be.add_rms_norm(proj_out, residual, w[p + "post_attn_norm"], eps, out=normed)
+            be.linear(normed, w[p + "gate_up_proj"], out=gate_up)
+            be.silu_and_mul(gate_up, out=act)
+            be.linear(act, w[p + "down_proj"], out=proj_out)
+        if s == 0:
+            return None
+        be.add_rms_norm(proj_out, residual, w["final_norm"], eps, out=normed)
+        last_hidden = ws["last_hidden"][:s]
+        torch.index_select(normed, 0, inp.logits_indices, out=last_hidden)
+        logits = ws["logits"][:s]
+        be.linear(last_hidden, w["lm_head"], out=logits)
+        return logits
+
+    # ---- public --------------------------------------------------------------------
+    def forward_logits(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Logits [S, V] float32 of the sampled rows (batch order); a copy (for tests)."""
+        inp = self._prepare(batch)
+        logits = self._forward(inp)
+        if logits is None:
+            return torch.empty(0, self.spec.vocab_size, device=self.device)
+        return logits.clone()
+
+    def step(self, batch: ScheduledBatch) -> StepOutput:
+        """Compute one step; return the sampled token of each ``sample`` sequence."""
+        if batch.is_empty:
+            return StepOutput(token_ids=[], phase_times={})
+        t0 = time.perf_counter()
+        inp = self._prepare(batch)
+        t1 = time.perf_counter()
+        logits = self._forward(inp)
+        t2 = time.perf_counter()
+        times: dict[str, Any] = {"prepare": t1 - t0, "forward": t2 - t1}
+        if logits is None or inp.sampling is None:
+            times["sample"] = 0.0
+            return StepOutput(token_ids=[], phase_times=times)
+        s, meta = inp.num_sampled, inp.sampling
+        ids = self.backend.sample(logits, meta)
+        out_ids = self.workspace["sampled_ids"][:s]
+        out_ids.copy_(ids)
+        logprobs = None
+        if meta.num_logprobs is not None:
+            packed = smp.logprob_tensor(logits, meta, out_ids, meta.num_logprobs).cpu().tolist()
+            token_ids = [int(row[0]) for row in packed]
+            logprobs = smp.unpack_logprobs(packed, [x.seq for x in inp.sampled])
+        else:
+            host = self._host_ids[:s]
+            host.copy_(out_ids)
+            token_ids = host.tolist()
+        times["sample"] = time.perf_counter() - t2
+        return StepOutput(token_ids=token_ids, logprobs=logprobs, phase_times=times)

@@ -1,0 +1,177 @@
+"""Per-step sampling inputs from the scheduled sequences, and log-probabilities.
+
+The ModelRunner samples one row per ScheduledSequence with ``sample=True``. This module
+turns those sequences into the per-row columns of ``SamplingMetadata`` (host lists that the
+runner stages into its single host→device copy), builds the penalty count tensors when a
+row needs them, and computes log-probabilities of the sampled tokens.
+
+Invariants:
+- A row's seed is its request's ``SamplingParams.seed`` or, when None, a seed derived from
+  the request id (``derived_seed``); the RNG offset is the number of output tokens the
+  sequence already has. A row's token thus depends only on (seed, offset, its logits),
+  never on the other rows of the batch.
+- Seeds are taken modulo 2**64 and stored as the int64 with the same bits.
+- Penalty tensors exist only when some row has a non-neutral penalty (the common case costs
+  nothing); rows without penalties keep zero counts, which leaves their logits unchanged.
+- Log-probabilities are ``log_softmax`` of the *processed* logits each row samples from
+  (``llmc.cuda.reference.process_logits``: penalties, temperature, top-k/p, min-p; greedy
+  rows: penalties only), so a filtered-out token has logprob -inf.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+from llmc.cuda import reference as ref
+from llmc.runtime.backend import SamplingMetadata
+from llmc.runtime.types import SamplingParams, Sequence
+
+U64 = (1 << 64) - 1
+
+INT64_COLUMNS = ("seeds", "offsets")
+INT32_COLUMNS = ("top_k",)
+FLOAT_COLUMNS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
+
+
+def _to_int64(x: int) -> int:
+    x &= U64
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def splitmix64(x: int) -> int:
+    """Vigna's SplitMix64 output function of ``x`` (a uint64 as a Python int)."""
+    z = (x + 0x9E3779B97F4A7C15) & U64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & U64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & U64
+    return z ^ (z >> 31)
+
+
+def derived_seed(request_id: int) -> int:
+    """The seed of a request that gave none: splitmix64(request_id), as an int64."""
+    return _to_int64(splitmix64(request_id & U64))
+
+
+def row_seed(seq: Sequence) -> int:
+    """The int64 seed of one sequence's sampling stream."""
+    s = seq.sampling.seed
+    return _to_int64(s) if s is not None else derived_seed(seq.request_id)
+
+
+def uses_penalties(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def sampling_columns(seqs: Seq[Sequence]) -> dict[str, list]:
+    """Per-row host columns of SamplingMetadata, keyed by its field names."""
+    cols: dict[str, list] = {name: [] for name in INT64_COLUMNS + INT32_COLUMNS + FLOAT_COLUMNS}
+    for seq in seqs:
+        p = seq.sampling
+        cols["seeds"].append(row_seed(seq))
+        cols["offsets"].append(len(seq.output_token_ids))
+        cols["top_k"].append(p.top_k)
+        cols["temperature"].append(p.temperature)
+        cols["top_p"].append(p.top_p)
+        cols["min_p"].append(p.min_p)
+        cols["repetition_penalty"].append(p.repetition_penalty)
+        cols["presence_penalty"].append(p.presence_penalty)
+        cols["frequency_penalty"].append(p.frequency_penalty)
+    return cols
+
+
+def penalty_tensors(
+    seqs: Seq[Sequence], vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(output_counts [S, V] int32, prompt_mask [S, V] bool), or None when no row needs them.
+
+    Built on the device from one flat index list (one extra host→device copy, only on
+    steps where a row uses a penalty).
+    """
+    if not any(uses_penalties(s.sampling) for s in seqs):
+        return None
+    out_idx: list[int] = []
+    prompt_idx: list[int] = []
+    for row, seq in enumerate(seqs):
+        if not uses_penalties(seq.sampling):
+            continue
+        base = row * vocab_size
+        out_idx.extend(base + t for t in seq.output_token_ids)
+        prompt_idx.extend(base + t for t in seq.prompt_token_ids)
+    idx = torch.tensor(out_idx + prompt_idx, dtype=torch.int64).to(device, non_blocking=True)
+    n = len(seqs) * vocab_size
+    counts = torch.zeros(n, dtype=torch.int32, device=device)
+    counts.index_add_(
+        0, idx[: len(out_idx)], torch.ones_like(idx[: len(out_idx)], dtype=torch.int32)
+    )
+    mask = torch.zeros(n, dtype=torch.bool, device=device)
+    mask[idx[len(out_idx) :]] = True
+    return counts.view(-1, vocab_size), mask.view(-1, vocab_size)
+
+
+def build_metadata(
+    columns: dict[str, torch.Tensor], seqs: Seq[Sequence], vocab_size: int, device: torch.device
+) -> SamplingMetadata:
+    """SamplingMetadata from device column tensors (``sampling_columns`` staged) + sequences."""
+    pen = penalty_tensors(seqs, vocab_size, device)
+    requested = [s.sampling.logprobs for s in seqs if s.sampling.logprobs is not None]
+    return SamplingMetadata(
+        temperature=columns["temperature"],
+        top_k=columns["top_k"],
+        top_p=columns["top_p"],
+        min_p=columns["min_p"],
+        seeds=columns["seeds"],
+        offsets=columns["offsets"],
+        repetition_penalty=columns["repetition_penalty"],
+        presence_penalty=columns["presence_penalty"],
+        frequency_penalty=columns["frequency_penalty"],
+        output_counts=pen[0] if pen else None,
+        prompt_mask=pen[1] if pen else None,
+        all_greedy=all(s.sampling.greedy for s in seqs),
+        num_logprobs=max(requested) if requested else None,
+    )
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Log-probability of one sampled token and the ``len(top)`` most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def logprob_tensor(
+    logits: torch.Tensor, meta: SamplingMetadata, ids: torch.Tensor, num_top: int
+) -> torch.Tensor:
+    """[S, 2 + 2 * num_top] float64 on the device: id, its logprob, top ids, top logprobs.
+
+    Packed in one tensor so that ids and logprobs come back in one device→host copy (ids
+    are exact in float64).
+    """
+    lp = torch.log_softmax(ref.process_logits(logits, meta), dim=-1)
+    chosen = lp.gather(1, ids[:, None])
+    top = lp.topk(min(num_top, lp.shape[1]), dim=-1)
+    parts = [ids[:, None].double(), chosen.double(), top.indices.double(), top.values.double()]
+    return torch.cat(parts, dim=1)
+
+
+def unpack_logprobs(packed: list[list[float]], seqs: Seq[Sequence]) -> list[TokenLogprobs | None]:
+    """Host rows of ``logprob_tensor`` → per-row TokenLogprobs (None where not requested)."""
+    result: list[TokenLogprobs | None] = []
+    for row, seq in zip(packed, seqs, strict=True):
+        n = seq.sampling.logprobs
+        if n is None:
+            result.append(None)
+            continue
+        width = (len(row) - 2) // 2
+        top = tuple((int(row[2 + j]), float(row[2 + width + j])) for j in range(min(n, width)))
+        result.append(TokenLogprobs(token_id=int(row[0]), logprob=float(row[1]), top=top))
+    return result

@@ -1,0 +1,154 @@
+"""Helpers of the ModelRunner tests: tiny engines from HF checkpoints, a hand-made driver.
+
+``drive`` plays a minimal scheduler (the real one is tested with the runner separately):
+sequences join at staggered steps, each step gives every decoding sequence one token and
+the prefilling ones chunks of at most ``chunk`` tokens under a ``budget``, blocks come from
+a trivial allocator that hands out shuffled block ids (so a wrong block-table lookup shows).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from llmc.compiler.spec import ModelSpec
+from llmc.compiler.weight_passes import to_engine_weights
+from llmc.runtime.model_runner import ModelRunner
+from llmc.runtime.torch_backend import TorchBackend
+from llmc.runtime.types import SamplingParams, ScheduledBatch, ScheduledSequence, Sequence
+from safetensors.torch import load_file
+
+
+def load_engine(ckpt: Path, dtype: str = "float32") -> tuple[ModelSpec, dict[str, torch.Tensor]]:
+    spec = ModelSpec.from_hf_config(json.loads((ckpt / "config.json").read_text()))
+    return spec, to_engine_weights(spec, load_file(str(ckpt / "model.safetensors")), dtype)
+
+
+def load_hf(ckpt: Path):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    model.generation_config.eos_token_id = None  # generate exactly max_new_tokens
+    return model.eval()
+
+
+def make_runner(spec, weights, **kw) -> ModelRunner:
+    args = dict(
+        backend=TorchBackend("cpu"),
+        device="cpu",
+        dtype="float32",
+        max_num_tokens=128,
+        max_batch_size=8,
+        max_seq_len=160,
+        tokens_per_block=8,
+        num_kv_blocks=200,
+    )
+    args.update(kw)
+    return ModelRunner(spec, weights, **args)
+
+
+class BlockAllocator:
+    """Hands out block ids in a shuffled order; never frees (tests are short)."""
+
+    def __init__(self, num_blocks: int, tokens_per_block: int, seed: int = 0) -> None:
+        self.free = list(range(num_blocks))
+        random.Random(seed).shuffle(self.free)
+        self.tpb = tokens_per_block
+
+    def ensure(self, seq: Sequence, num_tokens: int) -> None:
+        while len(seq.block_table) * self.tpb < num_tokens:
+            seq.block_table.append(self.free.pop())
+
+
+def new_seq(rid: int, prompt: list[int], max_new: int, **sampling) -> Sequence:
+    p = SamplingParams(max_new_tokens=max_new, **sampling)
+    return Sequence(
+        request_id=rid,
+        prompt_token_ids=list(prompt),
+        sampling=p,
+        max_new_tokens=max_new,
+        arrival_time=0.0,
+    )
+
+
+@dataclass
+class DriveResult:
+    outputs: dict[int, list[int]]
+    logits: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    """(request id, position of the last computed token) → logits predicting the next one."""
+    num_steps: int = 0
+    mixed_steps: int = 0
+    """Steps that held a decode token and a prefill chunk together."""
+
+
+def drive(
+    runner: ModelRunner,
+    seqs: list[Sequence],
+    *,
+    chunk: int,
+    budget: int,
+    start_every: int = 0,
+    record_logits: bool = False,
+    prefill_first: bool = True,
+) -> DriveResult:
+    """Run ``seqs`` to their max_new_tokens greedily (step()) or via forward_logits+argmax."""
+    alloc = BlockAllocator(runner.kv_cache.num_blocks, runner.tokens_per_block)
+    res = DriveResult(outputs={s.request_id: s.output_token_ids for s in seqs})
+    step = 0
+    while any(len(s.output_token_ids) < s.max_new_tokens for s in seqs):
+        active = [
+            s
+            for i, s in enumerate(seqs)
+            if step >= i * start_every and len(s.output_token_ids) < s.max_new_tokens
+        ]
+        left, sched = budget, []
+        for s in active:
+            n = min(s.num_tokens - s.num_computed_tokens, chunk, left)
+            if n <= 0:
+                continue
+            alloc.ensure(s, s.num_computed_tokens + n)
+            sample = s.num_computed_tokens + n == s.num_tokens
+            sched.append(ScheduledSequence(s, s.num_computed_tokens, n, sample))
+            left -= n
+        if prefill_first:  # the runner must reorder decode-first and answer in batch order
+            sched.sort(key=lambda x: x.num_new_tokens == 1)
+        batch = ScheduledBatch(step_id=step, sequences=tuple(sched))
+        decodes = sum(x.is_decode for x in sched)
+        res.mixed_steps += int(0 < decodes < len(sched))
+        sampled = [x for x in sched if x.sample]
+        if record_logits:
+            logits = runner.forward_logits(batch)
+            tokens = logits.argmax(dim=-1).tolist()
+            for x, row in zip(sampled, logits, strict=True):
+                res.logits[(x.seq.request_id, x.start_position + x.num_new_tokens - 1)] = row
+        else:
+            tokens = runner.step(batch).token_ids
+        assert len(tokens) == len(sampled)
+        for x in sched:
+            x.seq.num_computed_tokens += x.num_new_tokens
+        for x, t in zip(sampled, tokens, strict=True):
+            x.seq.output_token_ids.append(t)
+        step += 1
+    res.num_steps = step
+    return res
+
+
+def hf_logits(model, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0]
+
+
+def hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, pad_token_id=0
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def prompts(n: int, lengths: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
+    g = random.Random(seed)
+    return [[g.randrange(3, vocab) for _ in range(lengths[i % len(lengths)])] for i in range(n)]
