@@ -46,11 +46,8 @@ class KVCacheStats:
     cached_blocks: int
     """Blocks holding a registered hash (in use or free and reusable)."""
     tokens_per_block: int
-
-    @property
-    def hit_rate(self) -> float:
-        looked_up = self.reuse_hits + self.reuse_misses
-        return self.reuse_hits / looked_up if looked_up else 0.0
+    hit_rate: float
+    """reuse_hits / (reuse_hits + reuse_misses); 0.0 before any lookup or with reuse off."""
 
     @property
     def utilization(self) -> float:
@@ -314,6 +311,7 @@ class KVCacheManager:
             reuse_misses=self._misses,
             cached_blocks=len(self._cached),
             tokens_per_block=self.tokens_per_block,
+            hit_rate=self._hits / (self._hits + self._misses) if self._hits + self._misses else 0.0,
         )
 
     def free_block_ids(self) -> list[int]:
