@@ -222,9 +222,9 @@ def throughput_section(result: dict[str, Any]) -> Table:
     ceil = result.get("ceilings") or {}
     src = ceil.get("source", "no ceilings measured")
     t.caption = (
-        f"Weight reads: {fmt(ach.get('weight_read_gb_s'), ',.1f')} GB/s of "
+        f"Weight reads: {fmt(ach.get('weight_read_gb_s'))} GB/s of "
         f"{fmt(ach.get('copy_bandwidth_gb_s'), ',.1f')} GB/s copy ceiling "
-        f"({pct(ach.get('bandwidth_utilization'))}); compute: {fmt(ach.get('tflops'), ',.3f')} "
+        f"({pct(ach.get('bandwidth_utilization'))}); compute: {fmt(ach.get('tflops'))} "
         f"TFLOP/s of {fmt(ach.get('matmul_tflops'), ',.2f')} {ceil.get('matmul_dtype', '')} "
         f"matmul ceiling (MFU {pct(ach.get('mfu'))}). Ceilings {src}."
     )

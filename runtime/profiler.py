@@ -188,7 +188,10 @@ class OpTimer:
             t0 = time.perf_counter()
             out = fn(*args, **kwargs)
             t1 = time.perf_counter()
-            flops, nbytes = _op_cost(name, args, kwargs, out)
+            try:
+                flops, nbytes = _op_cost(name, args, kwargs, out)
+            except (AttributeError, IndexError, TypeError):  # not tensors: no cost known
+                flops, nbytes = None, None
             self.events.append(OpEvent(name, t0, t1, flops, nbytes, kernel_family(name)))
             return out
 

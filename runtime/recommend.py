@@ -75,9 +75,9 @@ def _max_num_tokens(agg: Aggregates, t: TuningInputs) -> Recommendation | None:
         return None
     m = t.max_num_tokens
     observed = f"peak {peak:,} tokens in one step, mean {agg.mean_tokens_per_step or 0:,.1f}"
-    if peak >= m:
-        want = _round_up(t.max_prompt_tokens + (agg.peak_batch_size or 0), 64)
-        suggested = min(want, t.build_max_num_tokens) if want > m else m
+    want = _round_up(t.max_prompt_tokens + (agg.peak_batch_size or 0), 64)
+    if peak >= m and want > m:
+        suggested = min(want, t.build_max_num_tokens)
         rebuild = (
             f"; the engine was built for {t.build_max_num_tokens:,}: rebuild with "
             f"`llmc build --max_num_tokens {want}` to go higher"
@@ -85,14 +85,25 @@ def _max_num_tokens(agg: Aggregates, t: TuningInputs) -> Recommendation | None:
             else ""
         )
         reason = (
-            f"steps filled the budget ({peak:,} of {m:,}), so prompts were split into chunks "
-            f"over several steps; {want:,} fits the longest prompt ({t.max_prompt_tokens:,}) "
-            f"plus the peak decode batch in one step (fewer prefill steps, lower TTFT) at the "
-            f"cost of a larger activation workspace{rebuild}. This does not change the KV pool."
+            f"steps filled the budget ({peak:,} of {m:,}) and the longest prompt "
+            f"({t.max_prompt_tokens:,}) plus the peak decode batch needs {want:,}: prompts were "
+            f"split into chunks over several steps. {want:,} finishes a prompt in one step "
+            f"(fewer prefill steps, lower TTFT) at the cost of a larger activation "
+            f"workspace{rebuild}. This does not change the KV pool."
         )
         return Recommendation(
             "max_num_tokens", MNT_MEANING, f"{m:,}", observed, f"{suggested:,}", reason
         )
+    if peak >= m:
+        reason = (
+            f"steps filled the budget ({peak:,} of {m:,}) because several waiting prompts were "
+            f"packed into one step, but every prompt plus the decode batch fits in {m:,} "
+            f"tokens, so no prompt waited on chunking. A larger budget packs more prefill per "
+            f"step (throughput on a GPU) at the cost of workspace memory and longer steps that "
+            f"stall decoding requests (inter-token latency); keep it unless TTFT under bursts "
+            f"matters more. This does not change the KV pool."
+        )
+        return Recommendation("max_num_tokens", MNT_MEANING, f"{m:,}", observed, "keep", reason)
     suggested = max(_round_up(peak, 64), t.tokens_per_block)
     saved = ""
     if t.workspace_bytes and t.build_max_num_tokens:

@@ -1,0 +1,155 @@
+"""`llmc profile`: Chrome trace validity and nesting, breakdowns, recommendations."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from _bench_helpers import build_tiny_engine, small_ceilings  # noqa: F401
+from llmc.cli.main import app
+from llmc.runtime.metrics import aggregate
+from llmc.runtime.profiler import (
+    OpEvent,
+    OpTimer,
+    chrome_trace,
+    kernel_family,
+    op_breakdown,
+    phase_breakdown,
+)
+from llmc.runtime.recommend import TuningInputs, recommend
+from llmc.runtime.records import StepRecord
+from typer.testing import CliRunner
+
+from llmc.errors import UsageError
+
+runner = CliRunner()
+
+
+def _steps() -> list[StepRecord]:
+    ph = {"schedule": 0.1, "prepare": 0.1, "forward": 0.5, "sample": 0.1, "update": 0.1}
+    return [
+        StepRecord(0, 0.0, 1.0, 64, 64, 0, 2, 4, 10, phase_times=ph),
+        StepRecord(1, 1.0, 2.0, 2, 0, 2, 2, 6, 10, phase_times=ph),
+    ]
+
+
+def test_phase_and_op_breakdown() -> None:
+    rows = {r.name: r for r in phase_breakdown(_steps())}
+    assert rows["forward"].total_s == pytest.approx(1.0) and rows["forward"].share == 0.5
+    assert rows["other"].total_s == pytest.approx(0.2)  # time the phases do not cover
+    assert phase_breakdown([]) == []
+    ev = [OpEvent("linear", 0.0, 0.5, flops=1e12, bytes=1e9), OpEvent("attention", 0.5, 1.0)]
+    fam = {r.name: r for r in op_breakdown(ev, "family")}
+    assert fam["matmul"].tflops == pytest.approx(2.0) and fam["matmul"].gb_s == pytest.approx(2)
+    assert fam["attention"].tflops is None  # no FLOP count: missing, not zero
+    assert kernel_family("sm90_xmma_gemm_bf16bf16_bf16f32") == "matmul"
+    assert kernel_family("paged_attention_decode_kernel") == "attention"
+    assert kernel_family("rmsnorm_kernel") == "norm"
+
+
+def test_op_timer_hooks_and_restores() -> None:
+    class B:
+        def linear(self, x, w, bias=None, out=None):
+            return x
+
+    b = B()
+    t = OpTimer().attach(b)
+    b.linear(1, 2)
+    t.detach()
+    b.linear(1, 2)
+    assert [e.name for e in t.events] == ["linear"] and "linear" not in b.__dict__
+
+
+def test_trace_nests_ops_inside_steps() -> None:
+    ops = [OpEvent("linear", 0.2, 0.3), OpEvent("attention", 1.2, 1.4), OpEvent("x", 5.0, 6.0)]
+    tr = chrome_trace(_steps(), ops, [OpEvent("gemm_kernel", 0.25, 0.28, family="matmul")])
+    ev = tr["traceEvents"]
+    steps = [e for e in ev if e.get("cat") == "step"]
+    nested = [e for e in ev if e.get("cat") == "op"]
+    assert len(steps) == 2 and [e["name"] for e in nested] == ["linear", "attention"]
+    for op in nested:  # each op inside the step it names, on the same thread
+        st = next(s for s in steps if s["name"] == f"step {op['args']['step']}")
+        assert st["tid"] == op["tid"] and st["ts"] <= op["ts"]
+        assert op["ts"] + op["dur"] <= st["ts"] + st["dur"]
+    phases = [e for e in ev if e.get("cat") == "phase"]
+    assert [p["name"] for p in phases[:5]] == ["schedule", "prepare", "forward", "sample", "update"]
+    assert any(e.get("cat") == "kernel" and e["pid"] == 2 for e in ev)
+    assert any(e["ph"] == "C" and e["name"] == "kv_utilization" for e in ev)
+
+
+def _agg(peak_tokens: int, batch: int, used: int, total: int, preempted: int = 0):
+    steps = [StepRecord(0, 0.0, 1.0, peak_tokens, peak_tokens, 0, batch, used, total, preempted)]
+    return aggregate([], steps)
+
+
+def _inputs(**kw) -> TuningInputs:
+    base = dict(
+        max_num_tokens=8192, build_max_num_tokens=8192, max_batch_size=256,
+        build_max_batch_size=256, tokens_per_block=32, max_kv_tokens=None,
+        kv_cache_free_gpu_mem_fraction=0.9, max_request_tokens=256, max_prompt_tokens=128,
+        max_in_flight=1000, kv_bytes_per_token=131072, workspace_bytes=1 << 30,
+    )  # fmt: skip
+    return TuningInputs(**{**base, **kw})
+
+
+def test_recommendations_from_observed_peaks() -> None:
+    # budget never filled, KV mostly empty, batch cap reached with KV headroom
+    recs = {r.setting: r for r in recommend(_agg(2000, 256, 1000, 10000), _inputs())}
+    assert recs["max_num_tokens"].suggested == "2,048"
+    assert "not the KV pool" in recs["max_num_tokens"].reason
+    assert recs["KV pool"].suggested == "max_kv_tokens=38,400"  # 1000 blocks × 1.2 × 32
+    assert recs["max_batch_size"].suggested == "1000"  # pool holds 1250 of 8 blocks each
+    assert "rebuild" in recs["max_batch_size"].reason
+    # KV pool full with preemptions: grow the pool, not the batch
+    recs = {r.setting: r for r in recommend(_agg(300, 64, 500, 500, 3), _inputs())}
+    assert recs["KV pool"].suggested == "max_kv_tokens=65,536"  # 256 requests × 8 blocks × 32
+    assert "preemptions" in recs["KV pool"].reason
+    assert recs["max_batch_size"].suggested == "64"
+    # long prompts chunked by a small budget
+    recs = {r.setting: r for r in recommend(_agg(512, 4, 10, 100), _inputs(max_num_tokens=512,
+            max_prompt_tokens=2000))}  # fmt: skip
+    assert recs["max_num_tokens"].suggested == "2,048" and "chunks" in recs["max_num_tokens"].reason
+    assert recommend(aggregate([], []), _inputs()) == []  # no data, no advice
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_dir, tmp_path_factory) -> Path:
+    return build_tiny_engine(tiny_llama_dir, tmp_path_factory.mktemp("prof") / "eng")
+
+
+def test_profile_cli_trace_and_report(engine, tmp_path) -> None:
+    trace, out = tmp_path / "trace.json", tmp_path / "p.json"
+    res = runner.invoke(app, [
+        "profile", "--engine_dir", str(engine), "--device", "cpu", "--num_requests", "4",
+        "--isl", "40", "--osl", "4", "--trace", str(trace), "--json", str(out), "--kernels",
+    ])  # fmt: skip
+    assert res.exit_code == 0, res.stderr
+    for title in ("Time per phase", "Time per op family", "Memory: plan vs measured",
+                  "Recommendations", "KV utilization", "per-step token budget"):  # fmt: skip
+        assert title in res.stdout
+    tr = json.loads(trace.read_text())  # valid JSON in Chrome's trace-event form
+    ev = tr["traceEvents"]
+    assert all({"ph", "name", "pid"} <= set(e) for e in ev)
+    steps = [e for e in ev if e.get("cat") == "step"]
+    ops = [e for e in ev if e.get("cat") == "op"]
+    assert steps and len(ops) > 10 * len(steps) // 2
+    by_name = {s["name"]: s for s in steps}
+    for op in ops:
+        st = by_name[f"step {op['args']['step']}"]
+        assert st["ts"] <= op["ts"] and op["ts"] + op["dur"] <= st["ts"] + st["dur"] + 1e-3
+    assert {"linear", "attention", "sample"} <= {o["name"] for o in ops}
+    r = json.loads(out.read_text())
+    assert r["profile"]["phases"] and r["profile"]["op_families"]
+    assert {x["setting"] for x in r["profile"]["recommendations"]} == {
+        "max_num_tokens", "KV pool", "max_batch_size"
+    }  # fmt: skip
+    png = str(tmp_path / "x.png")
+    res = runner.invoke(app, ["profile", "--engine_dir", str(engine), "--device", "cpu",
+                              "--num_requests", "1", "--plot", png])  # fmt: skip
+    try:
+        import matplotlib  # noqa: F401
+
+        assert res.exit_code == 0
+    except ImportError:
+        assert res.exit_code == UsageError.exit_code and "matplotlib" in res.stderr
