@@ -140,7 +140,7 @@ class CudaBackend:
         ts = (x, weight, out) + ((residual,) if residual is not None else ())
         vec_ok = h % vec == 0 and _aligned(*ts)
         per = math.ceil(h / vec / 4) if vec_ok else h
-        block = min(1024, max(32, (per + 31) // 32 * 32))
+        block = min(512, max(32, (per + 31) // 32 * 32))  # longer rows: tail loop
         k = self._lib(x.dtype).get("rmsnorm", "rms_norm_kernel")
         res = residual if residual is not None else x
         args = (

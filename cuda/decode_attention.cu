@@ -25,12 +25,17 @@
 #define NW 4
 #define U 4
 
+// Lanes per key: the fewest that keep G * DPL <= 32 floats per lane, with each lane's
+// slice a whole number of 32-bit words.
+__host__ __device__ constexpr bool lpk_ok(int l) {
+    return HD % l == 0 && ((HD / l) * (int)sizeof(scalar_t)) % 4 == 0;
+}
 __host__ __device__ constexpr int pick_lpk() {
     for (int l = 1; l <= 32; l *= 2)
-        if (HD % l == 0 && (HD / l) * G <= 32) return l;
+        if (lpk_ok(l) && (HD / l) * G <= 32) return l;
     int best = 1;
     for (int l = 1; l <= 32; l *= 2)
-        if (HD % l == 0) best = l;
+        if (lpk_ok(l)) best = l;
     return best;
 }
 #define LPK pick_lpk()
@@ -46,7 +51,35 @@ __device__ __forceinline__ int find_seq(const int* cu, int num_seqs, int t) {
     return lo;
 }
 
-extern "C" __global__ void __launch_bounds__(NW * 32)
+// Raw 32-bit words of n elements (widest aligned vector loads), and their float values.
+template <int WORDS>
+__device__ __forceinline__ void load_words(const scalar_t* p, unsigned* w) {
+    if constexpr (WORDS % 4 == 0) {
+#pragma unroll
+        for (int i = 0; i < WORDS; i += 4) {
+            const v4u v = reinterpret_cast<const v4u*>(p)[i / 4];
+            w[i] = v.x; w[i + 1] = v.y; w[i + 2] = v.z; w[i + 3] = v.w;
+        }
+    } else if constexpr (WORDS % 2 == 0) {
+#pragma unroll
+        for (int i = 0; i < WORDS; i += 2) {
+            const v2u v = reinterpret_cast<const v2u*>(p)[i / 2];
+            w[i] = v.x; w[i + 1] = v.y;
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < WORDS; ++i) w[i] = reinterpret_cast<const unsigned*>(p)[i];
+    }
+}
+__device__ __forceinline__ float word_elem(const unsigned* w, int e) {
+#if LLMC_DTYPE == 0
+    return __uint_as_float(w[e]);
+#else
+    return to_float((unsigned short)((e & 1) ? (w[e >> 1] >> 16) : (w[e >> 1] & 0xffffu)));
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(NW * 32, 4)
 paged_attention_kernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k_cache,
                        const scalar_t* __restrict__ v_cache, const int* __restrict__ block_tables,
                        int max_blocks_per_seq, int block_size, const int* __restrict__ seq_lens,
@@ -96,24 +129,24 @@ paged_attention_kernel(const scalar_t* __restrict__ q, const scalar_t* __restric
     }
 
     const long long row_stride = (long long)NKV * HD;
+    constexpr int words = dpl * (int)sizeof(scalar_t) / 4;
     for (int base = kbeg; base < kend; base += ns * U) {
-        float kf[U][dpl];
-        long long off[U];
+        // Issue every K and V load of this step before any use (bytes in flight).
+        unsigned kw[U][words], vw[U][words];
         bool valid[U];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int j = base + u * ns + stream;
             valid[u] = j < kend;
-            off[u] = 0;
             if (valid[u]) {
                 const int blk = bt[j / block_size];
-                off[u] = ((long long)blk * block_size + (j % block_size)) * row_stride +
-                         kvh * HD + sub * dpl;
-#pragma unroll
-                for (int d = 0; d < dpl; d += dv) load_vec<dv>(k_cache + off[u] + d, kf[u] + d);
+                const long long off = ((long long)blk * block_size + (j % block_size)) * row_stride +
+                                      kvh * HD + sub * dpl;
+                load_words<words>(k_cache + off, kw[u]);
+                load_words<words>(v_cache + off, vw[u]);
             } else {
 #pragma unroll
-                for (int d = 0; d < dpl; ++d) kf[u][d] = 0.f;
+                for (int i = 0; i < words; ++i) kw[u][i] = vw[u][i] = 0u;
             }
         }
         float sc[U][G];
@@ -123,21 +156,10 @@ paged_attention_kernel(const scalar_t* __restrict__ q, const scalar_t* __restric
             for (int g = 0; g < G; ++g) {
                 float a = 0.f;
 #pragma unroll
-                for (int d = 0; d < dpl; ++d) a = fmaf(qf[g][d], kf[u][d], a);
+                for (int d = 0; d < dpl; ++d) a = fmaf(qf[g][d], word_elem(kw[u], d), a);
 #pragma unroll
                 for (int o = lpk / 2; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
                 sc[u][g] = valid[u] ? a : LLMC_NEG_INF;
-            }
-        }
-        // V loads (reuse the K registers).
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            if (valid[u]) {
-#pragma unroll
-                for (int d = 0; d < dpl; d += dv) load_vec<dv>(v_cache + off[u] + d, kf[u] + d);
-            } else {
-#pragma unroll
-                for (int d = 0; d < dpl; ++d) kf[u][d] = 0.f;
             }
         }
 #pragma unroll
@@ -160,7 +182,7 @@ paged_attention_kernel(const scalar_t* __restrict__ q, const scalar_t* __restric
             for (int d = 0; d < dpl; ++d) {
                 float a = acc[g][d] * alpha;
 #pragma unroll
-                for (int u = 0; u < U; ++u) a = fmaf(p[u], kf[u][d], a);
+                for (int u = 0; u < U; ++u) a = fmaf(p[u], word_elem(vw[u], d), a);
                 acc[g][d] = a;
             }
         }

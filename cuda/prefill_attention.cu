@@ -137,13 +137,16 @@ prefill_attention_kernel(const scalar_t* __restrict__ q, const scalar_t* __restr
     const int k_row = (lane >> 4) * 8 + (lane & 7), k_col = ((lane >> 3) & 1) * 8;
     const int v_row = ((lane >> 3) & 1) * 8 + (lane & 7), v_col = (lane >> 4) * 8;
 
+    // Pipeline: K(kt + BN) is copied during P.V of tile kt, V(kt) during Q.K^T of tile kt.
+    const int min_qp = ctx + row0 / G;  // smallest position of the CTA's rows
+    load_tile(sK, k_cache, bt, block_size, 0, kv_end, kvh);
+    cp_async_commit();
     for (int kt = 0; kt < kv_end; kt += BN) {
-        load_tile(sK, k_cache, bt, block_size, kt, kv_end, kvh);
-        cp_async_commit();
         cp_async_wait_all();
-        __syncthreads();
+        __syncthreads();  // K(kt) landed; every warp is done with V(kt - BN)
         load_tile(sV, v_cache, bt, block_size, kt, kv_end, kvh);
         cp_async_commit();
+        const bool diagonal = kt + BN - 1 > min_qp;  // some key of the tile needs the mask
 
         float sc[BN / 8][4];
 #pragma unroll
@@ -165,7 +168,8 @@ prefill_attention_kernel(const scalar_t* __restrict__ q, const scalar_t* __restr
             for (int c = 0; c < 4; ++c) {
                 const int key = kt + n * 8 + 2 * tq + (c & 1);
                 const int qp = c < 2 ? qpA : qpB;
-                const float v = key <= qp ? sc[n][c] * scale_log2 : LLMC_NEG_INF;
+                const float v =
+                    (!diagonal || key <= qp) ? sc[n][c] * scale_log2 : LLMC_NEG_INF;
                 sc[n][c] = v;
             }
             mxA = fmaxf(mxA, fmaxf(sc[n][0], sc[n][1]));
@@ -201,7 +205,11 @@ prefill_attention_kernel(const scalar_t* __restrict__ q, const scalar_t* __restr
             o[n][3] *= alB;
         }
         cp_async_wait_all();
-        __syncthreads();
+        __syncthreads();  // V(kt) landed; every warp is done with K(kt)
+        if (kt + BN < kv_end) {
+            load_tile(sK, k_cache, bt, block_size, kt + BN, kv_end, kvh);
+            cp_async_commit();
+        }
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
             unsigned pa[4];
@@ -217,7 +225,6 @@ prefill_attention_kernel(const scalar_t* __restrict__ q, const scalar_t* __restr
                 mma16816(o[2 * dp + 1], pa, r[2], r[3]);
             }
         }
-        __syncthreads();
     }
 
     lA += __shfl_xor_sync(0xffffffffu, lA, 1);

@@ -173,7 +173,7 @@ def test_decode_attention_cuda_graph(be):
     with torch.cuda.graph(g):
         be.attention(q, kc, vc, meta, out=out)
         be.rms_norm(out, w, 1e-5, out=normed)
-    for lens in ([41, 650, 1600], [1, 2, 2000]):
+    for lens in ([41, 650, 1400], [1, 2, 1500]):  # within the allocated blocks
         q.copy_(torch.randn_like(q, dtype=torch.float32).to(dtype))
         meta.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
         out.fill_(float("nan"))
