@@ -45,6 +45,7 @@ from llmc.cli.bench_cmd import (
 )  # fmt: skip
 from llmc.cli.options import PROFILE_OPTION, err_console, handle_errors, option, out_console
 from llmc.cli.report_render import fmt, kv_section, pct, throughput_section
+from llmc.runtime.metrics import request_flops
 from llmc.runtime.profiler import (
     BreakdownRow,
     KernelProfiler,
@@ -53,6 +54,7 @@ from llmc.runtime.profiler import (
     op_breakdown,
     peak_memory,
     phase_breakdown,
+    with_model_rates,
     write_chrome_trace,
 )
 from llmc.runtime.recommend import TuningInputs, recommend
@@ -189,6 +191,17 @@ def recommendations_table(recs: Sequence[Any]) -> Table:
     return t
 
 
+def _model_rates(rows: list[BreakdownRow], outcome: Any) -> list[BreakdownRow]:
+    rt, run = outcome.runtime, outcome.run
+    f0 = rt.spec.flops_per_token(0)
+    fc = rt.spec.flops_per_token(1) - f0
+    done = [r for r in run.requests if r.error is None and r.finish_time is not None]
+    mm = sum(request_flops(r, f0, 0.0) for r in done)
+    attn = sum(request_flops(r, 0.0, fc) for r in done)
+    wb = rt.engine.plan.weight_bytes_total * len(run.steps) if rt.engine is not None else None
+    return with_model_rates(rows, matmul_flops=mm, weight_bytes_read=wb, attention_flops=attn)
+
+
 def tuning_inputs(result: dict[str, Any], outcome: Any) -> TuningInputs:
     e, rt = result["config"]["engine"], result["config"]["runtime"]
     w = result["config"]["workload"]
@@ -288,7 +301,10 @@ def profile_command(
     result = outcome.result.to_dict()
     steps = outcome.run.steps
     events = timers.events()
-    ops, families = op_breakdown(events, "name"), op_breakdown(events, "family")
+    ops, families = (
+        op_breakdown(events, "name"),
+        _model_rates(op_breakdown(events, "family"), outcome),
+    )
     peak = peak_memory(outcome.runtime.device)
     recs = recommend(outcome.result.aggregates, tuning_inputs(result, outcome))
     result["profile"] = {

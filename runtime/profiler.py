@@ -141,6 +141,37 @@ def op_breakdown(events: Sequence[OpEvent], by: str = "name") -> list[BreakdownR
     return sorted(rows, key=lambda r: -r.total_s)
 
 
+def with_model_rates(
+    rows: Sequence[BreakdownRow],
+    *,
+    matmul_flops: float | None,
+    weight_bytes_read: float | None,
+    attention_flops: float | None,
+) -> list[BreakdownRow]:
+    """Fill the matmul and attention families' rates from the model's FLOPs and weight
+    bytes where the events carry none (GPU kernels): what the kernels achieved for the
+    work the model needed."""
+    from dataclasses import replace
+
+    out = []
+    for r in rows:
+        t = r.total_s
+        if r.name == "matmul" and t > 0:
+            r = replace(
+                r,
+                tflops=r.tflops if r.tflops is not None else (
+                    matmul_flops / t / 1e12 if matmul_flops else None
+                ),
+                gb_s=r.gb_s if r.gb_s is not None else (
+                    weight_bytes_read / t / 1e9 if weight_bytes_read else None
+                ),
+            )  # fmt: skip
+        elif r.name == "attention" and t > 0 and r.tflops is None and attention_flops:
+            r = replace(r, tflops=attention_flops / t / 1e12)
+        out.append(r)
+    return out
+
+
 def _op_cost(
     name: str, args: tuple, kwargs: dict, result: Any
 ) -> tuple[float | None, float | None]:

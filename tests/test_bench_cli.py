@@ -137,3 +137,22 @@ def test_json_stdout_and_flag_errors(engine, tmp_path) -> None:
     assert code == UsageError.exit_code and "did you mean 'num_requests'" in err
     code, _, err = bench(engine, "--max_batch_size", "64")
     assert code != 0 and "max_batch_size" in err
+
+
+def test_peer_hf_same_run(engine, tmp_path) -> None:
+    out = tmp_path / "peer.json"
+    args = ["--num_requests", "4", "--isl", "8", "--osl", "4", "--peer", "hf"]
+    code, stdout, stderr = bench(engine, *args, "--peer_batch_size", "2", "--json", str(out))
+    assert code == 0, stderr
+    assert "peer (hf)" in stdout and "llmc ÷ peer" in stdout
+    r = json.loads(out.read_text())
+    p = r["peer"]
+    assert p["config"]["batch_size"] == 2 and p["config"]["cache_implementation"] == "dynamic"
+    assert p["aggregates"]["num_completed"] == 4 and p["aggregates"]["total_output_tokens"] == 16
+    assert all(len(row["token_times"]) == 4 for row in p["requests"])
+    llmc_tps = r["aggregates"]["output_tokens_per_s"]
+    assert r["ratios"]["Output tokens/s"] == pytest.approx(
+        llmc_tps / p["aggregates"]["output_tokens_per_s"]
+    )
+    res = runner.invoke(app, ["compare", str(out)])  # one file: llmc vs its peer
+    assert res.exit_code == 0 and "llmc ÷ peer" in res.stdout
