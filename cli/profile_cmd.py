@@ -81,8 +81,16 @@ class _Timers:
         if rt.device == "cuda":
             self.kernels = KernelProfiler()
             self.source = "torch.profiler CUDA kernels"
-            with self.kernels:
+            try:
+                self.kernels.__enter__()
+            except Exception as e:  # no CUPTI, profiler busy: run without kernel timing
+                self.kernels, self.source = None, f"kernel timing unavailable: {e!r}"
                 yield
+                return
+            try:
+                yield
+            finally:
+                self.kernels.__exit__(None, None, None)
             if self.kernels.error:
                 self.source = self.kernels.error
             return
