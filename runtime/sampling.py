@@ -139,6 +139,18 @@ def build_metadata(
     )
 
 
+def metadata_for(
+    seqs: Seq[Sequence], vocab_size: int, device: torch.device | str = "cpu"
+) -> SamplingMetadata:
+    """SamplingMetadata of ``seqs`` built directly (no staging): for tests and tools."""
+    cols = sampling_columns(seqs)
+    dtypes = {n: torch.int64 for n in INT64_COLUMNS}
+    dtypes.update({n: torch.int32 for n in INT32_COLUMNS})
+    dtypes.update({n: torch.float32 for n in FLOAT_COLUMNS})
+    tensors = {n: torch.tensor(v, dtype=dtypes[n], device=device) for n, v in cols.items()}
+    return build_metadata(tensors, seqs, vocab_size, torch.device(device))
+
+
 @dataclass(frozen=True)
 class TokenLogprobs:
     """Log-probability of one sampled token and the ``len(top)`` most likely alternatives."""

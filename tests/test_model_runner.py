@@ -239,3 +239,55 @@ def test_workspace_plan_checked(tiny):
             max_seq_len=64,
             workspace=missing,
         )
+
+
+def test_bfloat16_error_is_that_of_transformers_bfloat16(tiny, request):
+    """A bf16 engine is as close to the fp32 model as transformers' own bf16 run is."""
+    import transformers
+
+    spec, _, model = tiny
+    ckpt = request.getfixturevalue(f"tiny_{model.config.model_type}_dir")
+    _, w16 = load_engine(ckpt, "bfloat16")
+    m16 = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).eval()
+    seqs = [new_seq(0, prompts(1, [40], spec.vocab_size, seed=9)[0], 6)]
+    res = drive(
+        make_runner(spec, w16, dtype="bfloat16"), seqs, chunk=16, budget=64, record_logits=True
+    )
+    full = seqs[0].all_token_ids
+    ref32 = hf_logits(model, full)
+    ref16 = hf_logits(m16, full).float()
+    ours = max((row - ref32[pos]).abs().max().item() for (_, pos), row in res.logits.items())
+    theirs = max((ref16[pos] - ref32[pos]).abs().max().item() for _, pos in res.logits)
+    assert ours <= 2 * theirs + 1e-3, (ours, theirs)
+
+
+def test_step_without_sampled_rows_returns_no_tokens(tiny):
+    spec, weights, _ = tiny
+    runner = make_runner(spec, weights)
+    seq = new_seq(0, prompts(1, [20], spec.vocab_size)[0], 2)
+    BlockAllocator(200, 8).ensure(seq, 20)
+    out = runner.step(ScheduledBatch(0, (ScheduledSequence(seq, 0, 12, False),)))
+    assert out.token_ids == [] and out.logprobs is None
+    assert runner.step(ScheduledBatch(1, ())).token_ids == []
+
+
+@pytest.mark.cuda
+def test_torch_backend_on_cuda_matches_cpu(tiny):
+    """The same runner on CUDA (pinned staging, one H2D and one D2H copy per step)."""
+    from llmc.runtime.torch_backend import TorchBackend
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    spec, weights, _ = tiny
+    ps = prompts(4, LENGTHS, spec.vocab_size, seed=10)
+    outs = []
+    for dev in ("cpu", "cuda"):
+        runner = make_runner(
+            spec, weights, backend=TorchBackend(dev), device=dev, max_num_tokens=32
+        )
+        seqs = [
+            new_seq(i, p, 12, **({"temperature": 0.8, "seed": 5} if i % 2 else {}))
+            for i, p in enumerate(ps)
+        ]
+        outs.append(drive(runner, seqs, chunk=16, budget=32, start_every=2).outputs)
+    assert outs[0] == outs[1]
