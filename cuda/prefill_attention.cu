@@ -84,7 +84,34 @@ __device__ __forceinline__ void load_tile(scalar_t* smem, const scalar_t* cache,
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128)
+// Fast tile gather: thread owns chunk column c = tid % CH of keys tid / CH + r * KPP.
+// The cache rows (slot * NKV + kvh) of a tile are computed once and reused for K and V.
+#define CH (HD / 8)
+#define KPP (128 / CH)
+#define PASSES (BN / KPP)
+#define FAST_GATHER (128 % CH == 0 && BN % KPP == 0)
+
+__device__ __forceinline__ void tile_rows(int* rows_, const int* bt, int block_size, int kt,
+                                          int kv_end, int kvh) {
+#pragma unroll
+    for (int r = 0; r < PASSES; ++r) {
+        const int j = kt + threadIdx.x / CH + r * KPP;
+        rows_[r] = j < kv_end ? (bt[j / block_size] * block_size + j % block_size) * NKV + kvh : -1;
+    }
+}
+
+__device__ __forceinline__ void copy_tile(scalar_t* smem, const scalar_t* cache, const int* rows_) {
+    const int c = threadIdx.x % CH;
+#pragma unroll
+    for (int r = 0; r < PASSES; ++r) {
+        const int key = threadIdx.x / CH + r * KPP;
+        const bool ok = rows_[r] >= 0;
+        cp_async16(smem_addr(smem + key * LDS + c * 8),
+                   ok ? cache + (long long)rows_[r] * HD + c * 8 : cache, ok ? 16 : 0);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(128, 2)
 prefill_attention_kernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k_cache,
                          const scalar_t* __restrict__ v_cache,
                          const int* __restrict__ block_tables, int max_blocks_per_seq,
@@ -139,12 +166,22 @@ prefill_attention_kernel(const scalar_t* __restrict__ q, const scalar_t* __restr
 
     // Pipeline: K(kt + BN) is copied during P.V of tile kt, V(kt) during Q.K^T of tile kt.
     const int min_qp = ctx + row0 / G;  // smallest position of the CTA's rows
+#if FAST_GATHER
+    int trows[PASSES];
+    tile_rows(trows, bt, block_size, 0, kv_end, kvh);
+    copy_tile(sK, k_cache, trows);
+#else
     load_tile(sK, k_cache, bt, block_size, 0, kv_end, kvh);
+#endif
     cp_async_commit();
     for (int kt = 0; kt < kv_end; kt += BN) {
         cp_async_wait_all();
         __syncthreads();  // K(kt) landed; every warp is done with V(kt - BN)
+#if FAST_GATHER
+        copy_tile(sV, v_cache, trows);
+#else
         load_tile(sV, v_cache, bt, block_size, kt, kv_end, kvh);
+#endif
         cp_async_commit();
         const bool diagonal = kt + BN - 1 > min_qp;  // some key of the tile needs the mask
 
@@ -207,7 +244,12 @@ prefill_attention_kernel(const scalar_t* __restrict__ q, const scalar_t* __restr
         cp_async_wait_all();
         __syncthreads();  // V(kt) landed; every warp is done with K(kt)
         if (kt + BN < kv_end) {
+#if FAST_GATHER
+            tile_rows(trows, bt, block_size, kt + BN, kv_end, kvh);
+            copy_tile(sK, k_cache, trows);
+#else
             load_tile(sK, k_cache, bt, block_size, kt + BN, kv_end, kvh);
+#endif
             cp_async_commit();
         }
 #pragma unroll
