@@ -1,0 +1,413 @@
+"""``LLM``: the Python entry point of llmc — an engine loaded and served in-flight.
+
+``LLM`` is glue over the one runtime code path the CLI uses as well: ``EngineRuntime.load``
+(engine checks, device, KV pool sizing, limit lowering) and its ``Executor`` (in-flight
+batching, streaming, cancellation, records). ``LLM(checkpoint_dir=...)`` first builds the
+checkpoint with ``llmc.compiler.builder.build`` into a cache directory keyed by the checkpoint
+(path, file sizes and mtimes) and the build config, and reuses that engine on later calls.
+
+Invariants:
+- The executor loop runs in its background thread from construction to ``shutdown()``;
+  ``generate``, ``generate_async`` and ``llm.executor`` may be used from any thread.
+- Runtime limits may be lowered below the engine's build limits, never raised: the runtime
+  refuses that with a ConfigError naming both values (engine_runtime._lowered).
+- ``shutdown()`` (also on leaving ``with LLM(...)``) cancels unfinished requests, stops the
+  loop and drops every reference to weights and KV cache (then empties the CUDA cache), so
+  device memory is released unless the caller still holds ``llm.executor`` / ``llm.runtime``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import gc
+import hashlib
+import json
+import time
+import weakref
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import llmc
+from llmc.compiler.build_config import BuildConfig
+from llmc.errors import CheckpointError, ConfigError, EngineError, LlmcError
+from llmc.runtime.engine_runtime import EngineRuntime, RuntimeConfig
+from llmc.runtime.executor import Executor
+from llmc.runtime.metrics import e2e, tpot, ttft
+from llmc.runtime.responses import RequestOutput, Response
+from llmc.runtime.types import Request, SamplingParams
+
+Prompt = str | Sequence[int]
+
+_LIVE: weakref.WeakSet[LLM] = weakref.WeakSet()
+
+
+def live_llms() -> list[LLM]:
+    """Every LLM not yet shut down (what ``Profiler()`` without an argument attaches to)."""
+    return [llm for llm in list(_LIVE) if not llm.closed]
+
+
+# ---- outputs ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RequestTimings:
+    """Latencies of one request in seconds, from the executor's RequestRecord (None: no data)."""
+
+    queue_s: float | None
+    """Arrival to the first step that computed any of its tokens."""
+    ttft_s: float | None
+    """Time to first token: arrival to first output token (queueing and prefill included)."""
+    tpot_s: float | None
+    """Mean gap between output tokens after the first (None with one output token)."""
+    e2e_s: float | None
+    """Arrival to finish."""
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    """Prompt tokens served from reused prefix KV blocks."""
+
+
+@dataclass
+class GenerationOutput(RequestOutput):
+    """One result of ``LLM.generate``: ``text``, ``token_ids``, ``finish_reason``, ``error``
+    and ``record`` as in ``RequestOutput``, plus ``timings``."""
+
+    @property
+    def timings(self) -> RequestTimings:
+        r = self.record
+        return RequestTimings(
+            queue_s=None if r.scheduled_time is None else r.scheduled_time - r.arrival_time,
+            ttft_s=ttft(r),
+            tpot_s=tpot(r),
+            e2e_s=e2e(r),
+            num_prompt_tokens=r.num_prompt_tokens,
+            num_output_tokens=r.num_output_tokens,
+            num_cached_tokens=r.num_cached_tokens,
+        )
+
+    @classmethod
+    def of(cls, out: RequestOutput) -> GenerationOutput:
+        return cls(**{f.name: getattr(out, f.name) for f in dataclasses.fields(out)})
+
+
+# ---- the engine cache of LLM(checkpoint_dir=...) -------------------------------------------
+def _fingerprint(checkpoint: Path) -> list[tuple[str, int, int]]:
+    files = [checkpoint] if checkpoint.is_file() else sorted(checkpoint.rglob("*"))
+    out = []
+    for f in files:
+        if f.is_file():
+            st = f.stat()
+            name = f.name if f == checkpoint else f.relative_to(checkpoint).as_posix()
+            out.append((name, st.st_size, st.st_mtime_ns))
+    return out
+
+
+def engine_cache_dir(checkpoint_dir: str | Path, build_config: BuildConfig) -> Path:
+    """Where ``LLM(checkpoint_dir=...)`` keeps the engine built from this checkpoint and
+    config: ``$LLMC_CACHE/engines/<key>`` (default ``~/.cache/llmc``). The key hashes the
+    checkpoint's absolute path, every file's size and mtime, the build config (output_dir and
+    force aside) and the llmc and engine format versions, so any change builds anew."""
+    from llmc.compiler.model_cache import cache_dir
+
+    ckpt = Path(checkpoint_dir).expanduser().resolve()
+    if not ckpt.exists():
+        raise CheckpointError(f"checkpoint_dir {str(checkpoint_dir)!r} does not exist")
+    settings = {
+        k: v
+        for k, v in build_config.to_dict().items()
+        if k not in ("checkpoint_dir", "output_dir", "force")
+    }
+    key = {
+        "checkpoint": str(ckpt),
+        "files": _fingerprint(ckpt),
+        "build_config": settings,
+        "llmc_version": llmc.__version__,
+        "format_version": llmc.ENGINE_FORMAT_VERSION,
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    return cache_dir() / "engines" / f"{ckpt.name}-{digest}"
+
+
+def _cached_build(checkpoint_dir: str | Path, build_config: BuildConfig | None) -> Path:
+    """Build the checkpoint into its cache directory unless a complete engine is there."""
+    from llmc.compiler import builder
+
+    cfg = build_config or BuildConfig()
+    dest = engine_cache_dir(checkpoint_dir, cfg)
+    if (dest / "manifest.json").is_file():
+        return dest
+    cfg = cfg.replace(checkpoint_dir=str(checkpoint_dir), output_dir=str(dest), force=False)
+    try:
+        builder.build(cfg)
+    except ConfigError:
+        if not (dest / "manifest.json").is_file():  # not a concurrent build of the same key
+            raise
+    return dest
+
+
+def _rebuild(checkpoint_dir: str | Path, build_config: BuildConfig | None) -> Path:
+    from llmc.compiler import builder
+
+    cfg = build_config or BuildConfig()
+    dest = engine_cache_dir(checkpoint_dir, cfg)
+    builder.build(cfg.replace(checkpoint_dir=str(checkpoint_dir), output_dir=str(dest), force=True))
+    return dest
+
+
+def _error(code: int | None, message: str) -> LlmcError:
+    """The llmc.errors class with this exit code (LlmcError when none has it)."""
+    stack: list[type[LlmcError]] = [LlmcError]
+    while stack:
+        cls = stack.pop()
+        if cls.exit_code == code:
+            return cls(message)
+        stack.extend(cls.__subclasses__())
+    return LlmcError(message)
+
+
+# ---- LLM ---------------------------------------------------------------------------------
+class LLM:
+    """An engine loaded for generation (TensorRT-LLM's ``LLM`` API, on llmc's runtime).
+
+    Give ``engine_dir`` (built by ``llmc build`` / ``llmc.build``) or ``checkpoint_dir``
+    (an HF directory or .gguf file, built on the fly with ``build_config`` into the engine
+    cache, see ``engine_cache_dir``). The other arguments are ``RuntimeConfig`` settings:
+    ``max_batch_size`` and ``max_num_tokens`` (the per-step token budget, TensorRT-LLM
+    semantics; the KV pool is ``max_kv_tokens`` or ``kv_cache_free_gpu_mem_fraction``) may
+    lower the engine's build limits for this run, never raise them.
+    ``enable_inflight_batching`` is accepted for compatibility with TensorRT-LLM scripts:
+    llmc always batches in flight, so False is an error.
+    """
+
+    def __init__(
+        self,
+        engine_dir: str | Path | None = None,
+        *,
+        checkpoint_dir: str | Path | None = None,
+        build_config: BuildConfig | None = None,
+        device: str = "auto",
+        backend: str = "auto",
+        max_batch_size: int | None = None,
+        max_num_tokens: int | None = None,
+        kv_cache_free_gpu_mem_fraction: float = 0.9,
+        max_kv_tokens: int | None = None,
+        enable_block_reuse: bool = True,
+        scheduler_policy: str = "guaranteed_no_evict",
+        enable_inflight_batching: bool = True,
+    ) -> None:
+        if enable_inflight_batching is not True:
+            raise ConfigError(
+                f"enable_inflight_batching={enable_inflight_batching!r}: llmc always batches "
+                "in flight (requests join and leave the running batch at every step); there is "
+                "no static-batching mode. Leave it True, or use max_batch_size=1 to run one "
+                "request at a time"
+            )
+        config = RuntimeConfig(
+            device=device,
+            backend=backend,
+            max_batch_size=max_batch_size,
+            max_num_tokens=max_num_tokens,
+            kv_cache_free_gpu_mem_fraction=kv_cache_free_gpu_mem_fraction,
+            max_kv_tokens=max_kv_tokens,
+            enable_block_reuse=enable_block_reuse,
+            scheduler_policy=scheduler_policy,
+        )
+        checkpoint = self._checkpoint_arg(engine_dir, checkpoint_dir, build_config)
+        if checkpoint is not None:
+            engine_dir = _cached_build(checkpoint, build_config)
+            try:
+                runtime = EngineRuntime.load(engine_dir, config)
+            except EngineError:  # a stale or damaged cache entry: build it again, once
+                engine_dir = _rebuild(checkpoint, build_config)
+                runtime = EngineRuntime.load(engine_dir, config)
+        else:
+            assert engine_dir is not None
+            runtime = EngineRuntime.load(engine_dir, config)
+        self.engine_dir = Path(engine_dir)
+        """The engine directory served (the cache entry for ``checkpoint_dir``)."""
+        self.config = config
+        """The RuntimeConfig this LLM was loaded with."""
+        self._runtime: EngineRuntime | None = runtime
+        self._executor: Executor | None = runtime.executor().start()
+        self._finalizer = weakref.finalize(self, self._executor.shutdown)
+        _LIVE.add(self)
+
+    @staticmethod
+    def _checkpoint_arg(
+        engine_dir: str | Path | None,
+        checkpoint_dir: str | Path | None,
+        build_config: BuildConfig | None,
+    ) -> str | Path | None:
+        if build_config is not None and not isinstance(build_config, BuildConfig):
+            raise ConfigError(
+                f"build_config must be a llmc.BuildConfig, got {type(build_config).__name__}"
+            )
+        from_config = build_config.checkpoint_dir if build_config is not None else None
+        if checkpoint_dir is not None and from_config is not None:
+            if Path(checkpoint_dir).resolve() != Path(from_config).resolve():
+                raise ConfigError(
+                    f"checkpoint_dir={str(checkpoint_dir)!r} and build_config.checkpoint_dir="
+                    f"{from_config!r} differ; give the checkpoint once"
+                )
+        checkpoint = checkpoint_dir if checkpoint_dir is not None else from_config
+        if engine_dir is not None and (checkpoint is not None or build_config is not None):
+            raise ConfigError(
+                f"engine_dir={str(engine_dir)!r} is already built; checkpoint_dir and "
+                "build_config are for building on the fly — pass one or the other"
+            )
+        if engine_dir is None and checkpoint is None:
+            raise ConfigError(
+                "LLM needs engine_dir (an engine built by llmc build) or checkpoint_dir (an HF "
+                "checkpoint directory or .gguf file to build on the fly)"
+            )
+        return checkpoint
+
+    # ---- state ---------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._executor is None
+
+    @property
+    def executor(self) -> Executor:
+        """The Executor: ``enqueue_request(Request) -> id``, ``await_responses(ids, timeout)``,
+        ``cancel_request(id)`` (its loop already runs in the background)."""
+        if self._executor is None:
+            raise EngineError(f"the LLM for {str(self.engine_dir)!r} has been shut down")
+        return self._executor
+
+    @property
+    def runtime(self) -> EngineRuntime:
+        """The loaded EngineRuntime (spec, limits, tokenizer, runner, scheduler, KV manager)."""
+        if self._runtime is None:
+            raise EngineError(f"the LLM for {str(self.engine_dir)!r} has been shut down")
+        return self._runtime
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.runtime.tokenizer
+
+    def summary(self) -> dict[str, Any]:
+        """Device, backend, limits in use and KV capacity (``EngineRuntime.summary``)."""
+        return self.runtime.summary()
+
+    # ---- generation ----------------------------------------------------------------------
+    def _request(
+        self, prompt: Prompt, sampling: SamplingParams, priority: int, chat: bool, streaming: bool
+    ) -> Request:
+        if isinstance(sampling, dict) or not isinstance(sampling, SamplingParams):
+            raise ConfigError(f"sampling_params must be a SamplingParams, got {sampling!r}")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ConfigError(f"priority must be an integer, got {priority!r}")
+        if isinstance(prompt, str):
+            return Request(
+                prompt=prompt,
+                sampling=sampling,
+                priority=priority,
+                streaming=streaming,
+                apply_chat_template=chat,
+            )
+        return Request(
+            prompt_token_ids=list(prompt), sampling=sampling, priority=priority, streaming=streaming
+        )
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        priority: int = 0,
+        apply_chat_template: bool = False,
+    ) -> list[GenerationOutput]:
+        """Run prompts (text, or lists of token ids) to completion; one output per prompt, in
+        order. ``sampling_params``: one for all, or one per prompt. A request that cannot be
+        served gets an output with ``error`` set; the others still run."""
+        single = isinstance(prompts, str) or (
+            isinstance(prompts, (list, tuple)) and bool(prompts) and isinstance(prompts[0], int)
+        )
+        items: list[Prompt] = [prompts] if single else list(prompts)  # type: ignore[list-item]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(items)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(items):
+                raise ConfigError(
+                    f"{len(params)} sampling_params for {len(items)} prompts: give one "
+                    "SamplingParams, or one per prompt"
+                )
+        reqs = [
+            self._request(p, sp, priority, apply_chat_template, False)
+            for p, sp in zip(items, params, strict=True)
+        ]
+        return [GenerationOutput.of(o) for o in self.executor.generate(reqs)]
+
+    async def generate_async(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        *,
+        streaming: bool = True,
+        priority: int = 0,
+        apply_chat_template: bool = False,
+    ) -> AsyncIterator[Response]:
+        """Yield the request's ``Response`` deltas as steps produce them (``new_text``,
+        ``new_token_ids``; the last has ``is_final``, ``finish_reason`` and the whole
+        ``text``). With ``streaming=False`` only the final Response comes.
+
+        Waiting happens in a worker thread blocked on the executor's condition variable (no
+        polling). Leaving the loop early cancels the request; a request that fails raises
+        its llmc.errors class.
+        """
+        ex = self.executor
+        req = self._request(
+            prompt, sampling_params or SamplingParams(), priority, apply_chat_template, streaming
+        )
+        rid = ex.enqueue_request(req)
+        done = False
+        try:
+            while not done:
+                responses = await asyncio.to_thread(ex.await_responses, rid)
+                if not responses:
+                    return
+                for r in responses:
+                    done = done or r.is_final
+                    if r.error is not None:
+                        raise _error(r.error_code, r.error)
+                    yield r
+        finally:
+            if not done:
+                ex.cancel_request(rid)
+
+    # ---- lifetime ------------------------------------------------------------------------
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Cancel unfinished requests, stop the executor loop and release the engine's
+        memory (weights, KV cache, workspace). Idempotent."""
+        ex, rt = self._executor, self._runtime
+        if ex is None:
+            return
+        for rec in ex.request_records:
+            if rec.finish_time is None:
+                ex.cancel_request(rec.request_id)
+        deadline = time.monotonic() + timeout
+        while ex.has_work() and time.monotonic() < deadline:  # cancels apply at the next step
+            time.sleep(0.002)
+        ex.shutdown()
+        self._finalizer.detach()
+        device = rt.device if rt is not None else "cpu"
+        self._executor = self._runtime = None
+        del ex, rt
+        gc.collect()
+        if device == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        state = "shut down" if self.closed else f"{self.runtime.device}/{self.runtime.backend}"
+        return f"LLM(engine_dir={str(self.engine_dir)!r}, {state})"
