@@ -353,9 +353,9 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     from safetensors.torch import save_file
 
     out = Path(out_dir)
-    config, tensors, tokenizer_files = load_gguf(gguf_path)
-    if out.exists() and any(out.iterdir()):
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CheckpointError(f"{out}: output directory exists and is not empty")
+    config, tensors, tokenizer_files = load_gguf(gguf_path)
     out.mkdir(parents=True, exist_ok=True)
     files = {**tokenizer_files, "config.json": json.dumps(config, indent=2).encode()}
     for name, data in files.items():

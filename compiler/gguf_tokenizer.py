@@ -126,7 +126,10 @@ def gguf_tokenizer_files(header: GGUFHeader) -> dict[str, bytes]:
             raise CheckpointError(f"{where}: malformed GGUF merge {m!r}")
         pairs.append((a, b))
     pre, ignore_merges = _pre_tokenizer(str(md.get("tokenizer.ggml.pre", "default")), where)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=ignore_merges))
+    try:
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=ignore_merges))
+    except Exception as e:  # tokenizers raises a bare Exception for a merge out of vocab
+        raise CheckpointError(f"{where}: invalid GGUF tokenizer ({e})") from None
     tok.pre_tokenizer = pre
     tok.decoder = decoders.ByteLevel()
     control = [
