@@ -70,6 +70,33 @@ class _StepInputs:
     sampling: SamplingMetadata | None
 
 
+def _flatten(order: list[ScheduledSequence], tpb: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(token ids, positions, cache slots) [T] int64 of the sequences' new tokens, in order."""
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    for s in order:
+        seq, a, n = s.seq, s.start_position, s.num_new_tokens
+        if n == 1:  # decode fast path: plain ints
+            ids.append(seq.token_at(a))
+            positions.append(a)
+            slots.append(seq.block_table[a // tpb] * tpb + a % tpb)
+            continue
+        p = seq.prompt_token_ids
+        toks = p[a : a + n] if a + n <= len(p) else seq.all_token_ids[a : a + n]
+        pos = np.arange(a, a + n, dtype=np.int64)
+        table = np.asarray(seq.block_table[: -(-(a + n) // tpb)], dtype=np.int64)
+        chunks.append((np.asarray(toks, dtype=np.int64), pos, table[pos // tpb] * tpb + pos % tpb))
+    # decode rows come first in ``order``, so the plain-int part precedes the chunks
+    parts = [np.asarray(x, dtype=np.int64) for x in (ids, positions, slots)]
+    if not chunks:
+        return parts[0], parts[1], parts[2]
+    return tuple(  # type: ignore[return-value]
+        np.concatenate([parts[i], *(c[i] for c in chunks)]) for i in range(3)
+    )
+
+
 class ModelRunner:
     """Runs ScheduledBatches of one model on one Backend from static buffers."""
 
@@ -179,29 +206,16 @@ class ModelRunner:
         order = [s for s in seqs if s.num_new_tokens == 1]
         order += [s for s in seqs if s.num_new_tokens != 1]
         tpb = self.tokens_per_block
-        ids: list[np.ndarray] = []
-        positions: list[np.ndarray] = []
-        slots: list[np.ndarray] = []
+        ids, positions, slots = _flatten(order, tpb)
         cu, seq_lens, last_row = [0], [], {}
         for s in order:
-            seq, a, n = s.seq, s.start_position, s.num_new_tokens
-            p = seq.prompt_token_ids
-            toks = p[a : a + n] if a + n <= len(p) else seq.all_token_ids[a : a + n]
-            pos = np.arange(a, a + n, dtype=np.int64)
-            table = np.asarray(seq.block_table[: -(-(a + n) // tpb)], dtype=np.int64)
-            ids.append(np.asarray(toks, dtype=np.int64))
-            positions.append(pos)
-            slots.append(table[pos // tpb] * tpb + pos % tpb)
-            last_row[id(s)] = cu[-1] + n - 1
-            cu.append(cu[-1] + n)
-            seq_lens.append(a + n)
-        flat_ids = np.concatenate(ids)
+            last_row[id(s)] = cu[-1] + s.num_new_tokens - 1
+            cu.append(cu[-1] + s.num_new_tokens)
+            seq_lens.append(s.start_position + s.num_new_tokens)
+        flat_ids = ids
         if flat_ids.min() < 0 or flat_ids.max() >= self.spec.vocab_size:
-            bad = next(
-                s
-                for s, x in zip(order, ids, strict=True)
-                if x.min() < 0 or x.max() >= self.spec.vocab_size
-            )
+            rows = np.nonzero((flat_ids < 0) | (flat_ids >= self.spec.vocab_size))[0]
+            bad = order[int(np.searchsorted(cu, rows[0], side="right")) - 1]
             raise RequestError(
                 f"request {bad.seq.request_id}: token id outside the vocabulary "
                 f"[0, {self.spec.vocab_size})"
@@ -216,8 +230,8 @@ class ModelRunner:
         st = self.staging
         st.begin()
         st.add("input_ids", flat_ids, "int64")
-        st.add("positions", np.concatenate(positions), "int64")
-        st.add("slot_mapping", np.concatenate(slots), "int64")
+        st.add("positions", positions, "int64")
+        st.add("slot_mapping", slots, "int64")
         st.add("logits_indices", [last_row[id(s)] for s in sampled], "int64")
         st.add("cu_seqlens_q", cu, "int32")
         st.add("seq_lens", seq_lens, "int32")

@@ -20,6 +20,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -55,6 +56,7 @@ def splitmix64(x: int) -> int:
     return z ^ (z >> 31)
 
 
+@functools.lru_cache(maxsize=8192)
 def derived_seed(request_id: int) -> int:
     """The seed of a request that gave none: splitmix64(request_id), as an int64."""
     return _to_int64(splitmix64(request_id & U64))
