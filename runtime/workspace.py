@@ -136,6 +136,11 @@ def default_table(
     return {p.name: (p.offset, tuple(p.shape), p.dtype) for p in placed}
 
 
+def table_from_plan(plan) -> dict[str, tuple[int, tuple[int, ...], str]]:
+    """The workspace table of a ``llmc.compiler.memory_plan.MemoryPlan`` (plan.json)."""
+    return {b.name: (b.offset, tuple(b.shape), b.dtype) for b in plan.buffers}
+
+
 def _nbytes(shape: Sequence[int], dtype: str) -> int:
     return math.prod(shape) * TORCH_DTYPES[dtype].itemsize
 

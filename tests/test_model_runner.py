@@ -71,8 +71,9 @@ def test_greedy_matches_hf_generate(tiny):
         assert res.outputs[i] == hf_greedy(model, p, 33), f"prompt {i}"
 
 
-def test_end_to_end_with_scheduler(tiny):
-    """The real Scheduler + KVCacheManager (prefix reuse on, chunked prefill, preemption)."""
+@pytest.mark.parametrize("reuse", [True, False], ids=["reuse", "no_reuse"])
+def test_end_to_end_with_scheduler(tiny, reuse):
+    """The real Scheduler + KVCacheManager (prefix reuse, chunked prefill, preemption)."""
     from llmc.runtime.kv_cache import KVCacheManager
     from llmc.runtime.scheduler import MAX_UTILIZATION, Scheduler, SchedulerConfig
 
@@ -94,7 +95,7 @@ def test_end_to_end_with_scheduler(tiny):
         tokens_per_block=tpb,
         policy=MAX_UTILIZATION,
     )
-    sched = Scheduler(cfg, KVCacheManager(blocks, tpb, enable_block_reuse=True))
+    sched = Scheduler(cfg, KVCacheManager(blocks, tpb, enable_block_reuse=reuse))
     base = prompts(1, [12], spec.vocab_size, seed=3)[0]
     ps = [base + [5, 6, 7], base + [9], prompts(1, [30], spec.vocab_size, seed=4)[0], base]
     seqs = [new_seq(i, p, 20) for i, p in enumerate(ps)]
@@ -107,6 +108,7 @@ def test_end_to_end_with_scheduler(tiny):
         steps += 1
         assert steps < 500
     assert sched.stats().num_preemptions > 0
+    assert (sched.kv.stats().reuse_hits > 0) == reuse
     assert sched.kv.num_free_blocks == blocks
     for s, p in zip(seqs, ps, strict=True):
         assert s.output_token_ids == hf_greedy(model, p, 20), f"request {s.request_id}"
@@ -291,3 +293,18 @@ def test_torch_backend_on_cuda_matches_cpu(tiny):
         ]
         outs.append(drive(runner, seqs, chunk=16, budget=32, start_every=2).outputs)
     assert outs[0] == outs[1]
+
+
+def test_runner_from_an_engine_memory_plan(tiny):
+    """The plan.json of a build (compiler's planner, round-tripped through JSON) drives it."""
+    from llmc.compiler.memory_plan import MemoryPlan, plan_memory
+    from llmc.runtime.workspace import table_from_plan
+
+    spec, weights, model = tiny
+    limits = dict(max_batch_size=4, max_num_tokens=32, max_seq_len=64, tokens_per_block=8)
+    plan = MemoryPlan.from_json(plan_memory(spec, dtype="float32", **limits).to_json())
+    runner = make_runner(spec, weights, workspace=table_from_plan(plan), **limits)
+    assert runner.workspace.nbytes == plan.workspace_bytes
+    seqs = [new_seq(i, p, 3) for i, p in enumerate(prompts(3, [20, 9, 30], spec.vocab_size, 8))]
+    res = drive(runner, seqs, chunk=16, budget=32, record_logits=True)
+    _check_logits(model, seqs, res)
