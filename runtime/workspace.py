@@ -145,6 +145,17 @@ def _nbytes(shape: Sequence[int], dtype: str) -> int:
     return math.prod(shape) * TORCH_DTYPES[dtype].itemsize
 
 
+def _fits(name: str, got: tuple[int, ...], need: tuple[int, ...]) -> bool:
+    """A plan buffer serves the runner if its leading (token / sequence) dimension is at least
+    the runner's and its other dimensions are equal (block_tables: both may be larger; the
+    runner uses its flat storage). So an engine's arena also serves lowered runtime limits."""
+    if len(got) != len(need) or got[0] < need[0]:
+        return False
+    if name == "block_tables":
+        return got[1] >= need[1]
+    return got[1:] == need[1:]
+
+
 def check_table(table: WorkspaceTable, expected: Mapping[str, tuple[tuple | None, str]]) -> None:
     """Raise EngineError unless ``table`` gives the runner every buffer it needs, safely."""
     for name, (shape, dtype) in expected.items():
@@ -153,10 +164,10 @@ def check_table(table: WorkspaceTable, expected: Mapping[str, tuple[tuple | None
         off, got_shape, got_dtype = table[name]
         if got_dtype != dtype:
             raise EngineError(f"memory plan: buffer {name!r} has dtype {got_dtype}, need {dtype}")
-        if shape is not None and tuple(got_shape) != shape:
+        if shape is not None and not _fits(name, tuple(got_shape), shape):
             raise EngineError(
-                f"memory plan: buffer {name!r} has shape {list(got_shape)}, need {list(shape)}; "
-                "rebuild the engine with `llmc build`"
+                f"memory plan: buffer {name!r} has shape {list(got_shape)}, need {list(shape)} "
+                "(token/sequence dimensions may be larger); rebuild the engine with `llmc build`"
             )
         if got_dtype not in TORCH_DTYPES:
             raise EngineError(f"memory plan: buffer {name!r} has unknown dtype {got_dtype!r}")

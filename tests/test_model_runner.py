@@ -212,35 +212,31 @@ def test_bad_inputs(tiny):
 
 def test_workspace_plan_checked(tiny):
     spec, weights, _ = tiny
-    args = (spec, "float32", 32, 4, 64, 8)
-    table = default_table(*args)
-    runner = make_runner(
-        spec, weights, max_num_tokens=32, max_batch_size=4, max_seq_len=64, workspace=table
-    )
+    limits = dict(max_num_tokens=32, max_batch_size=4, max_seq_len=64)
+    table = default_table(spec, "float32", 32, 4, 64, 8)
+    runner = make_runner(spec, weights, workspace=table, **limits)
     logits_off, logits_shape, _ = table["logits"]
     assert runner.workspace["logits"].data_ptr() == runner.workspace.arena.data_ptr() + logits_off
     assert tuple(runner.workspace["logits"].shape) == logits_shape
     aliased = dict(table)
     aliased["gate_up"] = (table["act"][0], table["gate_up"][1], table["gate_up"][2])
     with pytest.raises(EngineError, match="'gate_up' share arena bytes"):
-        make_runner(
-            spec,
-            weights,
-            max_num_tokens=32,
-            max_batch_size=4,
-            max_seq_len=64,
-            workspace=aliased,
-        )
+        make_runner(spec, weights, workspace=aliased, **limits)
     missing = {k: v for k, v in table.items() if k != "logits"}
     with pytest.raises(EngineError, match="'logits' is missing"):
-        make_runner(
-            spec,
-            weights,
-            max_num_tokens=32,
-            max_batch_size=4,
-            max_seq_len=64,
-            workspace=missing,
-        )
+        make_runner(spec, weights, workspace=missing, **limits)
+    # an engine's arena planned for larger limits serves lowered runtime limits...
+    big = default_table(spec, "float32", 64, 8, 128, 8)
+    seq = new_seq(0, prompts(1, [20], spec.vocab_size)[0], 1)
+    seq.block_table = [3, 1, 4]
+    batch = ScheduledBatch(0, (ScheduledSequence(seq, 0, 20, True),))
+    expect = runner.forward_logits(batch)
+    assert torch.equal(
+        make_runner(spec, weights, workspace=big, **limits).forward_logits(batch), expect
+    )
+    # ...but not smaller ones
+    with pytest.raises(EngineError, match="buffer 'input_ids' has shape \\[32\\], need \\[64\\]"):
+        make_runner(spec, weights, workspace=table, max_num_tokens=64, max_batch_size=4)
 
 
 def test_bfloat16_error_is_that_of_transformers_bfloat16(tiny, request):
