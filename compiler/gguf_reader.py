@@ -9,7 +9,9 @@ What this module owns:
 - ``read_gguf_tensors``: every tensor dequantized to float32 (``gguf.quants``, vectorised in
   numpy) under its HuggingFace name, with llama.cpp's rotary row permutation of the Q and K
   projections undone for the ``llama`` architecture.
-- ``import_gguf``: writes a complete HuggingFace checkpoint directory.
+- ``import_gguf``: writes a complete HuggingFace checkpoint directory (atomically).
+- Llama 3 RoPE scaling, which llama.cpp stores as a ``rope_freqs`` tensor of divisors, is
+  recovered into the config's ``rope_scaling`` (and checked to reproduce that tensor).
 
 Invariants: the HF tensors equal what transformers' own GGUF loader produces (tested on
 SmolLM2 through logits); any malformed file raises CheckpointError naming the file.
@@ -19,7 +21,10 @@ from __future__ import annotations
 
 import json
 import mmap
+import os
+import shutil
 import struct
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +35,7 @@ import torch
 from llmc.errors import CheckpointError, UnsupportedError
 
 GGUF_MAGIC = b"GGUF"
+ROPE_FREQS = "rope_freqs.weight"  # llama3 RoPE scaling; folded into the config, not a weight
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 # Metadata string arrays that are large; read only when a caller asks for them.
 TOKENIZER_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges")
@@ -123,8 +129,10 @@ class _Cursor:
             values = struct.unpack_from(f"<{count}{fmt[1]}", self.buf, self.pos)
             self.pos += count * struct.calcsize(fmt)
             return list(values)
+        if etype == _ARRAY:
+            return [self.value(_ARRAY, keep_strings) for _ in range(count)]
         if etype != _STRING:
-            raise CheckpointError(f"{self.path}: unsupported GGUF metadata array type {etype}")
+            raise CheckpointError(f"{self.path}: corrupt GGUF (unknown array type {etype})")
         if keep_strings:
             return [self.string() for _ in range(count)]
         buf, pos, unpack = self.buf, self.pos, struct.unpack_from
@@ -213,11 +221,6 @@ def gguf_hf_config(header: GGUFHeader) -> dict[str, Any]:
             f"supported: {', '.join(GGUF_ARCHITECTURES)}"
         )
     names = {t.name for t in header.tensors}
-    if "rope_freqs.weight" in names:
-        raise UnsupportedError(
-            f"{header.path}: per-dimension RoPE frequency factors (rope_freqs, llama3-style "
-            "scaling) in GGUF are not supported; use the HF checkpoint instead"
-        )
 
     def need(key: str) -> Any:
         value = header.get(key)
@@ -251,7 +254,12 @@ def gguf_hf_config(header: GGUFHeader) -> dict[str, Any]:
         "torch_dtype": "float32",
     }
     scaling = header.get("rope.scaling.type")
-    if scaling == "linear":
+    rope_freqs = next((t for t in header.tensors if t.name == ROPE_FREQS), None)
+    if rope_freqs is not None:
+        cfg["rope_scaling"] = _llama3_scaling(
+            header, rope_freqs, cfg["head_dim"], cfg["rope_theta"]
+        )
+    elif scaling == "linear":
         cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(need("rope.scaling.factor"))}
     elif scaling not in (None, "none"):
         raise UnsupportedError(f"{header.path}: GGUF rope scaling {scaling!r} is not supported")
@@ -266,6 +274,44 @@ def gguf_hf_config(header: GGUFHeader) -> dict[str, Any]:
     if "tokenizer.ggml.padding_token_id" in md:
         cfg["pad_token_id"] = int(md["tokenizer.ggml.padding_token_id"])
     return cfg
+
+
+def llama3_rope_factors(head_dim: int, theta: float, scaling: dict[str, Any]) -> np.ndarray:
+    """Per-frequency divisors of Llama 3 RoPE scaling, as convert_hf_to_gguf writes them."""
+    freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)
+    factor, old_len = scaling["factor"], scaling["original_max_position_embeddings"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    wavelen = 2 * np.pi / freqs
+    smooth = (old_len / wavelen - low) / (high - low)
+    mid = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < old_len / high, 1.0, np.where(wavelen > old_len / low, factor, mid))
+
+
+def _llama3_scaling(
+    header: GGUFHeader, info: GGUFTensorInfo, head_dim: int, theta: float
+) -> dict[str, Any]:
+    """Recover HF ``rope_scaling`` from a ``rope_freqs`` tensor (llama.cpp stores no params).
+
+    Llama 3.x always used low/high frequency factors 1 and 4 over an 8192-token original
+    context; the factor is the largest divisor. Anything else is refused, not guessed.
+    """
+    factors = _dequantize(_open_map(header.path), info).astype(np.float64)
+    scaling = {
+        "rope_type": "llama3",
+        "factor": float(np.float32(factors.max())),
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": int(
+            header.get("rope.scaling.original_context_length", 8192)
+        ),
+    }
+    expected = llama3_rope_factors(head_dim, theta, scaling)
+    if factors.shape != expected.shape or not np.allclose(factors, expected, rtol=1e-5):
+        raise UnsupportedError(
+            f"{header.path}: the rope_freqs tensor is not Llama 3 RoPE scaling with "
+            "low_freq_factor=1, high_freq_factor=4; this GGUF's RoPE scaling is not supported"
+        )
+    return scaling
 
 
 def hf_tensor_name(gguf_name: str, path: Path) -> str:
@@ -308,6 +354,8 @@ def read_gguf_tensors(header: GGUFHeader, config: dict[str, Any]) -> dict[str, t
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     out: dict[str, torch.Tensor] = {}
     for info in header.tensors:
+        if info.name == ROPE_FREQS:
+            continue
         name = hf_tensor_name(info.name, header.path)
         t = torch.from_numpy(_dequantize(buf, info))
         if header.architecture == "llama" and ".attn_q." in info.name:
@@ -320,7 +368,9 @@ def read_gguf_tensors(header: GGUFHeader, config: dict[str, Any]) -> dict[str, t
 
 def gguf_hf_shapes(header: GGUFHeader) -> dict[str, tuple[int, ...]]:
     """HF tensor name → shape, from the tensor table only."""
-    return {hf_tensor_name(t.name, header.path): t.shape for t in header.tensors}
+    return {
+        hf_tensor_name(t.name, header.path): t.shape for t in header.tensors if t.name != ROPE_FREQS
+    }
 
 
 def generation_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -356,10 +406,18 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CheckpointError(f"{out}: output directory exists and is not empty")
     config, tensors, tokenizer_files = load_gguf(gguf_path)
-    out.mkdir(parents=True, exist_ok=True)
-    files = {**tokenizer_files, "config.json": json.dumps(config, indent=2).encode()}
-    for name, data in files.items():
-        (out / name).write_bytes(data)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "model.safetensors").chmod(0o644)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        files = {**tokenizer_files, "config.json": json.dumps(config, indent=2).encode()}
+        for name, data in files.items():
+            (tmp / name).write_bytes(data)
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        for f in tmp.iterdir():
+            f.chmod(0o644)
+        tmp.chmod(0o755)
+        os.replace(tmp, out)  # a failed import leaves no half-written directory behind
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return out

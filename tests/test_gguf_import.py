@@ -358,3 +358,84 @@ def test_header_matches_gguf_reader(tiny_llama_dir, tmp_path):
     for o, r in zip(ours.tensors, ref.tensors, strict=True):
         assert o.shape == tuple(reversed([int(d) for d in r.shape])), o.name
         assert (o.ggml_type, o.offset, o.nbytes) == (int(r.tensor_type), r.data_offset, r.n_bytes)
+
+
+def _llama3_divisors(theta: float, head_dim: int, factor: float) -> np.ndarray:
+    """rope_freqs as llama.cpp stores them, derived from transformers' own llama3 RoPE."""
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = dict(rope_type="llama3", rope_theta=theta, factor=factor, low_freq_factor=1.0)
+    rope.update(high_freq_factor=4.0, original_max_position_embeddings=8192)
+    cfg = transformers.LlamaConfig(
+        hidden_size=64,
+        num_attention_heads=4,
+        head_dim=head_dim,
+        max_position_embeddings=16384,
+        rope_parameters=rope,
+    )
+    inv_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
+    base = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    return (base / inv_freq).numpy().astype(np.float32)
+
+
+def test_llama3_rope_freqs_become_rope_scaling(tiny_llama_dir, tmp_path):
+    from llmc.compiler.spec import RopeScaling
+
+    divisors = _llama3_divisors(10000.0, 16, 8.0)
+    assert 1.0 < divisors[-2] < 8.0 and divisors[-1] == 8.0  # all three regions present
+    path = write_gguf(
+        tiny_llama_dir,
+        tmp_path / "m.gguf",
+        edit=lambda w, t: w.add_tensor("rope_freqs.weight", divisors),
+    )
+    ckpt = load_checkpoint(path)
+    assert ckpt.spec.rope_scaling == RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
+    assert "rope_freqs.weight" not in ckpt.tensors
+
+    bad = divisors.copy()
+    bad[-2] = 3.0
+    path = write_gguf(
+        tiny_llama_dir,
+        tmp_path / "bad.gguf",
+        edit=lambda w, t: w.add_tensor("rope_freqs.weight", bad),
+    )
+    with pytest.raises(UnsupportedError, match="rope_freqs"):
+        read_model_spec(path)
+
+
+def test_gguf_magic_without_suffix_and_nested_arrays(tiny_llama_dir, tmp_path):
+    path = write_gguf(
+        tiny_llama_dir,
+        tmp_path / "model.bin",
+        edit=lambda w, t: w.add_array("general.nested", [[1, 2], [3]]),
+    )
+    spec, _ = read_model_spec(path)
+    assert spec.num_layers == 2
+    header = read_gguf_header(path)
+    assert header.metadata["general.nested"] == [[1, 2], [3]]
+
+
+def test_failed_import_leaves_nothing(tiny_gguf, tmp_path):
+    tiny_gguf.write_bytes(tiny_gguf.read_bytes()[:-100])
+    out = tmp_path / "out"
+    with pytest.raises(CheckpointError, match="truncated"):
+        import_gguf(tiny_gguf, out)
+    assert not out.exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["tiny.gguf"]
+
+
+@pytest.mark.parametrize("arch,fixture", [("llama", "tiny_llama_dir"), ("qwen2", "tiny_qwen2_dir")])
+def test_imported_tiny_dir_runs_in_transformers(arch, fixture, request, tmp_path):
+    import transformers
+
+    hf_dir = request.getfixturevalue(fixture)
+    out = import_gguf(write_gguf(hf_dir, tmp_path / "m.gguf", arch), tmp_path / "imported")
+    ours = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    ref = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    assert type(ours) is type(ref)
+    ids = torch.tensor([[1, 5, 9, 200, 17, 3, 77, 255]])
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, ref(ids).logits, atol=1e-5, rtol=1e-5)
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert tok.decode(tok.encode("hello the world")) == "hello the world"
