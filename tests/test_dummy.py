@@ -100,3 +100,13 @@ def test_activations_stay_sane_over_32_layers():
     first, last = out.hidden_states[0].std().item(), out.hidden_states[-2].std().item()
     assert torch.isfinite(out.logits).all()
     assert last < 4 * first, (first, last)
+
+
+@pytest.mark.cuda
+def test_generated_on_the_gpu_deterministically():
+    spec = _spec(num_layers=4, hidden_size=1024, intermediate_size=2816, head_dim=128, num_heads=8)
+    a = dummy_weights(spec, "bfloat16", seed=1, device="cuda")
+    b = dummy_weights(spec, "bfloat16", seed=1, device="cuda")
+    assert all(t.device.type == "cuda" and t.dtype == torch.bfloat16 for t in a.values())
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert a["layers.0.qkv_proj"].float().std().item() == pytest.approx(0.02, rel=0.02)
