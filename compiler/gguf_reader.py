@@ -20,6 +20,7 @@ SmolLM2 through logits); any malformed file raises CheckpointError naming the fi
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import shutil
@@ -184,7 +185,11 @@ def read_gguf_header(path: str | Path, string_arrays: tuple[str, ...] = ()) -> G
             raw.append((name, tuple(reversed(dims)), ggml_type, offset))
     except (struct.error, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: truncated or corrupt GGUF header ({e})") from e
-    alignment = int(metadata.get("general.alignment", 32))
+    alignment = metadata.get("general.alignment", 32)
+    if not isinstance(alignment, int) or alignment <= 0:
+        raise CheckpointError(f"{path}: corrupt GGUF (general.alignment = {alignment!r})")
+    if len({name for name, *_ in raw}) != len(raw):
+        raise CheckpointError(f"{path}: corrupt GGUF (a tensor name appears twice)")
     data_start = -(-cur.pos // alignment) * alignment
     tensors = []
     for name, shape, ggml_type, offset in raw:
@@ -194,7 +199,7 @@ def read_gguf_header(path: str | Path, string_arrays: tuple[str, ...] = ()) -> G
             raise UnsupportedError(
                 f"{path}: tensor {name!r} has unknown ggml type {ggml_type}"
             ) from None
-        n = int(np.prod(shape)) if shape else 1
+        n = math.prod(shape)  # Python ints: a corrupt huge dim cannot wrap around
         if shape and shape[-1] % block:
             raise CheckpointError(f"{path}: tensor {name!r} row length {shape[-1]} % {block} != 0")
         info = GGUFTensorInfo(name, shape, ggml_type, data_start + offset, n // block * type_size)

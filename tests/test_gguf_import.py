@@ -439,3 +439,23 @@ def test_imported_tiny_dir_runs_in_transformers(arch, fixture, request, tmp_path
         torch.testing.assert_close(ours(ids).logits, ref(ids).logits, atol=1e-5, rtol=1e-5)
     tok = transformers.AutoTokenizer.from_pretrained(out)
     assert tok.decode(tok.encode("hello the world")) == "hello the world"
+
+
+def test_corrupted_bytes_never_escape_as_raw_exceptions(tiny_gguf):
+    """Flip bytes of the header/metadata at random: every failure is an LlmcError."""
+    from llmc.errors import LlmcError
+
+    data = tiny_gguf.read_bytes()
+    header_end = data.index(b"output_norm.weight") + 64
+    rng = np.random.default_rng(0)
+    failures = 0
+    for trial in range(150):
+        bad = bytearray(data)
+        for pos in rng.integers(4, header_end, size=1 + trial % 3):
+            bad[pos] = int(rng.integers(0, 256))
+        tiny_gguf.write_bytes(bytes(bad))
+        try:
+            load_checkpoint(tiny_gguf)
+        except LlmcError:
+            failures += 1
+    assert failures > 50  # most corruptions are caught, none escape as another exception
