@@ -96,3 +96,15 @@ def fake_parts(
         kv,
     )
     return ExecutorParts(FakeRunner(vocab_size, script), sched, vocab_size, tokenizer)
+
+
+@pytest.fixture(scope="module", autouse=False)
+def one_torch_thread():
+    """Tiny models run op by op: on a 2-core machine (often shared with other test
+    processes) torch's intra-op threads only add synchronisation, so use one for the module."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -11,11 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from _runtime_helpers import one_torch_thread  # noqa: F401
 from llmc.compiler.build_config import BuildConfig
 from llmc.compiler.builder import build
 from llmc.runtime.engine_runtime import EngineRuntime, Limits, RuntimeConfig
 from llmc.runtime.tokenizer import Tokenizer
 from llmc.runtime.types import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 NEW_TOKENS = 36
 TINY_LIMITS = dict(max_seq_len=96, max_batch_size=8, max_num_tokens=128, tokens_per_block=8)
