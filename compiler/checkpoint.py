@@ -22,7 +22,7 @@ from llmc.compiler import gguf_reader, hf_reader
 from llmc.compiler.spec import ModelSpec
 from llmc.compiler.weight_passes import validate_hf_tensors
 
-from llmc.errors import CheckpointError
+from llmc.errors import CheckpointError, UnsupportedError
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,13 @@ def checkpoint_format(path: str | Path) -> str:
 
 
 def _hf_spec(path: Path, cfg: dict[str, Any]) -> ModelSpec:
+    quant = cfg.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+        raise UnsupportedError(
+            f"{path}: quantized HF checkpoints ({method}) are not supported; "
+            "use the unquantized checkpoint (or a GGUF, which is dequantized on import)"
+        )
     spec = ModelSpec.from_hf_config(cfg)
     extra = hf_reader.read_generation_eos(path)
     eos = tuple(dict.fromkeys(spec.eos_token_ids + extra))

@@ -128,6 +128,15 @@ def test_unsupported_architecture(tiny_llama_dir, tmp_path):
         load_checkpoint(d)
 
 
+def test_quantized_hf_checkpoint_is_refused(tiny_llama_dir, tmp_path):
+    d = _copy(tiny_llama_dir, tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedError, match="gptq"):
+        read_model_spec(d)
+
+
 @pytest.mark.parametrize("damage", ["truncate", "garbage", "empty"])
 def test_corrupt_safetensors(tiny_llama_dir, tmp_path, damage):
     d = _copy(tiny_llama_dir, tmp_path / "m")
