@@ -1,0 +1,438 @@
+"""``llmc run``: prompts (flags or a file) through an engine's Executor; outputs and timings.
+
+Flags → ``RuntimeConfig`` (device, backend, lowered limits, KV pool, policy) and default
+``SamplingParams``; precedence CLI > the profile's ``run:`` section > defaults. Requests come
+from ``--prompt`` (repeatable) or ``--input_file``: plain text (one prompt per line) or JSONL
+(``prompt`` or ``input_ids``, optional ``chat`` and per-request sampling fields overriding
+the flags). A request that fails (bad sampling values, too long, ...) is reported with its
+message while the others run; the exit code is then that error's code (RequestError: 8).
+
+Output: ``--json`` prints one object on stdout (outputs with text, token ids, finish reason
+and timings; a summary; the runtime) and nothing else there. Otherwise each output, then a
+Rich table per request and a summary. ``--stream`` prints the first unfinished request's
+text as it is generated (the others follow in order); with ``--json`` the deltas are listed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from llmc.cli.options import (
+    JSON_OPTION,
+    PROFILE_OPTION,
+    check_keys,
+    err_console,
+    handle_errors,
+    merge_settings,
+    option,
+    out_console,
+    print_json,
+    profile_section,
+)
+from llmc.runtime.engine_runtime import RuntimeConfig
+from llmc.runtime.types import Request, SamplingParams
+
+from llmc.errors import LlmcError, RequestError, UsageError, did_you_mean
+
+SAMPLING_KEYS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+RUNTIME_KEYS = RuntimeConfig.field_names()
+RUN_KEYS = ("engine_dir", "prompt", "input_file", "chat", "stream", *SAMPLING_KEYS, *RUNTIME_KEYS)
+JSONL_KEYS = ("prompt", "input_ids", "prompt_token_ids", "chat", *SAMPLING_KEYS)
+
+
+def _int_list(values: list[str] | None, name: str) -> tuple[int, ...] | None:
+    if values is None:
+        return None
+    try:
+        return tuple(int(x) for v in values for x in str(v).split(",") if x.strip())
+    except ValueError:
+        raise UsageError(f"--{name} takes integers (repeat it or separate with commas)") from None
+
+
+def _sampling(settings: dict[str, Any], source: str, overrides: dict[str, Any]) -> SamplingParams:
+    values = {k: settings[k] for k in SAMPLING_KEYS if settings.get(k) is not None}
+    values.update(overrides)
+    for key in ("stop", "stop_token_ids"):
+        if key in values and isinstance(values[key], (list, str)):
+            values[key] = (values[key],) if isinstance(values[key], str) else tuple(values[key])
+    try:
+        return SamplingParams(**values)
+    except TypeError as e:
+        raise RequestError(f"{source}: bad sampling parameter ({e})") from None
+
+
+def read_requests(settings: dict[str, Any]) -> list[tuple[str, Request | LlmcError]]:
+    """(label, Request or the error that makes it unservable) per prompt, in order."""
+    chat = bool(settings.get("chat"))
+    streaming = bool(settings.get("stream"))
+    prompts = list(settings.get("prompt") or [])
+    path = settings.get("input_file")
+    if prompts and path:
+        raise UsageError("give prompts with --prompt or --input_file, not both")
+    if not prompts and not path:
+        raise UsageError("no prompt: give --prompt TEXT (repeatable) or --input_file FILE")
+    out: list[tuple[str, Request | LlmcError]] = []
+    if prompts:
+        sp = _sampling(settings, "command line", {})
+        for p in prompts:
+            req = Request(prompt=p, sampling=sp, apply_chat_template=chat, streaming=streaming)
+            out.append((p, req))
+        return out
+    p = Path(path)
+    try:
+        lines = p.read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise UsageError(f"--input_file {p}: cannot be read ({e.strerror or e})") from None
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{p}:{n}"
+        if not line.lstrip().startswith("{"):
+            sp = _sampling(settings, "command line", {})
+            req = Request(prompt=line, sampling=sp, apply_chat_template=chat, streaming=streaming)
+            out.append((line, req))
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"{where}: not valid JSON ({e.msg})") from None
+        if not isinstance(obj, dict):
+            raise UsageError(f"{where}: a JSONL line must be an object")
+        for key in obj:
+            if key not in JSONL_KEYS:
+                raise UsageError(f"{where}: unknown key {key!r}" + did_you_mean(key, JSONL_KEYS))
+        ids = obj.get("input_ids", obj.get("prompt_token_ids"))
+        label = obj.get("prompt") if obj.get("prompt") is not None else f"<{len(ids or [])} ids>"
+        overrides = {k: v for k, v in obj.items() if k in SAMPLING_KEYS}
+        try:
+            sp = _sampling(settings, where, overrides)
+        except RequestError as e:
+            out.append((str(label), RequestError(f"{where}: {e}")))
+            continue
+        req = Request(
+            prompt=obj.get("prompt"),
+            prompt_token_ids=ids,
+            sampling=sp,
+            apply_chat_template=bool(obj.get("chat", chat)),
+            streaming=streaming,
+        )
+        out.append((str(label), req))
+    if not out:
+        raise UsageError(f"--input_file {p}: has no prompts")
+    return out
+
+
+def _timings(rec: Any) -> dict[str, Any]:
+    from llmc.runtime.metrics import e2e, tpot, ttft
+
+    total = e2e(rec)
+    n = rec.num_output_tokens
+    return {
+        "num_prompt_tokens": rec.num_prompt_tokens,
+        "num_output_tokens": n,
+        "num_cached_tokens": rec.num_cached_tokens,
+        "num_preemptions": rec.num_preemptions,
+        "ttft_s": ttft(rec),
+        "tpot_s": tpot(rec),
+        "e2e_s": total,
+        "tokens_per_s": n / total if total and n else None,
+    }
+
+
+class _Printer:
+    """Streams the text of the head request live; later requests follow in order."""
+
+    def __init__(self, order: list[int], live: bool) -> None:
+        self.order, self.live = order, live
+        self.head = 0
+        self.buffers: dict[int, list[str]] = {i: [] for i in order}
+        self.done: set[int] = set()
+
+    def add(self, rid: int, text: str, final: bool) -> None:
+        self.buffers[rid].append(text)
+        if final:
+            self.done.add(rid)
+        while self.live and self.head < len(self.order):
+            cur = self.order[self.head]
+            sys.stdout.write("".join(self.buffers[cur]))
+            self.buffers[cur] = []
+            if cur not in self.done:
+                break
+            sys.stdout.write("\n")
+            self.head += 1
+        sys.stdout.flush()
+
+
+def run_requests(executor: Any, items: list[tuple[str, Request]], printer: _Printer | None):
+    """Enqueue every request, collect responses; returns {request_id: [responses]}."""
+    ids = [executor.enqueue_request(req) for _, req in items]
+    got: dict[int, list[Any]] = {rid: [] for rid in ids}
+    finals = 0
+    if printer is not None:
+        printer.order[:] = ids
+        printer.buffers = {i: [] for i in ids}
+    while finals < len(ids):
+        for r in executor.await_responses(ids):
+            got[r.request_id].append(r)
+            finals += r.is_final
+            if printer is not None:
+                printer.add(r.request_id, r.new_text, r.is_final)
+    return ids, got
+
+
+def run_command(
+    engine_dir: Annotated[
+        str | None, option("engine_dir", "Engine directory (from llmc build). Required.")
+    ] = None,
+    prompt: Annotated[
+        list[str] | None, option("prompt", "A prompt (repeatable). Default: none.")
+    ] = None,
+    input_file: Annotated[
+        str | None,
+        option(
+            "input_file",
+            "Prompts: text (one per line) or JSONL with prompt or input_ids and per-request "
+            "sampling fields. Default: none.",
+            metavar="PATH",
+        ),
+    ] = None,
+    max_new_tokens: Annotated[
+        int | None, option("max_new_tokens", "Most tokens to generate. Default: 32.")
+    ] = None,
+    temperature: Annotated[
+        float | None, option("temperature", "Sampling temperature; 0 = greedy. Default: 0.")
+    ] = None,
+    top_k: Annotated[int | None, option("top_k", "Top-k; 0 = off. Default: 0.")] = None,
+    top_p: Annotated[float | None, option("top_p", "Top-p in (0, 1]. Default: 1.")] = None,
+    min_p: Annotated[float | None, option("min_p", "Min-p in [0, 1]. Default: 0.")] = None,
+    repetition_penalty: Annotated[
+        float | None, option("repetition_penalty", "> 0; 1 = off. Default: 1.")
+    ] = None,
+    presence_penalty: Annotated[
+        float | None, option("presence_penalty", "In [-2, 2]. Default: 0.")
+    ] = None,
+    frequency_penalty: Annotated[
+        float | None, option("frequency_penalty", "In [-2, 2]. Default: 0.")
+    ] = None,
+    seed: Annotated[
+        int | None, option("seed", "Sampling seed per request. Default: from the request id.")
+    ] = None,
+    stop: Annotated[
+        list[str] | None, option("stop", "Stop string (repeatable); cut from the output.")
+    ] = None,
+    stop_token_ids: Annotated[
+        list[str] | None, option("stop_token_ids", "Stop token ids (repeatable or a,b,c).")
+    ] = None,
+    ignore_eos: Annotated[
+        bool | None, option("ignore_eos", "Do not stop at EOS. Default: off.")
+    ] = None,
+    logprobs: Annotated[
+        int | None, option("logprobs", "Return log-probabilities and this many top ones.")
+    ] = None,
+    clamp_max_new_tokens: Annotated[
+        bool | None,
+        option(
+            "clamp_max_new_tokens",
+            "Lower max_new_tokens to fit max_seq_len instead of failing. Default: off.",
+        ),
+    ] = None,
+    chat: Annotated[
+        bool | None, option("chat", "Apply the engine's chat template. Default: off.")
+    ] = None,
+    stream: Annotated[bool | None, option("stream", "Print tokens as they come.")] = None,
+    device: Annotated[str | None, option("device", "auto, cpu or cuda. Default: auto.")] = None,
+    backend: Annotated[
+        str | None,
+        option("backend", "auto (CUDA kernels on a GPU when built), torch or cuda. Default: auto."),
+    ] = None,
+    max_batch_size: Annotated[
+        int | None, option("max_batch_size", "Lower the engine's max_batch_size.")
+    ] = None,
+    max_num_tokens: Annotated[
+        int | None, option("max_num_tokens", "Lower the engine's per-step token budget.")
+    ] = None,
+    kv_cache_free_gpu_mem_fraction: Annotated[
+        float | None,
+        option("kv_cache_free_gpu_mem_fraction", "Share of free memory for KV. Default: 0.9."),
+    ] = None,
+    max_kv_tokens: Annotated[
+        int | None, option("max_kv_tokens", "KV pool size in tokens. Default: from fraction.")
+    ] = None,
+    enable_block_reuse: Annotated[
+        bool | None,
+        typer.Option(
+            "--enable_block_reuse/--no_enable_block_reuse",
+            "--enable-block-reuse/--no-enable-block-reuse",
+            help="Reuse KV blocks of shared prompt prefixes. Default: on.",
+            show_default=False,
+        ),
+    ] = None,
+    scheduler_policy: Annotated[
+        str | None,
+        option("scheduler_policy", "guaranteed_no_evict or max_utilization. Default: the first."),
+    ] = None,
+    profile: Annotated[str | None, PROFILE_OPTION] = None,
+    json_out: Annotated[bool, JSON_OPTION] = False,
+) -> None:
+    """Run prompts through an engine and print the outputs with per-request timings."""
+    cli = {k: v for k, v in locals().items() if k not in ("profile", "json_out")}
+    cli["stop"] = tuple(stop) if stop else None
+    cli["stop_token_ids"] = _int_list(stop_token_ids, "stop_token_ids")
+    section = profile_section(profile, "run")
+    check_keys(section, RUN_KEYS, f"profile {profile} (run:)")
+    settings = merge_settings(cli, section)
+    if not settings.get("engine_dir"):
+        raise UsageError("--engine_dir is required (an engine built with `llmc build`)")
+    items = read_requests(settings)
+    config = RuntimeConfig(**{k: settings[k] for k in RUNTIME_KEYS if settings.get(k) is not None})
+
+    from llmc.runtime.engine_runtime import EngineRuntime
+
+    log = err_console()
+    t0 = time.perf_counter()
+    rt = EngineRuntime.load(settings["engine_dir"], config)
+    info = rt.summary()
+    log.print(
+        f"loaded {settings['engine_dir']} on {info['device']} ({info['backend']} backend) in "
+        f"{time.perf_counter() - t0:.2f} s; KV cache {info['kv_blocks']} blocks "
+        f"({info['kv_tokens']} tokens)",
+        markup=False,
+    )
+    ex = rt.executor()
+    good = [(label, r) for label, r in items if isinstance(r, Request)]
+    streaming = bool(settings.get("stream"))
+    printer = _Printer([], live=not json_out) if streaming else None
+    t1 = time.perf_counter()
+    ids, got = run_requests(ex, good, printer)
+    wall = time.perf_counter() - t1
+    records = {r.request_id: r for r in ex.request_records}
+    outputs, it = [], iter(ids)
+    for index, (label, req) in enumerate(items):
+        if not isinstance(req, Request):
+            outputs.append(_failed_output(index, label, req))
+            continue
+        rid = next(it)
+        outputs.append(_output(index, label, got[rid], records[rid], streaming))
+    summary = _summary(ex, outputs, wall)
+    if json_out:
+        print_json({"outputs": outputs, "summary": summary, "runtime": info})
+    else:
+        print_report(out_console(), outputs, summary, printed=streaming)
+    failed = [o for o in outputs if o["error"] is not None]
+    if failed:
+        for o in failed:
+            log.print(f"[bold red]error:[/] request {o['index']}: {o['error']}", highlight=False)
+        raise typer.Exit(failed[0]["error_code"] or RequestError.exit_code)
+
+
+def _failed_output(index: int, label: str, error: LlmcError) -> dict[str, Any]:
+    return {
+        "index": index,
+        "request_id": None,
+        "prompt": label,
+        "text": "",
+        "token_ids": [],
+        "finish_reason": "error",
+        "error": str(error),
+        "error_code": error.exit_code,
+        "timings": None,
+    }
+
+
+def _output(index: int, label: str, responses: list[Any], rec: Any, streaming: bool):
+    final = responses[-1]
+    out = {
+        "index": index,
+        "request_id": final.request_id,
+        "prompt": label,
+        "text": final.text or "",
+        "token_ids": list(final.token_ids or []),
+        "finish_reason": final.finish_reason.value if final.finish_reason else None,
+        "error": _strip_id(final.error, final.request_id),
+        "error_code": final.error_code,
+        "timings": _timings(rec),
+    }
+    lps = [lp for r in responses for lp in (r.logprobs or [])]
+    if lps:
+        out["logprobs"] = [
+            {"token_id": lp.token_id, "logprob": lp.logprob, "top": [list(t) for t in lp.top]}
+            for lp in lps
+        ]
+    if streaming:
+        out["deltas"] = [r.new_text for r in responses]
+    return out
+
+
+def _strip_id(error: str | None, request_id: int) -> str | None:
+    """The executor names its own request id; the CLI names the prompt's index instead."""
+    prefix = f"request {request_id}: "
+    return error[len(prefix) :] if error and error.startswith(prefix) else error
+
+
+def _summary(ex: Any, outputs: list[dict[str, Any]], wall: float) -> dict[str, Any]:
+    kv = ex.kv_stats()
+    generated = sum(len(o["token_ids"]) for o in outputs)
+    return {
+        "num_requests": len(outputs),
+        "num_failed": sum(o["error"] is not None for o in outputs),
+        "generated_tokens": generated,
+        "wall_s": wall,
+        "tokens_per_s": generated / wall if wall > 0 else None,
+        "num_steps": len(ex.step_records),
+        "peak_kv_utilization": kv.peak_utilization,
+        "peak_kv_blocks": kv.peak_used_blocks,
+        "kv_blocks": kv.total_blocks,
+        "kv_reuse_hits": kv.reuse_hits,
+        "preemptions": sum(s.num_preempted for s in ex.step_records),
+    }
+
+
+def _fmt(value: float | None, scale: float = 1.0, digits: int = 1) -> str:
+    return "-" if value is None else f"{value * scale:.{digits}f}"
+
+
+def print_report(console: Any, outputs: list[dict[str, Any]], summary: dict, printed: bool):
+    """Outputs (unless already streamed), a table per request, then the summary."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    if not printed:
+        for o in outputs:
+            console.rule(f"[bold]request {o['index']}[/]: {escape(o['prompt'][:60])}")
+            if o["error"] is not None:
+                console.print(f"[red]error:[/] {escape(o['error'])}")
+            else:
+                console.print(o["text"], markup=False, highlight=False, soft_wrap=True)
+    table = Table(title="requests")
+    for col in ("#", "prompt tok", "generated tok", "TTFT ms", "tokens/s", "finish"):
+        table.add_column(col, justify="right" if col != "finish" else "left")
+    for o in outputs:
+        t = o["timings"] or {}
+        table.add_row(
+            str(o["index"]),
+            str(t.get("num_prompt_tokens", "-")),
+            str(len(o["token_ids"])),
+            _fmt(t.get("ttft_s"), 1e3),
+            _fmt(t.get("tokens_per_s")),
+            o["finish_reason"] or "-",
+        )
+    console.print(table)
+    s = summary
+    console.print(
+        f"{s['num_requests']} requests ({s['num_failed']} failed), {s['generated_tokens']} "
+        f"tokens in {s['wall_s']:.2f} s = {_fmt(s['tokens_per_s'])} tokens/s; "
+        f"peak KV-cache utilization {100 * s['peak_kv_utilization']:.1f}% "
+        f"({s['peak_kv_blocks']}/{s['kv_blocks']} blocks); preemptions {s['preemptions']}",
+        highlight=False,
+        soft_wrap=True,
+    )
+
+
+def register(app: typer.Typer) -> None:
+    app.command("run", no_args_is_help=False)(handle_errors(run_command))
