@@ -14,6 +14,10 @@ Per ``step(batch)``:
 3. sample: ``backend.sample`` → ``sampled_ids``; ONE device→host copy returns the ids (and,
    when a row asked for them, the log-probabilities packed in the same copy).
 
+After ``capture_cuda_graphs()``, decode-only steps (one new token per sequence, plain
+sampling) instead replay the CUDA graph of their batch-size bucket
+(``llmc.runtime.cuda_graphs``): one staging copy, one graph launch, one copy of the ids.
+
 Invariants: tokens are returned in the batch's order (one per sequence with ``sample``);
 the KV-cache tensors (``kv_cache``) are written only at the step's slots; on CUDA the only
 synchronisation is the final device→host copy, so ``phase_times['forward']`` measures
@@ -148,6 +152,19 @@ class ModelRunner:
         stage_bytes += 4 * b * (1 + len(smp.FLOAT_COLUMNS)) + 8 * 32
         self.staging = Staging(stage_bytes, self.device)
         self._host_ids = torch.empty(b, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        self.graphs: Any = None  # llmc.runtime.cuda_graphs.DecodeGraphs once captured
+
+    def capture_cuda_graphs(self, buckets: tuple[int, ...] | None = None) -> float:
+        """Capture decode-only CUDA graphs per batch-size bucket (default
+        ``cuda_graphs.default_buckets``); later decode-only steps replay them. Returns the
+        capture time in seconds. Needs a CUDA device and a backend whose launches are
+        capturable (the CudaBackend)."""
+        from llmc.runtime.cuda_graphs import DecodeGraphs
+
+        graphs = DecodeGraphs(self, buckets)
+        graphs.capture()
+        self.graphs = graphs
+        return graphs.capture_seconds
 
     # ---- set-up --------------------------------------------------------------------
     def _load_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -341,6 +358,8 @@ class ModelRunner:
         """Compute one step; return the sampled token of each ``sample`` sequence."""
         if batch.is_empty:
             return StepOutput(token_ids=[], phase_times={})
+        if self.graphs is not None and self.graphs.can_run(batch):
+            return self.graphs.run(batch)
         t0 = time.perf_counter()
         inp = self._prepare(batch)
         t1 = time.perf_counter()

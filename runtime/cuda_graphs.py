@@ -1,0 +1,242 @@
+"""CUDA graphs of decode-only steps: one graph per batch-size bucket, replayed by ModelRunner.
+
+A decode-only step (every sequence has exactly one new token and is sampled, no penalty
+and no logprobs) of ``b`` sequences runs as the graph of the smallest bucket ``B >= b``.
+The graph's inputs are fixed addresses:
+
+- the step's host inputs are staged by ``ModelRunner.staging`` in a fixed section order
+  with every section padded to ``B`` rows, so the sections' device addresses (in the
+  staging mirror) are the same at capture and at every replay (checked per replay);
+- inside the graph they are copied into the workspace views (input_ids, positions,
+  slot_mapping, seq_lens, block_tables with the full ``max_blocks_per_seq`` stride,
+  constant cu_seqlens_q = 0..B and logits_indices = 0..B-1), then the runner's forward,
+  ``backend.sample`` and the copy into ``sampled_ids`` run.
+
+Padding rows: token 0 at position 0, cache slot -1 (the RoPE/KV-write kernel skips it),
+seq_len 0 (the attention kernels write zeros for it), block table row of -1, greedy
+neutral sampling columns; their sampled ids are never read back.
+
+Invariants: graphs are captured largest bucket first into ONE memory pool, after an eager
+warm-up of each bucket (module loads, cuBLAS handles) and after ``backend.reserve`` (the
+backend's scratch is allocated outside the graphs). A replay does one host→device copy
+(staging), one graph launch and one device→host copy of the ``b`` sampled ids; nothing
+is allocated on the device. Flash-decoding splits are fixed per bucket at capture for
+``max_seq_len`` (the kernel divides each sequence's actual context among them).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from llmc.runtime import sampling as smp
+from llmc.runtime.backend import AttentionMetadata, SamplingMetadata
+from llmc.runtime.types import ScheduledBatch
+
+from llmc.errors import ConfigError, EngineError, RequestError
+
+if TYPE_CHECKING:
+    from llmc.runtime.model_runner import ModelRunner, StepOutput
+
+# neutral value of each sampling column for padding rows
+_PAD_COLUMN = {
+    "seeds": 0,
+    "offsets": 0,
+    "top_k": 0,
+    "temperature": 0.0,
+    "top_p": 1.0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+}
+
+
+def default_buckets(max_batch_size: int) -> tuple[int, ...]:
+    """1, 2, 4, 8, 16, 32, then every multiple of 32, and max_batch_size itself."""
+    if not isinstance(max_batch_size, int) or max_batch_size <= 0:
+        raise ConfigError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
+    out = [b for b in (1, 2, 4, 8, 16) if b < max_batch_size]
+    out += list(range(32, max_batch_size, 32))
+    return tuple(sorted({*out, max_batch_size}))
+
+
+def graph_eligible(batch: ScheduledBatch) -> bool:
+    """True when ``batch`` is decode-only with plain sampling (what the graphs compute)."""
+    for s in batch.sequences:
+        if s.num_new_tokens != 1 or not s.sample:
+            return False
+        p = s.seq.sampling
+        if p.logprobs is not None or smp.uses_penalties(p):
+            return False
+    return bool(batch.sequences)
+
+
+class DecodeGraphs:
+    """The captured decode graphs of one ModelRunner (CUDA backends only)."""
+
+    def __init__(self, runner: ModelRunner, buckets: tuple[int, ...] | None = None) -> None:
+        if runner.device.type != "cuda":
+            raise ConfigError("CUDA graphs need a CUDA device")
+        buckets = buckets or default_buckets(min(runner.max_batch_size, runner.max_num_tokens))
+        bad = [b for b in buckets if not 0 < b <= min(runner.max_batch_size, runner.max_num_tokens)]
+        if bad:
+            raise ConfigError(
+                f"CUDA graph bucket {bad[0]} is outside [1, min(max_batch_size, max_num_tokens)]"
+            )
+        self.runner = runner
+        self.buckets = tuple(sorted(set(buckets)))
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._layout: dict[int, list[tuple[str, int, int, torch.dtype]]] = {}
+        self._pool: Any = None
+        n = self.buckets[-1]
+        dev = runner.device
+        self._ar32 = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        self._ar64 = torch.arange(n, dtype=torch.int64, device=dev)
+        self.capture_seconds = 0.0
+        self.replays = 0
+
+    # ---- staging ---------------------------------------------------------------------
+    def _stage(self, big: int, rows: list[tuple[int, int, int, list[int]]], seqs: list) -> dict:
+        """Stage padded inputs of ``big`` rows; rows = (token, position, slot, blocks)."""
+        r = self.runner
+        mbs, b = r.max_blocks_per_seq, len(rows)
+        ids = np.zeros(big, dtype=np.int64)
+        pos = np.zeros(big, dtype=np.int64)
+        slots = np.full(big, -1, dtype=np.int64)
+        lens = np.zeros(big, dtype=np.int32)
+        tables = np.full((big, mbs), -1, dtype=np.int32)
+        for i, (tok, p, slot, blocks) in enumerate(rows):
+            ids[i], pos[i], slots[i], lens[i] = tok, p, slot, p + 1
+            tables[i, : len(blocks)] = blocks
+        cols = smp.sampling_columns(seqs)
+        st = r.staging
+        st.begin()
+        st.add("input_ids", ids, "int64")
+        st.add("positions", pos, "int64")
+        st.add("slot_mapping", slots, "int64")
+        st.add("seq_lens", lens, "int32")
+        st.add("block_tables", tables.reshape(-1), "int32")
+        for names, dt in (
+            (smp.INT64_COLUMNS, "int64"),
+            (smp.INT32_COLUMNS, "int32"),
+            (smp.FLOAT_COLUMNS, "float32"),
+        ):
+            for name in names:
+                col = cols[name] + [_PAD_COLUMN[name]] * (big - b)
+                st.add(name, col, dt)
+        return st.upload()
+
+    def _body(self, big: int, dev: dict[str, torch.Tensor]) -> None:
+        """What one graph computes (also run eagerly as the warm-up)."""
+        r = self.runner
+        ws, mbs = r.workspace, r.max_blocks_per_seq
+        for name in ("input_ids", "positions", "slot_mapping", "seq_lens"):
+            ws[name][:big].copy_(dev[name])
+        bt = ws["block_tables"].view(-1)[: big * mbs].view(big, mbs)
+        bt.copy_(dev["block_tables"].view(big, mbs))
+        ws["cu_seqlens_q"][: big + 1].copy_(self._ar32[: big + 1])
+        ws["logits_indices"][:big].copy_(self._ar64[:big])
+        attn = AttentionMetadata(
+            positions=ws["positions"][:big],
+            slot_mapping=ws["slot_mapping"][:big],
+            cu_seqlens_q=ws["cu_seqlens_q"][: big + 1],
+            seq_lens=ws["seq_lens"][:big],
+            block_tables=bt,
+            num_decode_seqs=big,
+            max_query_len=1,
+            max_seq_len=r.max_seq_len,
+            partial_out=ws["attn_partial_out"],
+            partial_lse=ws["attn_partial_lse"],
+        )
+        meta = SamplingMetadata(
+            **{n: dev[n] for n in (*smp.INT64_COLUMNS, *smp.INT32_COLUMNS, *smp.FLOAT_COLUMNS)}
+        )
+        from llmc.runtime.model_runner import _StepInputs
+
+        inp = _StepInputs(
+            num_tokens=big,
+            num_sampled=big,
+            sampled=[],
+            attn=attn,
+            input_ids=ws["input_ids"][:big],
+            logits_indices=ws["logits_indices"][:big],
+            sampling=meta,
+        )
+        logits = r._forward(inp)
+        assert logits is not None
+        ids = r.backend.sample(logits, meta)
+        ws["sampled_ids"][:big].copy_(ids)
+
+    # ---- capture ---------------------------------------------------------------------
+    def capture(self) -> None:
+        """Warm up and capture every bucket, largest first, into one memory pool."""
+        r = self.runner
+        t0 = time.perf_counter()
+        reserve = getattr(r.backend, "reserve", None)
+        if reserve is not None:
+            n = max(getattr(r.backend, "max_num_seqs", 0), self.buckets[-1])
+            reserve(n, r.spec.num_heads, r.spec.head_dim, vocab_rows=self.buckets[-1])
+        self._pool = torch.cuda.graph_pool_handle()
+        for big in sorted(self.buckets, reverse=True):
+            dev = self._stage(big, [], [])
+            self._layout[big] = list(r.staging._sections)
+            self._body(big, dev)  # eager warm-up: kernel modules, cuBLAS handles
+            torch.cuda.synchronize(r.device)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self._pool):
+                self._body(big, dev)
+            self.graphs[big] = g
+        torch.cuda.synchronize(r.device)
+        self.capture_seconds = time.perf_counter() - t0
+
+    # ---- replay ----------------------------------------------------------------------
+    def bucket_for(self, n: int) -> int | None:
+        for b in self.buckets:
+            if b >= n:
+                return b
+        return None
+
+    def can_run(self, batch: ScheduledBatch) -> bool:
+        return (
+            bool(self.graphs)
+            and self.bucket_for(len(batch.sequences)) is not None
+            and graph_eligible(batch)
+        )
+
+    def run(self, batch: ScheduledBatch) -> StepOutput:
+        """Run a decode-only ``batch`` (``can_run`` true) by graph replay."""
+        from llmc.runtime.model_runner import StepOutput
+
+        r = self.runner
+        t0 = time.perf_counter()
+        r._check(batch)
+        tpb, vocab = r.tokens_per_block, r.spec.vocab_size
+        rows, seqs = [], []
+        for s in batch.sequences:
+            seq, a = s.seq, s.start_position
+            tok = seq.token_at(a)
+            if not 0 <= tok < vocab:
+                raise RequestError(
+                    f"request {seq.request_id}: token id outside the vocabulary [0, {vocab})"
+                )
+            bt = seq.block_table
+            rows.append((tok, a, bt[a // tpb] * tpb + a % tpb, bt[: a // tpb + 1]))
+            seqs.append(seq)
+        b = len(rows)
+        big = self.bucket_for(b)
+        assert big is not None
+        self._stage(big, rows, seqs)
+        if r.staging._sections != self._layout[big]:
+            raise EngineError(f"CUDA graph bucket {big}: staging layout changed since capture")
+        t1 = time.perf_counter()
+        self.graphs[big].replay()
+        t2 = time.perf_counter()
+        host = r._host_ids[:b]
+        host.copy_(r.workspace["sampled_ids"][:b])
+        token_ids = host.tolist()
+        self.replays += 1
+        times = {"prepare": t1 - t0, "forward": t2 - t1, "sample": time.perf_counter() - t2}
+        return StepOutput(token_ids=token_ids, phase_times=times)
