@@ -55,6 +55,8 @@ class RuntimeConfig:
     scheduler_policy: str = GUARANTEED_NO_EVICT
     enable_chunked_prefill: bool | None = None
     """None: the engine's build setting."""
+    cuda_graphs: bool = True
+    """Replay CUDA graphs for decode-only steps (CUDA backend only; ``--no_cuda_graphs``)."""
 
     def __post_init__(self) -> None:
         for name, allowed in (("device", DEVICES), ("backend", BACKENDS)):
@@ -300,6 +302,8 @@ class EngineRuntime:
             num_kv_blocks=num_kv_blocks,
             workspace=workspace,
         )
+        if config.cuda_graphs and backend == "cuda" and device == "cuda":
+            runner.capture_cuda_graphs()
         return cls(
             spec=spec,
             runner=runner,
@@ -341,4 +345,5 @@ class EngineRuntime:
             "kv_tokens": kv.total_blocks * kv.tokens_per_block,
             "enable_block_reuse": self.kv.enable_block_reuse,
             "scheduler_policy": self.scheduler.config.policy,
+            "cuda_graphs": getattr(self.runner, "graphs", None) is not None,
         }
