@@ -126,6 +126,15 @@ BlockReuse = Annotated[
         metavar="BOOL",
     ),
 ]
+CudaGraphs = Annotated[
+    bool | None,
+    typer.Option(
+        "--cuda_graphs/--no_cuda_graphs",
+        "--cuda-graphs/--no-cuda-graphs",
+        help="Replay CUDA graphs for decode-only steps (CUDA backend). Default: on.",
+        show_default=False,
+    ),
+]
 
 
 def collect(cli: dict[str, Any], profile: str | None, defaults: dict[str, Any]) -> dict[str, Any]:
@@ -279,6 +288,7 @@ def bench_command(
     max_kv_tokens: MaxKvTokens = None,
     scheduler_policy: Policy = None,
     enable_block_reuse: BlockReuse = None,
+    cuda_graphs: CudaGraphs = None,
     profile: Annotated[str | None, PROFILE_OPTION] = None,
 ) -> None:
     """Benchmark an engine: throughput, latency percentiles, KV cache; optionally vs a peer."""

@@ -21,6 +21,7 @@ from llmc.cli.bench_cmd import (
     BlockReuse,
     Burstiness,
     Concurrency,
+    CudaGraphs,
     Dataset,
     Device,
     Distribution,
@@ -251,6 +252,7 @@ def profile_command(
     max_kv_tokens: MaxKvTokens = None,
     scheduler_policy: Policy = None,
     enable_block_reuse: BlockReuse = None,
+    cuda_graphs: CudaGraphs = None,
     trace: Annotated[
         str | None,
         option(
