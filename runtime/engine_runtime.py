@@ -279,7 +279,7 @@ class EngineRuntime:
             ),
             kv,
         )
-        be = cls._make_backend(backend, device, engine)
+        be = cls._make_backend(backend, device, engine, limits.max_batch_size)
         workspace = None
         if (
             engine is not None
@@ -317,11 +317,12 @@ class EngineRuntime:
         )
 
     @staticmethod
-    def _make_backend(backend: str, device: str, engine: Any) -> Any:
+    def _make_backend(backend: str, device: str, engine: Any, max_batch_size: int) -> Any:
         if backend == "cuda":
             from llmc.cuda.cuda_backend import CudaBackend
 
-            return CudaBackend(device=device, kernels_dir=engine.kernels_dir if engine else None)
+            kernels = engine.kernels_dir if engine is not None else None  # None: NVRTC
+            return CudaBackend(device=device, kernels_dir=kernels, max_num_seqs=max_batch_size)
         from llmc.runtime.torch_backend import TorchBackend
 
         return TorchBackend(device)

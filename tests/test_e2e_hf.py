@@ -144,6 +144,34 @@ def test_greedy_equals_hf_under_forced_preemption(tiny):
     assert sum(o.record.num_preemptions for o in outs) > 0
 
 
+def test_greedy_equals_hf_with_a_one_token_step_budget(tiny):
+    engine_dir, prompts, ref = tiny
+    outs, ex = run_greedy(engine_dir, prompts[:2], RuntimeConfig(max_num_tokens=1))
+    assert_same_tokens(outs, ref[:2])
+    assert {s.num_tokens for s in ex.step_records} == {1}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", ["torch", "cuda"])
+def test_greedy_equals_hf_on_cuda(tiny_llama_dir, tmp_path, backend):
+    out = tmp_path / "engine"
+    build(
+        BuildConfig(
+            checkpoint_dir=str(tiny_llama_dir),
+            output_dir=str(out),
+            dtype="float32",
+            target="auto",
+            **TINY_LIMITS,
+        )
+    )
+    prompts = mixed_prompts(256)
+    ref = hf_reference(tiny_llama_dir, prompts, NEW_TOKENS)
+    config = RuntimeConfig(device="cuda", backend=backend, max_num_tokens=len(prompts) + 16)
+    outs, ex = run_greedy(out, prompts, config)
+    assert ex.engine.backend == backend and ex.engine.device == "cuda"
+    assert_same_tokens(outs, ref)
+
+
 def test_seeded_sampling_is_the_same_alone_and_in_a_batch(tiny):
     engine_dir, prompts, _ = tiny
     rt = EngineRuntime.load(engine_dir, RuntimeConfig())
