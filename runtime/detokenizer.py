@@ -8,9 +8,10 @@ text deltas. Invariants:
   whose decode ends in U+FFFD is held back until a later token completes it (or the request
   ends: ``finish`` flushes what is left, so genuinely invalid bytes still show up, once).
 - Only a window of recent tokens is decoded per step (``prefix_offset`` .. end), so the cost
-  per token does not grow with the output length. The window starts with a few prompt tokens
-  so that tokenizers which strip a leading space from the first decoded token (SentencePiece
-  ``▁``) still give the right spacing for the first output token.
+  per token does not grow with the output length. The window keeps the previous token in
+  front, so tokenizers whose decoder strips the leading space of the first token
+  (SentencePiece ``▁``) space later tokens right; the text is what ``decode`` of all output
+  ids gives (a first ``▁`` token is stripped, as in transformers' ``decode``).
 - Stop strings: the text is cut before the first occurrence of any stop string and the
   detokenizer reports ``stopped``. Text that might be the beginning of a stop string is held
   back until it is known not to be one, so a stop string never leaks into a delta.
@@ -22,8 +23,6 @@ from collections.abc import Sequence
 from typing import Protocol
 
 REPLACEMENT_CHAR = "\ufffd"
-# Prompt tokens that seed the decode window (see module docstring).
-PROMPT_CONTEXT_TOKENS = 5
 
 
 class Decoder(Protocol):
@@ -36,17 +35,15 @@ class IncrementalDetokenizer:
     def __init__(
         self,
         tokenizer: Decoder,
-        prompt_token_ids: Sequence[int] = (),
         stop: Sequence[str] = (),
         skip_special_tokens: bool = True,
     ) -> None:
         self._tok = tokenizer
         self._skip = skip_special_tokens
         self._stop = tuple(stop)
-        context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
-        self._ids: list[int] = context
+        self._ids: list[int] = []
         self._prefix_offset = 0
-        self._read_offset = len(context)
+        self._read_offset = 0
         self._decoded = ""
         """Text of every output token read so far (before stop-string cutting)."""
         self._emitted = 0

@@ -119,7 +119,7 @@ class Executor:
                 return rid
             state.seq = seq
             if self.tokenizer is not None:
-                state.detok = IncrementalDetokenizer(self.tokenizer, ids, request.sampling.stop)
+                state.detok = IncrementalDetokenizer(self.tokenizer, request.sampling.stop)
             self._cv.notify_all()
             return rid
 

@@ -30,8 +30,8 @@ def smol_tok(request, tmp_path_factory) -> Tokenizer:
     return load_tokenizer(smollm2_tokenizer_dir(request, tmp_path_factory.mktemp("smol_tok")), (2,))
 
 
-def stream(tok, ids, prompt=(), stop=(), chunks=None) -> tuple[list[str], IncrementalDetokenizer]:
-    det = IncrementalDetokenizer(tok, prompt, stop=stop)
+def stream(tok, ids, stop=(), chunks=None) -> tuple[list[str], IncrementalDetokenizer]:
+    det = IncrementalDetokenizer(tok, stop=stop)
     deltas, i = [], 0
     rng = random.Random(0)
     while i < len(ids):
@@ -56,8 +56,7 @@ def test_deltas_concatenate_to_text_without_replacement_chars(request, which, te
     elif not text.isascii():
         pieces = [tok.decode([i]) for i in ids]
         assert any("\ufffd" in p for p in pieces), "SmolLM2 splits some character"
-    prompt = tok.encode("The prompt: ", add_special_tokens=False)
-    deltas, det = stream(tok, ids, prompt, chunks=chunks)
+    deltas, det = stream(tok, ids, chunks=chunks)
     assert "".join(deltas) == det.text == text == tok.decode(ids)
     assert not any("\ufffd" in d for d in deltas)
 
@@ -145,3 +144,31 @@ def test_special_tokens_are_skipped(smol_tok):
     ids = smol_tok.encode("Hi there", add_special_tokens=False) + [2]  # <|im_end|>
     deltas, det = stream(smol_tok, ids)
     assert det.text == "Hi there"
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_tok() -> Tokenizer:
+    """A SentencePiece-style tokenizer: ``▁`` word starts, byte fallback, a decoder that
+    strips the first token's leading space (like Llama 2 / Mistral tokenizers)."""
+    from tokenizers import Tokenizer as HfTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "▁hello": 1, "▁world": 2, "▁": 3, "a": 4, "b": 5}
+    vocab.update({f"<0x{b:02X}>": 6 + i for i, b in enumerate([0xF0, 0x9F, 0x98, 0x80])})
+    tok = HfTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    tok.decoder = decoders.Sequence(
+        [decoders.ByteFallback(), decoders.Metaspace(prepend_scheme="first")]
+    )
+    return Tokenizer(tok)
+
+
+@pytest.mark.parametrize(
+    "ids",
+    [[1, 2, 2], [2, 1], [1, 6, 7, 8, 9, 2], [6, 7, 8, 9, 3, 4, 5, 1], [3, 2, 6, 7, 8, 9]],
+)
+def test_sentencepiece_spacing_and_byte_fallback(sentencepiece_tok, ids):
+    deltas, det = stream(sentencepiece_tok, ids)
+    assert "".join(deltas) == det.text == sentencepiece_tok.decode(ids)
+    assert not any("\ufffd" in d for d in deltas)
+    assert det.text.count(" ") == sentencepiece_tok.decode(ids).count(" ")
