@@ -434,7 +434,8 @@ def print_report(console: Any, outputs: list[dict[str, Any]], summary: dict, pri
     console.print(table)
     s = summary
     console.print(
-        f"{s['num_requests']} requests ({s['num_failed']} failed), {s['generated_tokens']} "
+        f"{s['num_requests']} request{'s' if s['num_requests'] != 1 else ''} "
+        f"({s['num_failed']} failed), {s['generated_tokens']} "
         f"tokens in {s['wall_s']:.2f} s = {_fmt(s['tokens_per_s'])} tokens/s; "
         f"peak KV-cache utilization {100 * s['peak_kv_utilization']:.1f}% "
         f"({s['peak_kv_blocks']}/{s['kv_blocks']} blocks); preemptions {s['preemptions']}",

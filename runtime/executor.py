@@ -80,6 +80,7 @@ class Executor:
         self.vocab_size: int = int(engine.vocab_size)
         self._eos = frozenset(self.scheduler.config.eos_token_ids)
         self._cv = threading.Condition(threading.RLock())
+        self._step_lock = threading.Lock()  # one step at a time, whoever drives the loop
         self._next_id = 0
         self._states: dict[int, _State] = {}
         self._ready: list[Response] = []
@@ -300,6 +301,10 @@ class Executor:
 
     def step(self) -> bool:
         """Run one engine step (cancellations, schedule, model, update); False if idle."""
+        with self._step_lock:
+            return self._step()
+
+    def _step(self) -> bool:
         t0 = _now()
         with self._cv:
             self._apply_cancels()
