@@ -199,10 +199,13 @@ class Executor:
     def _take(self, request_ids: set[int] | None) -> list[Response]:
         if request_ids is None:
             taken, self._ready = self._ready, []
-            return taken
-        taken = [r for r in self._ready if r.request_id in request_ids]
-        if taken:
-            self._ready = [r for r in self._ready if r.request_id not in request_ids]
+        else:
+            taken = [r for r in self._ready if r.request_id in request_ids]
+            if taken:
+                self._ready = [r for r in self._ready if r.request_id not in request_ids]
+        for r in taken:  # a delivered final response ends the request's state (records stay)
+            if r.is_final:
+                self._states.pop(r.request_id, None)
         return taken
 
     def _pending(self, request_ids: set[int] | None) -> bool:
@@ -268,6 +271,8 @@ class Executor:
             else:
                 req = Request(prompt_token_ids=list(p), sampling=sp)
             ids.append(self.enqueue_request(req))
+        with self._cv:  # what the outputs need once the requests' states are gone
+            info = {i: (self._states[i].request, self._states[i].seq) for i in ids}
         finals: dict[int, Response] = {}
         parts: dict[int, list[Response]] = {i: [] for i in ids}
         while len(finals) < len(ids):
@@ -275,23 +280,24 @@ class Executor:
                 parts[r.request_id].append(r)
                 if r.is_final:
                     finals[r.request_id] = r
-        return [self._output(i, prompts[n], parts[i]) for n, i in enumerate(ids)]
+        return [self._output(i, prompts[n], parts[i], *info[i]) for n, i in enumerate(ids)]
 
-    def _output(self, rid: int, prompt: Any, responses: list[Response]) -> RequestOutput:
+    def _output(
+        self, rid: int, prompt: Any, responses: list[Response], request: Request, seq: Any
+    ) -> RequestOutput:
         final = responses[-1]
-        state = self._states[rid]
         logprobs = [lp for r in responses for lp in (r.logprobs or [])]
         return RequestOutput(
             request_id=rid,
-            prompt=prompt if isinstance(prompt, str) else state.request.prompt,
-            prompt_token_ids=list(state.seq.prompt_token_ids) if state.seq else [],
+            prompt=prompt if isinstance(prompt, str) else request.prompt,
+            prompt_token_ids=list(seq.prompt_token_ids) if seq is not None else [],
             token_ids=list(final.token_ids or []),
             text=final.text or "",
             finish_reason=final.finish_reason,
             error=final.error,
             error_code=final.error_code,
             logprobs=logprobs or None,
-            record=state.record,
+            record=self._records[rid],
         )
 
     # ------------------------------------------------------------------ the loop
@@ -349,8 +355,8 @@ class Executor:
 
     def _apply_cancels(self) -> None:
         for rid in self._cancels:
-            state = self._states[rid]
-            if state.final:
+            state = self._states.get(rid)
+            if state is None or state.final:
                 continue
             self.scheduler.finish(rid, FinishReason.CANCELLED)
             self._finalize(state, FinishReason.CANCELLED, [], "", [], _now())
