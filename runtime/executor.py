@@ -25,11 +25,11 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from llmc.runtime.detokenizer import IncrementalDetokenizer
 from llmc.runtime.records import RequestRecord, StepRecord
+from llmc.runtime.request_state import RequestState
 from llmc.runtime.responses import RequestOutput, Response
 from llmc.runtime.tokenizer import Tokenizer
 from llmc.runtime.types import (
@@ -45,20 +45,6 @@ from llmc.errors import EngineError, LlmcError, RequestError
 
 class Runner(Protocol):
     def step(self, batch: ScheduledBatch) -> Any: ...
-
-
-@dataclass
-class _State:
-    """The executor's view of one request."""
-
-    request: Request
-    record: RequestRecord
-    seq: Sequence | None = None
-    detok: IncrementalDetokenizer | None = None
-    num_seen: int = 0
-    """Output tokens already post-processed."""
-    logprobs: list[Any] = field(default_factory=list)
-    final: bool = False
 
 
 def _now() -> float:
@@ -82,7 +68,7 @@ class Executor:
         self._cv = threading.Condition(threading.RLock())
         self._step_lock = threading.Lock()  # one step at a time, whoever drives the loop
         self._next_id = 0
-        self._states: dict[int, _State] = {}
+        self._states: dict[int, RequestState] = {}
         self._ready: list[Response] = []
         self._cancels: list[int] = []
         self._records: dict[int, RequestRecord] = {}
@@ -101,7 +87,7 @@ class Executor:
             self._next_id += 1
             record = RequestRecord(request_id=rid, arrival_time=_now(), num_prompt_tokens=0)
             self._records[rid] = record
-            state = _State(request=request, record=record)
+            state = RequestState(request=request, record=record)
             self._states[rid] = state
             try:
                 ids = self._prompt_ids(rid, request)
@@ -173,28 +159,8 @@ class Executor:
         self._ready.append(response)
         self._cv.notify_all()
 
-    def _fail(self, state: _State, error: LlmcError | BaseException) -> None:
-        rec = state.record
-        code = getattr(error, "exit_code", 1)
-        rec.error, rec.finish_reason, rec.finish_time = str(error), FinishReason.ERROR.value, _now()
-        if state.seq is not None:
-            rec.num_output_tokens = len(state.seq.output_token_ids)
-        state.final = True
-        ids = list(state.seq.output_token_ids) if state.seq is not None else []
-        text = state.detok.text if state.detok is not None else ""
-        self._emit(
-            Response(
-                request_id=rec.request_id,
-                new_token_ids=[] if state.request.streaming else ids,
-                new_text="" if state.request.streaming else text,
-                is_final=True,
-                finish_reason=FinishReason.ERROR,
-                error=str(error),
-                error_code=code,
-                token_ids=ids,
-                text=text,
-            )
-        )
+    def _fail(self, state: RequestState, error: BaseException) -> None:
+        self._emit(state.error_response(error))
 
     def _take(self, request_ids: set[int] | None) -> list[Response]:
         if request_ids is None:
@@ -359,81 +325,33 @@ class Executor:
             if state is None or state.final:
                 continue
             self.scheduler.finish(rid, FinishReason.CANCELLED)
-            self._finalize(state, FinishReason.CANCELLED, [], "", [], _now())
+            self._emit(state.final_response(FinishReason.CANCELLED, [], "", [], _now()))
         self._cancels.clear()
 
     def _postprocess(self, batch: ScheduledBatch, out: Any, now: float) -> None:
         logprobs = list(getattr(out, "logprobs", None) or [])
-        row = 0
-        for ss in batch.sequences:
-            if not ss.sample:
-                continue
-            lp = logprobs[row] if row < len(logprobs) else None
-            row += 1
+        sampled = [ss for ss in batch.sequences if ss.sample]
+        for row, ss in enumerate(sampled):
             seq, state = ss.seq, self._states[ss.seq.request_id]
             if state.final:
                 continue
-            new = seq.output_token_ids[state.num_seen :]
-            state.num_seen = len(seq.output_token_ids)
-            rec = state.record
-            if new and rec.first_token_time is None:
-                rec.first_token_time = now
-            rec.token_times.extend([now] * len(new))
-            new_lp = [lp] if lp is not None and new else []
-            state.logprobs.extend(new_lp)
+            new, new_lp = state.take_new_tokens(logprobs[row] if logprobs else None, now)
             reason = seq.finish_reason if seq.is_finished else None
             text_ids = new
             if reason is FinishReason.STOP and new and self._is_stop_token(seq, new[-1]):
                 text_ids = new[:-1]  # the EOS / stop token has no text in the output
-            delta = ""
-            if state.detok is not None:
-                delta = state.detok.add_tokens(text_ids)
-                if reason is None and state.detok.stopped:
-                    self.scheduler.finish(seq.request_id, FinishReason.STOP)
-                    reason = FinishReason.STOP
+            delta = state.detokenize(text_ids)
+            if reason is None and state.stopped_by_string:
+                self.scheduler.finish(seq.request_id, FinishReason.STOP)
+                reason = FinishReason.STOP
             if reason is not None:
-                self._finalize(state, reason, new, delta, new_lp, now)
+                self._emit(state.final_response(reason, new, delta, new_lp, now))
             elif state.request.streaming and (new or delta):
-                self._emit(Response(seq.request_id, list(new), delta, logprobs=new_lp or None))
+                self._emit(state.delta_response(new, delta, new_lp))
 
     def _is_stop_token(self, seq: Sequence, token: int) -> bool:
         sp = seq.sampling
         return token in sp.stop_token_ids or (not sp.ignore_eos and token in self._eos)
-
-    def _finalize(
-        self,
-        state: _State,
-        reason: FinishReason,
-        new: list[int],
-        delta: str,
-        new_lp: list[Any],
-        now: float,
-    ) -> None:
-        seq = state.seq
-        assert seq is not None
-        if state.detok is not None:
-            delta += state.detok.finish()
-        text = state.detok.text if state.detok is not None else ""
-        ids = list(seq.output_token_ids)
-        rec = state.record
-        rec.finish_time, rec.finish_reason = now, reason.value
-        rec.num_output_tokens = len(ids)
-        rec.num_cached_tokens = seq.num_cached_tokens
-        rec.num_preemptions = seq.num_preemptions
-        state.final = True
-        streaming = state.request.streaming
-        self._emit(
-            Response(
-                request_id=seq.request_id,
-                new_token_ids=list(new) if streaming else ids,
-                new_text=delta if streaming else text,
-                is_final=True,
-                finish_reason=reason,
-                logprobs=(new_lp if streaming else state.logprobs) or None,
-                token_ids=ids,
-                text=text,
-            )
-        )
 
     def run_until_complete(self) -> None:
         """Step until every queued request has finished (caller-thread mode)."""
