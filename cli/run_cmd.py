@@ -332,6 +332,8 @@ def run_command(
     if json_out:
         print_json({"outputs": outputs, "summary": summary, "runtime": info})
     else:
+        from llmc.cli.run_report import print_report
+
         print_report(out_console(), outputs, summary, printed=streaming)
     failed = [o for o in outputs if o["error"] is not None]
     if failed:
@@ -400,48 +402,6 @@ def _summary(ex: Any, outputs: list[dict[str, Any]], wall: float) -> dict[str, A
         "kv_reuse_hits": kv.reuse_hits,
         "preemptions": sum(s.num_preempted for s in ex.step_records),
     }
-
-
-def _fmt(value: float | None, scale: float = 1.0, digits: int = 1) -> str:
-    return "-" if value is None else f"{value * scale:.{digits}f}"
-
-
-def print_report(console: Any, outputs: list[dict[str, Any]], summary: dict, printed: bool):
-    """Outputs (unless already streamed), a table per request, then the summary."""
-    from rich.markup import escape
-    from rich.table import Table
-
-    if not printed:
-        for o in outputs:
-            console.rule(f"[bold]request {o['index']}[/]: {escape(o['prompt'][:60])}")
-            if o["error"] is not None:
-                console.print(f"[red]error:[/] {escape(o['error'])}")
-            else:
-                console.print(o["text"], markup=False, highlight=False, soft_wrap=True)
-    table = Table(title="requests")
-    for col in ("#", "prompt tok", "generated tok", "TTFT ms", "tokens/s", "finish"):
-        table.add_column(col, justify="right" if col != "finish" else "left")
-    for o in outputs:
-        t = o["timings"] or {}
-        table.add_row(
-            str(o["index"]),
-            str(t.get("num_prompt_tokens", "-")),
-            str(len(o["token_ids"])),
-            _fmt(t.get("ttft_s"), 1e3),
-            _fmt(t.get("tokens_per_s")),
-            o["finish_reason"] or "-",
-        )
-    console.print(table)
-    s = summary
-    console.print(
-        f"{s['num_requests']} request{'s' if s['num_requests'] != 1 else ''} "
-        f"({s['num_failed']} failed), {s['generated_tokens']} "
-        f"tokens in {s['wall_s']:.2f} s = {_fmt(s['tokens_per_s'])} tokens/s; "
-        f"peak KV-cache utilization {100 * s['peak_kv_utilization']:.1f}% "
-        f"({s['peak_kv_blocks']}/{s['kv_blocks']} blocks); preemptions {s['preemptions']}",
-        highlight=False,
-        soft_wrap=True,
-    )
 
 
 def register(app: typer.Typer) -> None:
