@@ -198,8 +198,6 @@ class Executor:
             with self._cv:
                 got = self._take(ids)
                 if got or not self._pending(ids):
-                    if not got and self._fatal is not None:
-                        raise EngineError(f"the engine loop failed: {self._fatal}")
                     return got
                 remaining = None if deadline is None else deadline - _now()
                 if remaining is not None and remaining <= 0:

@@ -262,3 +262,23 @@ def test_preemption_by_recompute_keeps_outputs_identical(tok):
     assert sum(s.num_preempted for s in tight_ex.step_records) > 0
     assert sum(o.record.num_preemptions for o in tight) > 0
     assert tight_ex.kv_stats().free_blocks == 12
+
+
+def test_background_loop_failure_fails_open_requests_and_refuses_new_ones(tok):
+    from llmc.errors import EngineError
+
+    parts = fake_parts(tokenizer=tok)
+
+    def broken(batch):
+        raise RuntimeError("device lost")
+
+    parts.runner.step = broken
+    ex = Executor(parts).start()
+    rid = ex.enqueue_request(ids_request([3, 4], n=4))
+    got = drain(ex, [rid])
+    final = got[rid][-1]
+    assert final.is_final and final.finish_reason is FinishReason.ERROR
+    assert "engine failure" in final.error and "device lost" in final.error
+    with pytest.raises(EngineError, match="the engine loop failed and stopped"):
+        ex.enqueue_request(ids_request([3], n=1))
+    ex.shutdown()
