@@ -276,3 +276,15 @@ def test_engine_for_another_target_is_refused_by_the_cuda_backend(engine, monkey
     monkeypatch.setattr(engine_runtime, "_gpu_arch", lambda: "sm_90")
     with pytest.raises(EngineError, match="built for target 'cpu', but this run needs 'sm_90'"):
         EngineRuntime.load(engine, RuntimeConfig(device="cuda", backend="cuda"))
+
+
+def test_profile_run_section_fills_flags_and_cli_wins(engine, tmp_path):
+    prof = tmp_path / "p.yaml"
+    prof.write_text(f"run:\n  engine_dir: {engine}\n  max_new_tokens: 3\n  ignore_eos: true\n")
+    doc = run_json("--profile", str(prof), "--prompt", "a")
+    assert len(doc["outputs"][0]["token_ids"]) == 3
+    doc = run_json("--profile", str(prof), "--prompt", "a", "--max_new_tokens", "5")
+    assert len(doc["outputs"][0]["token_ids"]) == 5
+    prof.write_text("run:\n  max_new_token: 3\n")
+    res = run("--profile", str(prof), "--engine_dir", str(engine), "--prompt", "a")
+    assert res.exit_code == 2 and "did you mean 'max_new_tokens'" in res.stderr
