@@ -301,19 +301,26 @@ def run_command(
     items = read_requests(settings)
     config = RuntimeConfig(**{k: settings[k] for k in RUNTIME_KEYS if settings.get(k) is not None})
 
-    from llmc.runtime.engine_runtime import EngineRuntime
+    from llmc.api import LLM
 
     log = err_console()
     t0 = time.perf_counter()
-    rt = EngineRuntime.load(settings["engine_dir"], config)
-    info = rt.summary()
+    llm = LLM(settings["engine_dir"], runtime_config=config)
+    try:
+        _serve(llm, items, settings, json_out, log, t0)
+    finally:
+        llm.shutdown()
+
+
+def _serve(llm: Any, items: list, settings: dict[str, Any], json_out: bool, log: Any, t0: float):
+    info = llm.summary()
     log.print(
         f"loaded {settings['engine_dir']} on {info['device']} ({info['backend']} backend) in "
         f"{time.perf_counter() - t0:.2f} s; KV cache {info['kv_blocks']} blocks "
         f"({info['kv_tokens']} tokens)",
         markup=False,
     )
-    ex = rt.executor()
+    ex = llm.executor
     good = [(label, r) for label, r in items if isinstance(r, Request)]
     streaming = bool(settings.get("stream"))
     printer = _Printer([], live=not json_out) if streaming else None

@@ -177,7 +177,9 @@ class LLM:
     semantics; the KV pool is ``max_kv_tokens`` or ``kv_cache_free_gpu_mem_fraction``) may
     lower the engine's build limits for this run, never raise them.
     ``enable_inflight_batching`` is accepted for compatibility with TensorRT-LLM scripts:
-    llmc always batches in flight, so False is an error.
+    llmc always batches in flight, so False is an error. ``runtime_config``: a whole
+    ``RuntimeConfig`` (every runtime setting, as ``llmc run`` builds it from its flags and
+    profile) used instead of the individual arguments.
     """
 
     def __init__(
@@ -195,6 +197,7 @@ class LLM:
         enable_block_reuse: bool = True,
         scheduler_policy: str = "guaranteed_no_evict",
         enable_inflight_batching: bool = True,
+        runtime_config: RuntimeConfig | None = None,
     ) -> None:
         if enable_inflight_batching is not True:
             raise ConfigError(
@@ -203,7 +206,7 @@ class LLM:
                 "no static-batching mode. Leave it True, or use max_batch_size=1 to run one "
                 "request at a time"
             )
-        config = RuntimeConfig(
+        config = runtime_config or RuntimeConfig(
             device=device,
             backend=backend,
             max_batch_size=max_batch_size,

@@ -355,3 +355,26 @@ def test_cli_build_goes_through_the_build_function(tiny_llama_dir, tmp_path, mon
     assert seen[0][0].max_seq_len == 128 and (out / "manifest.json").is_file()
     with LLM(out, device="cpu") as built:  # what the CLI wrote, the API serves
         assert built.generate([3, 4], SamplingParams(max_new_tokens=2))[0].ok
+
+
+def test_cli_run_goes_through_the_llm_class(engine_dir, monkeypatch):
+    from llmc.cli.main import app
+    from typer.testing import CliRunner
+
+    from llmc import api
+
+    seen = []
+    real_init = api.LLM.__init__
+
+    def spy(self, *a, **k):
+        seen.append(k.get("runtime_config"))
+        real_init(self, *a, **k)
+
+    monkeypatch.setattr(api.LLM, "__init__", spy)
+    res = CliRunner().invoke(
+        app,
+        ["run", "--engine_dir", str(engine_dir), "--prompt", "ab", "--max_new_tokens", "3",
+         "--device", "cpu", "--max_batch_size", "4", "--json"],
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert len(seen) == 1 and seen[0].max_batch_size == 4 and seen[0].device == "cpu"
