@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
+from llmc.compiler.memory_plan import OPS
 from llmc.compiler.spec import ModelSpec
 
 from llmc.errors import EngineError
@@ -32,26 +33,10 @@ TORCH_DTYPES = {
 
 WorkspaceTable = Mapping[str, tuple[int, Sequence[int], str]]
 
-# The runner's op sequence (one decoder layer stands for all; the residual add of a layer's
-# MLP output is fused with the next layer's input norm, which reads/writes only residual,
-# proj_out and normed, all live across that boundary).
-RUNNER_OPS = (
-    "embed",
-    "input_norm",
-    "qkv_proj",
-    "rope_kv_write",
-    "attention",
-    "o_proj",
-    "post_attn_add_norm",
-    "gate_up_proj",
-    "silu_mul",
-    "down_proj",
-    "residual_add",
-    "final_norm",
-    "gather_last",
-    "lm_head",
-    "sample",
-)
+# The runner's op sequence is the planner's (one decoder layer stands for all; the residual
+# add of a layer's MLP output is fused with the next layer's input norm, which reads/writes
+# only residual, proj_out and normed, all live across that boundary).
+RUNNER_OPS = OPS
 _STEP = ("embed", "sample")
 RUNNER_LIVE_RANGES: dict[str, tuple[str, str]] = {
     **{
