@@ -1,5 +1,8 @@
 # llmc — one command per job. Every target sets up what it needs on a fresh machine.
 PY        ?= python3
+# Never put the working directory on sys.path: the top-level cuda/ folder would shadow
+# NVIDIA's `cuda` package (which CuPy imports) when Python runs from the repo root.
+export PYTHONSAFEPATH := 1
 VENV      ?= .venv
 VPY       := $(VENV)/bin/python
 STAMP     := $(VENV)/.installed
