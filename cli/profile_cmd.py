@@ -226,6 +226,7 @@ def tuning_inputs(result: dict[str, Any], outcome: Any) -> TuningInputs:
         max_request_tokens=longest,
         max_prompt_tokens=w.get("max_isl") or 1, max_in_flight=max(1, int(in_flight or 1)),
         kv_bytes_per_token=e.get("kv_bytes_per_token"), workspace_bytes=e.get("workspace_bytes"),
+        max_seq_len=rt.get("max_seq_len") or e.get("max_seq_len"),
     )  # fmt: skip
 
 
@@ -338,6 +339,8 @@ def profile_command(
         log.print(f"plot written to {plot}", markup=False)
     if json_file:
         write_json(json_file, result)
+        if json_file == "-":  # the JSON is all stdout holds
+            return
     con = out_console()
     con.print(throughput_section(result))
     con.print(_breakdown_table("Time per phase (summed over steps)", phase_breakdown(steps)))

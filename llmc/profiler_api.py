@@ -177,6 +177,7 @@ class Profiler:
             max_in_flight=max(1, len(reqs)),
             kv_bytes_per_token=plan.kv_bytes_per_token if plan is not None else None,
             workspace_bytes=plan.workspace_bytes if plan is not None else None,
+            max_seq_len=rt.limits.max_seq_len,
         )
 
     def print(self, console: Any = None) -> None:

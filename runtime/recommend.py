@@ -54,6 +54,9 @@ class TuningInputs:
     kv_bytes_per_token: int | None = None
     workspace_bytes: int | None = None
     """Activation workspace at the build's max_num_tokens."""
+    max_seq_len: int | None = None
+    """The engine's max_seq_len: the runtime refuses a KV pool that cannot hold one such
+    request, so a suggested pool is never smaller."""
 
 
 def _round_up(x: float, m: int) -> int:
@@ -154,12 +157,26 @@ def _kv_pool(agg: Aggregates, t: TuningInputs) -> Recommendation | None:
         )
     if used / total < 0.5:
         tokens = _round_up(min(used * 1.2, max(demand, used)) * b, b)
+        floor = ""
+        if t.max_seq_len and tokens < t.max_seq_len:
+            tokens = _round_up(t.max_seq_len, b)
+            floor = (
+                f" (the floor: one request of the engine's max_seq_len={t.max_seq_len:,} must "
+                f"fit; rebuild with a smaller --max_seq_len to go lower)"
+            )
+        if tokens >= total * b:
+            return Recommendation(
+                "KV pool", KV_MEANING, current, observed, "keep",
+                f"peak use was {used / total:.0%} of the pool, but the pool is already the "
+                f"smallest that holds one max_seq_len request; keep it.",
+            )  # fmt: skip
         freed = ""
         if t.kv_bytes_per_token:
             freed = f", freeing {_mib((total * b - tokens) * t.kv_bytes_per_token)}"
         reason = (
             f"peak use was {used / total:.0%} of the pool with no preemptions; "
-            f"{tokens:,} tokens hold this workload's peak with 20% headroom{freed}. Only worth "
+            f"{tokens:,} tokens hold this workload's peak with 20% headroom{floor}{freed}. "
+            "Only worth "
             f"it when something else needs the memory (another engine, larger max_num_tokens)."
         )
         return Recommendation(

@@ -113,6 +113,17 @@ def test_recommendations_from_observed_peaks() -> None:
     assert recommend(aggregate([], []), _inputs()) == []  # no data, no advice
 
 
+def test_kv_pool_advice_never_goes_below_one_max_seq_len_request() -> None:
+    # peak 16 of 729 blocks, but the engine's max_seq_len is 8192: the runtime refuses a pool
+    # that cannot hold one such request, so the advice stops at 8192 tokens
+    recs = {r.setting: r for r in recommend(_agg(256, 8, 16, 729), _inputs(max_seq_len=8192))}
+    assert recs["KV pool"].suggested == "max_kv_tokens=8,192"
+    assert "max_seq_len=8,192" in recs["KV pool"].reason
+    # a pool already at that floor is kept
+    recs = {r.setting: r for r in recommend(_agg(256, 8, 16, 256), _inputs(max_seq_len=8192))}
+    assert recs["KV pool"].suggested == "keep"
+
+
 @pytest.fixture(scope="module")
 def engine(tiny_llama_dir, tmp_path_factory) -> Path:
     return build_tiny_engine(tiny_llama_dir, tmp_path_factory.mktemp("prof") / "eng")
@@ -153,3 +164,13 @@ def test_profile_cli_trace_and_report(engine, tmp_path) -> None:
         assert res.exit_code == 0
     except ImportError:
         assert res.exit_code == UsageError.exit_code and "matplotlib" in res.stderr
+
+
+def test_profile_json_on_stdout_is_the_only_output(engine) -> None:
+    res = runner.invoke(app, [
+        "profile", "--engine_dir", str(engine), "--device", "cpu", "--num_requests", "2",
+        "--isl", "8", "--osl", "2", "--json", "-",
+    ])  # fmt: skip
+    assert res.exit_code == 0, res.stderr
+    data = json.loads(res.stdout)  # nothing but the JSON document
+    assert data["profile"]["recommendations"] and data["schema"] == "llmc.bench"
