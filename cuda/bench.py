@@ -181,6 +181,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         name = f"decode_attention(splits={splits or auto}{' auto' if splits is None else ''})"
         mem_row(name, f"{batch}x{ctx} 32/8x128 bf16", kv_bytes, ms, 0.7 if splits is None else None)
     be.force_splits = None
+    decode_short(be, rows, mem_row)
 
     # Prefill attention: 4096 tokens causal, one sequence, GQA 32/8, head_dim 128, bf16
     for tq in (4096,):
@@ -269,6 +270,57 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def decode_short(be: Any, rows: list, mem_row: Callable) -> None:
+    """Decode attention at the end-to-end shapes: short contexts, max_seq_len 8192 at
+    capture (as CUDA graphs see it); ``auto`` beside forced split plans (splits, min keys)."""
+    from llmc.runtime.backend import AttentionMetadata
+
+    nq, nkv, hd, bs = 32, 8, 128, 32
+    g = torch.Generator().manual_seed(1)
+    for batch, lo, hi in ((128, 128, 256), (256, 128, 256), (32, 128, 256), (1, 256, 256)):
+        lens = torch.randint(lo, hi + 1, (batch,), generator=g)
+        nbs = [math.ceil(int(n) / bs) for n in lens]
+        total = sum(nbs)
+        # pad the pool so that KV is >= 64 MB (L2 does not serve repeats)
+        pool = max(total, (64 << 20) // (2 * bs * nkv * hd * 2) + 1)
+        kc = torch.randn(pool, bs, nkv, hd, device=DEV).to(BF16)
+        vc = torch.randn_like(kc, dtype=torch.float32).to(BF16)
+        perm = torch.randperm(pool)[:total].to(torch.int32)
+        tables = torch.full((batch, 8192 // bs), -1, dtype=torch.int32)
+        k = 0
+        for i, nb in enumerate(nbs):
+            tables[i, :nb] = perm[k : k + nb]
+            k += nb
+        meta = AttentionMetadata(
+            positions=(lens - 1).to(DEV),
+            slot_mapping=torch.zeros(batch, dtype=torch.int64, device=DEV),
+            cu_seqlens_q=torch.arange(batch + 1, dtype=torch.int32, device=DEV),
+            seq_lens=lens.to(torch.int32).to(DEV),
+            block_tables=tables.to(DEV),
+            num_decode_seqs=batch,
+            max_query_len=1,
+            max_seq_len=8192,
+        )
+        q = torch.randn(batch, nq, hd, device=DEV).to(BF16)
+        ao = torch.empty(batch, nq * hd, device=DEV, dtype=BF16)
+        kv_bytes = int(lens.sum()) * nkv * hd * 2 * 2 + 2 * q.nbytes
+        for plan in (None, (1, None), (2, 1), (4, 64), (8, 32)):
+            be.force_splits, be.force_min_keys = plan if plan else (None, None)
+            ms = time_ms(
+                lambda q=q, kc=kc, vc=vc, meta=meta, ao=ao: be.attention(q, kc, vc, meta, ao)
+            )
+            if plan is None:
+                s, mk = be.num_splits(batch, nkv, 8192), be.min_split_keys(batch, nkv)
+                label = f"auto: splits<={s}, min_keys={mk}"
+            else:
+                label = f"splits<={plan[0]}, min_keys={plan[1] or '-'}"
+            mem_row(
+                f"decode_short({label})", f"{batch}x[{lo},{hi}] 32/8x128 bf16", kv_bytes, ms, None
+            )
+            rows[-1]["us"] = ms * 1000
+    be.force_splits = be.force_min_keys = None
+
+
 def _commit() -> str:
     try:
         return (
@@ -289,14 +341,14 @@ def render(res: dict[str, Any]) -> str:
     lines = [
         f"device {res['device']}  commit {res['commit']}  "
         f"copy {c['copy_GBps']:.0f} GB/s  bf16 matmul {c['matmul_TFLOPs']:.0f} TFLOP/s",
-        f"{'kernel':40s} {'shape':28s} {'ms':>8s} {'achieved':>14s} {'of ceil':>8s} "
+        f"{'kernel':52s} {'shape':28s} {'ms':>8s} {'achieved':>14s} {'of ceil':>8s} "
         f"{'target':>7s} ok",
     ]
     for r in res["kernels"]:
         tgt = r["target"]
         ok = "" if tgt is None else ("yes" if r["fraction"] >= tgt else "NO")
         lines.append(
-            f"{r['kernel']:40s} {r['shape']:28s} {r['ms']:8.3f} "
+            f"{r['kernel']:52s} {r['shape']:28s} {r['ms']:8.3f} "
             f"{r['achieved']:9.1f} {r['unit']:>4s} {100 * r['fraction']:7.1f}% "
             f"{'' if tgt is None else f'{100 * tgt:.0f}%':>7s} {ok}"
         )

@@ -4,9 +4,16 @@ Every kernel is launched on torch's *current* stream (``cupy.cuda.ExternalStream
 ``torch.cuda.current_stream().cuda_stream``), so torch and CuPy work interleave in order
 and a step can be captured in a CUDA graph. Tensors are passed by ``data_ptr``; results go
 into the caller's ``out=`` workspace views. Launches never allocate, synchronise or read
-device values on the host: the only device memory the backend owns is the flash-decoding
-partials buffer and the sampled-token buffer, allocated by ``reserve`` (called lazily on
-first use: call it, or run one eager step, before capturing graphs).
+device values on the host. The only device memory the backend owns is the flash-decoding
+partials buffer, its per-(token, kv head) arrival counters (zero between launches: the
+last split of a sequence resets its counter) and the sampled-token buffer, allocated by
+``reserve`` (called lazily on first use: call it, or run one eager step, before capturing
+graphs).
+
+Decode attention is ONE kernel per call: the launch's grid has up to ``num_splits`` splits
+per sequence (from the batch size: enough CTAs for the chip), and each sequence uses
+``ceil(context / min_split_keys)`` of them, decided on the device from its own context, so
+a graph captured for the longest context still runs short contexts unsplit.
 
 Kernel constants (dtype, head_dim, query / kv heads) are read from the tensors of each
 call; kernels of each config come from the engine's ``kernels/`` cubins when present,
@@ -32,6 +39,7 @@ _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 32
 SPLIT_ROWS_PER_SEQ = 8  # partials budget: max_num_seqs * 8 (token, split) rows
+CTAS_PER_SM = 4  # resident decode-attention CTAs per SM (__launch_bounds__(128, 4))
 
 
 def _p(t: torch.Tensor) -> np.uint64:
@@ -44,6 +52,22 @@ def _i(v: int) -> np.int32:
 
 def _aligned(*ts: torch.Tensor) -> bool:
     return all(t.data_ptr() % 16 == 0 for t in ts)
+
+
+def _vec_width(count: int, elem_bytes: int) -> int:
+    """Mirror of common.cuh ``vec_width_for``: widest element count <= 16 bytes dividing count."""
+    vec = 16 // elem_bytes
+    for w in (vec, max(1, vec // 2), max(1, vec // 4)):
+        if count % w == 0:
+            return w
+    return 1
+
+
+def _rope_block(nq: int, nkv: int, hd: int, elem_bytes: int) -> int:
+    """rope_kv block: one work unit per thread (rounded to a warp, at most 1024)."""
+    units = (nq + nkv) * (hd // 2 // _vec_width(hd // 2, elem_bytes))
+    units += nkv * (hd // _vec_width(hd, elem_bytes))
+    return min(1024, (units + 31) // 32 * 32)
 
 
 def _need(t: torch.Tensor, name: str, dtype: torch.dtype | None = None) -> None:
@@ -80,8 +104,10 @@ class CudaBackend:
         self._sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
         self._part_acc: torch.Tensor | None = None
         self._part_ml: torch.Tensor | None = None
+        self._counters: torch.Tensor | None = None
         self._tokens: torch.Tensor | None = None
         self.force_splits: int | None = None  # benchmark override of num_splits
+        self.force_min_keys: int | None = None  # benchmark override of min_split_keys
 
     # ---- plumbing ------------------------------------------------------------------
     def _lib(self, dtype: torch.dtype, hd: int = 2, nq: int = 1, nkv: int = 1) -> KernelLibrary:
@@ -107,6 +133,8 @@ class CudaBackend:
         if self._part_acc is None or self._part_acc.numel() < rows * head_dim:
             self._part_acc = torch.empty(rows * head_dim, dtype=torch.float32, device=self.device)
             self._part_ml = torch.empty(rows * 2, dtype=torch.float32, device=self.device)
+            # one counter per (decode token, kv head); num_kv_heads <= num_q_heads
+            self._counters = torch.zeros(rows, dtype=torch.int32, device=self.device)
         n = max(max_num_seqs, vocab_rows)
         if self._tokens is None or self._tokens.numel() < n:
             self._tokens = torch.empty(n, dtype=torch.int64, device=self.device)
@@ -215,18 +243,34 @@ class CudaBackend:
         args = (
             _p(qkv), _p(positions), _p(cos), _p(sin), _p(k_cache), _p(v_cache),
             _p(slot_mapping), _p(out), _i(t), _i(cos.shape[0]),
+            _i((hd // 2) % 4 == 0 and _aligned(cos, sin)),
         )  # fmt: skip
-        self._launch(k, (min(t, 65535),), (128,), args)
+        self._launch(k, (min(t, 65535),), (_rope_block(nq, nkv, hd, qkv.element_size()),), args)
         return out
 
+    def min_split_keys(self, num_decode: int, num_kv_heads: int) -> int:
+        """Fewest keys per split (the device splits a context into ceil(len / this))."""
+        if self.force_min_keys:
+            return max(1, self.force_min_keys)
+        # tiny batches: latency, one 32-key step per CTA; else amortise the partials merge
+        return 32 if num_decode * num_kv_heads < self._sm_count else 128
+
     def num_splits(self, num_decode: int, num_kv_heads: int, max_seq_len: int) -> int:
-        """Flash-decoding splits: enough CTAs for ~12 per SM, >= 256 keys per split."""
-        if self.force_splits:
-            return max(1, min(self.force_splits, MAX_SPLITS))
-        ctas = max(1, num_decode * num_kv_heads)
-        want = math.ceil(12 * self._sm_count / ctas)
+        """Most flash-decoding splits per sequence (grid z) of a decode launch.
+
+        ~2 waves of CTAs when the batch alone does not fill the chip, none when it does;
+        never more than ``max_seq_len`` needs at ``min_split_keys`` keys per split.
+        """
         budget = (self.max_num_seqs * SPLIT_ROWS_PER_SEQ) // max(1, num_decode)
-        return max(1, min(want, max(1, max_seq_len // 256), MAX_SPLITS, budget))
+        if self.force_splits:
+            return max(1, min(self.force_splits, MAX_SPLITS, budget))
+        ctas = max(1, num_decode * num_kv_heads)
+        wave = CTAS_PER_SM * self._sm_count
+        if ctas >= wave:
+            return 1
+        want = math.ceil(2 * wave / ctas)
+        by_len = math.ceil(max(1, max_seq_len) / self.min_split_keys(num_decode, num_kv_heads))
+        return max(1, min(want, by_len, MAX_SPLITS, budget))
 
     def attention(
         self,
@@ -260,17 +304,15 @@ class CudaBackend:
         scale = LOG2E / math.sqrt(hd)
         paged = lib.get("decode_attention", "paged_attention_kernel")
         common = (_p(q), _p(k_cache), _p(v_cache), _p(meta.block_tables), _i(mbps), _i(bs))
+        bs_shift = bs.bit_length() - 1 if bs & (bs - 1) == 0 else -1
         if nd > 0:
             splits = self.num_splits(nd, nkv, meta.max_seq_len)
             args = common + (
                 _p(meta.seq_lens), _p(meta.cu_seqlens_q), _i(b), _i(0), _i(1), _p(out),
                 _p(self._part_acc), _p(self._part_ml), np.float32(scale),
+                _i(self.min_split_keys(nd, nkv)), _i(bs_shift), _p(self._counters),
             )  # fmt: skip
             self._launch(paged, (nd, nkv, splits), (128,), args)
-            if splits > 1:
-                red = lib.get("decode_attention", "attention_reduce_kernel")
-                red_args = (_p(self._part_acc), _p(self._part_ml), _i(splits), _i(0), _p(out))
-                self._launch(red, (nd, nq), (min(1024, (hd + 31) // 32 * 32),), red_args)
         if b > nd and t > nd:
             if lib.cfg.tensor_core_prefill:
                 g = nq // nkv
@@ -287,7 +329,8 @@ class CudaBackend:
             else:
                 args = common + (
                     _p(meta.seq_lens), _p(meta.cu_seqlens_q), _i(b), _i(nd), _i(0), _p(out),
-                    _p(out), _p(out), np.float32(scale),
+                    _p(out), _p(out), np.float32(scale), _i(1), _i(bs_shift),
+                    _p(self._counters),
                 )  # fmt: skip
                 self._launch(paged, (t - nd, nkv, 1), (128,), args)
         return out

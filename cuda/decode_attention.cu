@@ -1,10 +1,21 @@
 // decode_attention.cu: paged attention, one CTA per (query token, kv head, split).
 //
+// History (H200, batch 64 x 4096 ctx, GQA 32/8, hd 128, bf16; % of copy bandwidth):
+//   v1  V loaded only after the scores, 150 registers, 3 CTAs/SM ............ 36%
+//   v2  all K and V loads of a step issued together, 128 registers .......... 62%
+//   v3  one kernel per call: the split count of each sequence is chosen on the device
+//       from its own context (ceil(kv_len / min_keys), at most gridDim.z), so short
+//       contexts run unsplit and surplus CTAs exit at once; the last CTA of a split
+//       sequence (atomic counter, reset by it) merges the partials, so the separate
+//       reduce kernel is gone; power-of-two block sizes index with shifts (no integer
+//       division per key); bf16 -> f32 by mask/shift.
+//
 // The CTA serves the G = NQ / NKV query heads that share kv head `blockIdx.y`, so each K
 // and V row is read from device memory once for all of them (GQA).  The keys of the
 // token's context [0, kv_len) are divided into gridDim.z splits (flash-decoding); each
-// split keeps an online softmax in float32 and writes either the final output
-// (gridDim.z == 1) or a partial (acc, max, sum) that attention_reduce_kernel combines.
+// split keeps an online softmax in float32 and writes either the final output (the
+// sequence runs as one split) or a partial (acc, max, sum); the CTA that finishes last
+// (counters[token, kv head], zero between launches) combines them and writes the output.
 //
 // Inside a CTA, LPK lanes share one key (each lane owns DPL = HD / LPK dims), so a warp
 // streams 32 / LPK keys at once, U keys per stream per step; every stream keeps its own
@@ -74,62 +85,31 @@ __device__ __forceinline__ void load_words(const scalar_t* p, unsigned* w) {
 __device__ __forceinline__ float word_elem(const unsigned* w, int e) {
 #if LLMC_DTYPE == 0
     return __uint_as_float(w[e]);
+#elif LLMC_DTYPE == 2
+    return __uint_as_float((e & 1) ? (w[e >> 1] & 0xffff0000u) : (w[e >> 1] << 16));
 #else
     return to_float((unsigned short)((e & 1) ? (w[e >> 1] >> 16) : (w[e >> 1] & 0xffffu)));
 #endif
 }
 
-extern "C" __global__ void __launch_bounds__(NW * 32, 4)
-paged_attention_kernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k_cache,
-                       const scalar_t* __restrict__ v_cache, const int* __restrict__ block_tables,
-                       int max_blocks_per_seq, int block_size, const int* __restrict__ seq_lens,
-                       const int* __restrict__ cu_seqlens_q, int num_seqs, int token_begin,
-                       int decode_mode, scalar_t* __restrict__ out, float* __restrict__ part_acc,
-                       float* __restrict__ part_ml, float scale_log2) {
-    constexpr int lpk = LPK, dpl = DPL, kg = KG, ns = NW * kg;
-    constexpr int dv = vec_width_for(dpl);
-    const int tl = blockIdx.x;
-    const int t = token_begin + tl;
-    const int kvh = blockIdx.y;
-    const int split = blockIdx.z, nsplit = gridDim.z;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int sub = lane % lpk, grp = lane / lpk;
-    const int stream = warp * kg + grp;
+// Coherent (L2) load of a float written by another CTA of the same launch.
+__device__ __forceinline__ float load_cg(const float* p) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
 
-    const int s = decode_mode ? t : find_seq(cu_seqlens_q, num_seqs, t);
-    const int q0 = cu_seqlens_q[s];
-    const int ql = cu_seqlens_q[s + 1] - q0;
-    const int sl = seq_lens[s];
-    // rows past the last sequence's tokens (padding) attend to nothing -> zeros
-    const bool live = sl > 0 && t - q0 < ql;
-    const int kv_len = live ? sl - ql + (t - q0) + 1 : 0;
-    const int chunk = (kv_len + nsplit - 1) / nsplit;
-    const int kbeg = split * chunk;
-    const int kend = min(kv_len, kbeg + chunk);
-    const int* bt = block_tables + (long long)s * max_blocks_per_seq;
-
-    float qf[G][dpl];
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-        load_vec<dv>(q + ((long long)t * NQ + kvh * G + g) * HD + sub * dpl, qf[g]);
-#pragma unroll
-        for (int d = dv; d < dpl; d += dv)
-            load_vec<dv>(q + ((long long)t * NQ + kvh * G + g) * HD + sub * dpl + d, qf[g] + d);
-#pragma unroll
-        for (int d = 0; d < dpl; ++d) qf[g][d] *= scale_log2;
-    }
-
-    float m[G], l[G], acc[G][dpl];
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-        m[g] = LLMC_NEG_INF;
-        l[g] = 0.f;
-#pragma unroll
-        for (int d = 0; d < dpl; ++d) acc[g][d] = 0.f;
-    }
-
-    const long long row_stride = (long long)NKV * HD;
+// Online-softmax attention of this thread's streams over keys [kbeg, kend).  POW2: the
+// block size is 1 << bs_shift (index by shift and mask instead of a division per key).
+template <bool POW2>
+__device__ __forceinline__ void attend_keys(
+    const scalar_t* __restrict__ k_cache, const scalar_t* __restrict__ v_cache,
+    const int* __restrict__ bt, int block_size, int bs_shift, int kvh, int sub, int stream,
+    int kbeg, int kend, const float (&qf)[G][DPL], float (&m)[G], float (&l)[G],
+    float (&acc)[G][DPL]) {
+    constexpr int lpk = LPK, dpl = DPL, ns = NW * KG;
     constexpr int words = dpl * (int)sizeof(scalar_t) / 4;
+    const long long row_stride = (long long)NKV * HD;
     for (int base = kbeg; base < kend; base += ns * U) {
         // Issue every K and V load of this step before any use (bytes in flight).
         unsigned kw[U][words], vw[U][words];
@@ -139,8 +119,9 @@ paged_attention_kernel(const scalar_t* __restrict__ q, const scalar_t* __restric
             const int j = base + u * ns + stream;
             valid[u] = j < kend;
             if (valid[u]) {
-                const int blk = bt[j / block_size];
-                const long long off = ((long long)blk * block_size + (j % block_size)) * row_stride +
+                const int bi = POW2 ? (j >> bs_shift) : (j / block_size);
+                const int bo = j - bi * block_size;
+                const long long off = ((long long)bt[bi] * block_size + bo) * row_stride +
                                       kvh * HD + sub * dpl;
                 load_words<words>(k_cache + off, kw[u]);
                 load_words<words>(v_cache + off, vw[u]);
@@ -187,6 +168,69 @@ paged_attention_kernel(const scalar_t* __restrict__ q, const scalar_t* __restric
             }
         }
     }
+}
+
+// Launch: grid (tokens, NKV, max splits), block NW * 32.  min_keys: a sequence runs as
+// ceil(kv_len / min_keys) splits (at least 1, at most gridDim.z); bs_shift: log2 of
+// block_size, or -1.  counters: NKV ints per token, zero before the launch and after it.
+extern "C" __global__ void __launch_bounds__(NW * 32, 4)
+paged_attention_kernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k_cache,
+                       const scalar_t* __restrict__ v_cache, const int* __restrict__ block_tables,
+                       int max_blocks_per_seq, int block_size, const int* __restrict__ seq_lens,
+                       const int* __restrict__ cu_seqlens_q, int num_seqs, int token_begin,
+                       int decode_mode, scalar_t* __restrict__ out, float* __restrict__ part_acc,
+                       float* __restrict__ part_ml, float scale_log2, int min_keys,
+                       int bs_shift, int* __restrict__ counters) {
+    constexpr int lpk = LPK, dpl = DPL, kg = KG;
+    constexpr int dv = vec_width_for(dpl);
+    const int tl = blockIdx.x;
+    const int t = token_begin + tl;
+    const int kvh = blockIdx.y;
+    const int split = blockIdx.z, nsplit_max = gridDim.z;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int sub = lane % lpk, grp = lane / lpk;
+    const int stream = warp * kg + grp;
+
+    const int s = decode_mode ? t : find_seq(cu_seqlens_q, num_seqs, t);
+    const int q0 = cu_seqlens_q[s];
+    const int ql = cu_seqlens_q[s + 1] - q0;
+    const int sl = seq_lens[s];
+    // rows past the last sequence's tokens (padding) attend to nothing -> zeros
+    const bool live = sl > 0 && t - q0 < ql;
+    const int kv_len = live ? sl - ql + (t - q0) + 1 : 0;
+    const int nsplit =
+        nsplit_max > 1 ? max(1, min(nsplit_max, (kv_len + min_keys - 1) / max(1, min_keys))) : 1;
+    if (split >= nsplit) return;  // this sequence needs fewer splits (uniform per CTA)
+    const int chunk = (kv_len + nsplit - 1) / nsplit;
+    const int kbeg = split * chunk;
+    const int kend = min(kv_len, kbeg + chunk);
+    const int* bt = block_tables + (long long)s * max_blocks_per_seq;
+
+    float qf[G][dpl];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+#pragma unroll
+        for (int d = 0; d < dpl; d += dv)
+            load_vec<dv>(q + ((long long)t * NQ + kvh * G + g) * HD + sub * dpl + d, qf[g] + d);
+#pragma unroll
+        for (int d = 0; d < dpl; ++d) qf[g][d] *= scale_log2;
+    }
+
+    float m[G], l[G], acc[G][dpl];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        m[g] = LLMC_NEG_INF;
+        l[g] = 0.f;
+#pragma unroll
+        for (int d = 0; d < dpl; ++d) acc[g][d] = 0.f;
+    }
+
+    if (bs_shift >= 0)
+        attend_keys<true>(k_cache, v_cache, bt, block_size, bs_shift, kvh, sub, stream, kbeg,
+                          kend, qf, m, l, acc);
+    else
+        attend_keys<false>(k_cache, v_cache, bt, block_size, bs_shift, kvh, sub, stream, kbeg,
+                           kend, qf, m, l, acc);
 
     // Merge the streams of this warp (lanes with the same `sub`).
 #pragma unroll
@@ -210,6 +254,7 @@ paged_attention_kernel(const scalar_t* __restrict__ q, const scalar_t* __restric
 
     __shared__ float sm_ml[NW][G][2];
     __shared__ float sm_acc[NW][G][HD];
+    __shared__ int sm_last;
     if (grp == 0) {
 #pragma unroll
         for (int g = 0; g < G; ++g) {
@@ -240,7 +285,7 @@ paged_attention_kernel(const scalar_t* __restrict__ q, const scalar_t* __restric
         if (nsplit == 1) {
             out[((long long)t * NQ + h) * HD + d] = from_float(L > 0.f ? A / L : 0.f);
         } else {
-            const long long pidx = ((long long)tl * NQ + h) * nsplit + split;
+            const long long pidx = ((long long)tl * NQ + h) * nsplit_max + split;
             part_acc[pidx * HD + d] = A;
             if (d == 0) {
                 part_ml[pidx * 2] = M;
@@ -248,27 +293,34 @@ paged_attention_kernel(const scalar_t* __restrict__ q, const scalar_t* __restric
             }
         }
     }
-}
+    if (nsplit == 1) return;
 
-// Combine the splits of paged_attention_kernel: grid (num_tokens, NQ), block HD (<= 1024,
-// loops otherwise).
-extern "C" __global__ void attention_reduce_kernel(const float* __restrict__ part_acc,
-                                                   const float* __restrict__ part_ml,
-                                                   int nsplit, int token_begin,
-                                                   scalar_t* __restrict__ out) {
-    const int tl = blockIdx.x, h = blockIdx.y;
-    const long long pbase = ((long long)tl * NQ + h) * nsplit;
-    float M = LLMC_NEG_INF;
-    for (int i = 0; i < nsplit; ++i) M = fmaxf(M, part_ml[(pbase + i) * 2]);
-    for (int d = threadIdx.x; d < HD; d += blockDim.x) {
+    // Split sequence: the CTA that arrives last merges the nsplit partials of its G heads.
+    __threadfence();  // this CTA's partials are visible device-wide before it is counted
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int* c = counters + (long long)tl * NKV + kvh;
+        const int done = atomicAdd(c, 1);
+        sm_last = done == nsplit - 1;
+        if (sm_last) *c = 0;  // every other split has arrived: ready for the next launch
+    }
+    __syncthreads();
+    if (!sm_last) return;
+    __threadfence();
+    for (int idx = threadIdx.x; idx < G * HD; idx += blockDim.x) {
+        const int g = idx / HD, d = idx % HD;
+        const int h = kvh * G + g;
+        const long long pbase = ((long long)tl * NQ + h) * nsplit_max;
+        float M = LLMC_NEG_INF;
+        for (int i = 0; i < nsplit; ++i) M = fmaxf(M, load_cg(part_ml + (pbase + i) * 2));
         float L = 0.f, A = 0.f;
         if (M != LLMC_NEG_INF) {
             for (int i = 0; i < nsplit; ++i) {
-                const float f = exp2f(part_ml[(pbase + i) * 2] - M);
-                L += part_ml[(pbase + i) * 2 + 1] * f;
-                A += part_acc[(pbase + i) * HD + d] * f;
+                const float f = exp2f(load_cg(part_ml + (pbase + i) * 2) - M);
+                L += load_cg(part_ml + (pbase + i) * 2 + 1) * f;
+                A += load_cg(part_acc + (pbase + i) * HD + d) * f;
             }
         }
-        out[((long long)(token_begin + tl) * NQ + h) * HD + d] = from_float(L > 0.f ? A / L : 0.f);
+        out[((long long)t * NQ + h) * HD + d] = from_float(L > 0.f ? A / L : 0.f);
     }
 }

@@ -77,6 +77,15 @@ def test_silu_and_mul(be, dtype, t, i):
     assert rel_err(out, ref.silu_and_mul(x)) < TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_extremes(be, dtype):
+    """Fast-exp path: |gate| up to 120 (e^-g overflows to inf for g < -88) stays exact."""
+    t, i = 3, 4096
+    x = (60 * torch.randn(t, 2 * i, device=DEV)).clamp(-120, 120).to(dtype)
+    out = be.silu_and_mul(x, out=poisoned(t, i, dtype=dtype))
+    assert rel_err(out, ref.silu_and_mul(x)) < TOL[dtype]
+
+
 def rope_tables(hd: int, max_pos: int, theta: float = 10000.0):
     inv = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
     f = torch.arange(max_pos, dtype=torch.float32)[:, None] * inv[None, :]
@@ -103,6 +112,26 @@ def test_rope_and_cache_write(be, dtype, hd, nq, nkv):
     assert rel_err(q, q_ref) < TOL[dtype]
     assert rel_err(kc, kr) < TOL[dtype]
     assert torch.equal(vc, vr)
+
+
+def test_rope_unaligned_tables(be):
+    """cos/sin whose base is only 4-byte aligned take the scalar table reads."""
+    hd, nq, nkv, t, bs, nblocks, max_pos, dtype = 128, 32, 8, 9, 16, 2, 64, torch.bfloat16
+    cos_a, sin_a = rope_tables(hd, max_pos)
+    cos = torch.empty(cos_a.numel() + 1, device=DEV)[1:].view_as(cos_a).copy_(cos_a)
+    sin = torch.empty(sin_a.numel() + 1, device=DEV)[1:].view_as(sin_a).copy_(sin_a)
+    qkv = torch.randn(t, (nq + 2 * nkv) * hd, device=DEV).to(dtype)
+    pos = torch.randint(0, max_pos, (t,), device=DEV)
+    slots = torch.randperm(nblocks * bs, device=DEV)[:t]
+    kc = torch.randn(nblocks, bs, nkv, hd, device=DEV).to(dtype)
+    vc = torch.randn_like(kc, dtype=torch.float32).to(dtype)
+    kr, vr = kc.clone(), vc.clone()
+    q = be.rope_and_cache_write(
+        qkv, pos, cos, sin, kc, vc, slots, out=poisoned(t, nq * hd, dtype=dtype)
+    )
+    q_ref = ref.rope_and_cache_write(qkv, pos, cos_a, sin_a, kr, vr, slots)
+    assert rel_err(q, q_ref) < TOL[dtype]
+    assert rel_err(kc, kr) < TOL[dtype]
 
 
 def make_batch(decode_lens, prefill, bs, nblocks_extra=3):
@@ -155,6 +184,26 @@ def test_attention(be, dtype, hd, nq, nkv, case):
     q = (2 * torch.randn(t, nq, hd, device=DEV)).to(dtype)
     out = be.attention(q, kc, vc, meta, out=poisoned(t, nq * hd, dtype=dtype))
     assert rel_err(out, ref.paged_attention(q, kc, vc, meta)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("splits,min_keys", [(8, 1), (32, 32), (3, 100), (5, 4096)])
+@pytest.mark.parametrize("bs", [16, 24])
+def test_decode_attention_device_splits(splits, min_keys, bs):
+    """Per-sequence split counts chosen on the device (some CTAs exit, some sequences merge
+    their partials in the last CTA); repeated launches check the arrival counters reset."""
+    from llmc.cuda.cuda_backend import CudaBackend
+
+    be = CudaBackend(DEV, max_num_seqs=16)
+    be.force_splits, be.force_min_keys = splits, min_keys
+    hd, nq, nkv, dtype = 128, 32, 8, torch.bfloat16
+    meta, nblocks, t = make_batch([1, 5, 31, 32, 33, 300, 1000, 2049], [], bs)
+    kc = torch.randn(nblocks, bs, nkv, hd, device=DEV).to(dtype)
+    vc = torch.randn(nblocks, bs, nkv, hd, device=DEV).to(dtype)
+    for _ in range(3):
+        q = (2 * torch.randn(t, nq, hd, device=DEV)).to(dtype)
+        out = be.attention(q, kc, vc, meta, out=poisoned(t, nq * hd, dtype=dtype))
+        assert rel_err(out, ref.paged_attention(q, kc, vc, meta)) < TOL[dtype]
+    assert int(be._counters.abs().sum()) == 0
 
 
 def test_decode_attention_cuda_graph(be):
