@@ -35,10 +35,10 @@ from llmc.runtime import sampling as smp
 from llmc.runtime.backend import AttentionMetadata, SamplingMetadata
 from llmc.runtime.types import ScheduledBatch
 
-from llmc.errors import ConfigError, EngineError, RequestError
+from llmc.errors import ConfigError, EngineError
 
 if TYPE_CHECKING:
-    from llmc.runtime.model_runner import ModelRunner, StepOutput
+    from llmc.runtime.model_runner import ModelRunner, PendingStep, StepOutput
 
 # neutral value of each sampling column for padding rows
 _PAD_COLUMN = {
@@ -77,8 +77,15 @@ def graph_eligible(batch: ScheduledBatch) -> bool:
 class DecodeGraphs:
     """The captured decode graphs of one ModelRunner (CUDA backends only)."""
 
-    def __init__(self, runner: ModelRunner, buckets: tuple[int, ...] | None = None) -> None:
-        if runner.device.type != "cuda":
+    def __init__(
+        self,
+        runner: ModelRunner,
+        buckets: tuple[int, ...] | None = None,
+        *,
+        allow_cpu: bool = False,
+    ) -> None:
+        """``allow_cpu``: for tests and host-time tools whose subclass replaces ``capture``."""
+        if runner.device.type != "cuda" and not allow_cpu:
             raise ConfigError("CUDA graphs need a CUDA device")
         buckets = buckets or default_buckets(min(runner.max_batch_size, runner.max_num_tokens))
         bad = [b for b in buckets if not 0 < b <= min(runner.max_batch_size, runner.max_num_tokens)]
@@ -99,22 +106,34 @@ class DecodeGraphs:
         self.replays = 0
 
     # ---- staging ---------------------------------------------------------------------
-    def _stage(self, big: int, rows: list[tuple[int, int, int, list[int]]], seqs: list) -> dict:
-        """Stage padded inputs of ``big`` rows; rows = (token, position, slot, blocks)."""
+    def _stage(
+        self,
+        big: int,
+        rows: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None,
+        seqs: list,
+        offset_extra: int = 0,
+    ) -> dict:
+        """Stage padded inputs of ``big`` rows. ``rows`` = (token ids, positions, slots,
+        source rows, block tables [b, nb]) of the ``b`` real rows, or None (capture)."""
         r = self.runner
-        mbs, b = r.max_blocks_per_seq, len(rows)
+        mbs = r.max_blocks_per_seq
         ids = np.zeros(big, dtype=np.int64)
         pos = np.zeros(big, dtype=np.int64)
         slots = np.full(big, -1, dtype=np.int64)
+        src = np.full(big, -1, dtype=np.int64)
         lens = np.zeros(big, dtype=np.int32)
         tables = np.full((big, mbs), -1, dtype=np.int32)
-        for i, (tok, p, slot, blocks) in enumerate(rows):
-            ids[i], pos[i], slots[i], lens[i] = tok, p, slot, p + 1
-            tables[i, : len(blocks)] = blocks
-        cols = smp.sampling_columns(seqs)
+        b = 0
+        if rows is not None:
+            tok, p, sl, sr, bt = rows
+            b = len(tok)
+            ids[:b], pos[:b], slots[:b], src[:b], lens[:b] = tok, p, sl, sr, p + 1
+            tables[:b, : bt.shape[1]] = bt
+        cols = smp.sampling_columns(seqs, offset_extra)
         st = r.staging
         st.begin()
         st.add("input_ids", ids, "int64")
+        st.add("src_rows", src, "int64")
         st.add("positions", pos, "int64")
         st.add("slot_mapping", slots, "int64")
         st.add("seq_lens", lens, "int32")
@@ -133,7 +152,8 @@ class DecodeGraphs:
         """What one graph computes (also run eagerly as the warm-up)."""
         r = self.runner
         ws, mbs = r.workspace, r.max_blocks_per_seq
-        for name in ("input_ids", "positions", "slot_mapping", "seq_lens"):
+        r.gather_input_ids(ws["input_ids"][:big], dev["input_ids"], dev["src_rows"])
+        for name in ("positions", "slot_mapping", "seq_lens"):
             ws[name][:big].copy_(dev[name])
         bt = ws["block_tables"].view(-1)[: big * mbs].view(big, mbs)
         bt.copy_(dev["block_tables"].view(big, mbs))
@@ -181,7 +201,7 @@ class DecodeGraphs:
             reserve(n, r.spec.num_heads, r.spec.head_dim, vocab_rows=self.buckets[-1])
         self._pool = torch.cuda.graph_pool_handle()
         for big in sorted(self.buckets, reverse=True):
-            dev = self._stage(big, [], [])
+            dev = self._stage(big, None, [])
             self._layout[big] = list(r.staging._sections)
             self._body(big, dev)  # eager warm-up: kernel modules, cuBLAS handles
             torch.cuda.synchronize(r.device)
@@ -208,35 +228,28 @@ class DecodeGraphs:
 
     def run(self, batch: ScheduledBatch) -> StepOutput:
         """Run a decode-only ``batch`` (``can_run`` true) by graph replay."""
-        from llmc.runtime.model_runner import StepOutput
+        return self.launch(batch).result()
 
+    def launch(self, batch: ScheduledBatch, src_rows: list[int] | None = None) -> PendingStep:
+        """Stage and replay a decode-only ``batch`` (``can_run`` true) without waiting.
+
+        ``src_rows[i] >= 0``: row ``i``'s input token is row ``src_rows[i]`` of the previous
+        step's sampled ids, still on the device (async scheduling); its sampling offset then
+        counts that token too. The ids come back through ``PendingStep.result()``.
+        """
         r = self.runner
         t0 = time.perf_counter()
-        r._check(batch)
-        tpb, vocab = r.tokens_per_block, r.spec.vocab_size
-        rows, seqs = [], []
-        for s in batch.sequences:
-            seq, a = s.seq, s.start_position
-            tok = seq.token_at(a)
-            if not 0 <= tok < vocab:
-                raise RequestError(
-                    f"request {seq.request_id}: token id outside the vocabulary [0, {vocab})"
-                )
-            bt = seq.block_table
-            rows.append((tok, a, bt[a // tpb] * tpb + a % tpb, bt[: a // tpb + 1]))
-            seqs.append(seq)
-        b = len(rows)
+        tok, pos, slots, src, tables = r.decode_rows(batch, src_rows)
+        b = len(tok)
         big = self.bucket_for(b)
         assert big is not None
-        self._stage(big, rows, seqs)
+        seqs = [s.seq for s in batch.sequences]
+        self._stage(big, (tok, pos, slots, src, tables), seqs, 1 if src_rows is not None else 0)
         if r.staging._sections != self._layout[big]:
             raise EngineError(f"CUDA graph bucket {big}: staging layout changed since capture")
         t1 = time.perf_counter()
         self.graphs[big].replay()
-        t2 = time.perf_counter()
-        host = r._host_ids[:b]
-        host.copy_(r.workspace["sampled_ids"][:b])
-        token_ids = host.tolist()
         self.replays += 1
-        times = {"prepare": t1 - t0, "forward": t2 - t1, "sample": time.perf_counter() - t2}
-        return StepOutput(token_ids=token_ids, phase_times=times)
+        pending = r.read_back_ids(b, {"prepare": t1 - t0})
+        pending.times["forward"] = time.perf_counter() - t1
+        return pending

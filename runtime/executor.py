@@ -51,6 +51,17 @@ def _now() -> float:
     return time.perf_counter()
 
 
+def _token_counts(batch: ScheduledBatch) -> tuple[int, int]:
+    """(tokens, decode tokens) of ``batch`` in one pass (ScheduledBatch's properties, inlined)."""
+    total = decode = 0
+    for s in batch.sequences:
+        n = s.num_new_tokens
+        total += n
+        if n == 1 and s.start_position >= len(s.seq.prompt_token_ids):
+            decode += 1
+    return total, decode
+
+
 class Executor:
     """In-flight-batching executor over a Scheduler and a ModelRunner.
 
@@ -58,8 +69,9 @@ class Executor:
     ``vocab_size`` attributes: an ``EngineRuntime`` or an ``ExecutorParts``.
     """
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, *, async_scheduling: bool = False) -> None:
         self.engine = engine
+        self.async_scheduling = async_scheduling
         self.runner: Runner = engine.runner
         self.scheduler = engine.scheduler
         self.tokenizer: Tokenizer | None = getattr(engine, "tokenizer", None)
@@ -300,14 +312,15 @@ class Executor:
             self._postprocess(batch, out, t2)
             t3 = _now()
             phases = {"schedule": t1 - t0, **dict(out.phase_times or {}), "update": t3 - t2}
+            num_tokens, num_decode = _token_counts(batch)
             self.step_records.append(
                 StepRecord(
                     step_id=batch.step_id,
                     start_time=t0,
                     end_time=t3,
-                    num_tokens=batch.num_tokens,
-                    num_prefill_tokens=batch.num_prefill_tokens,
-                    num_decode_tokens=batch.num_decode_tokens,
+                    num_tokens=num_tokens,
+                    num_prefill_tokens=num_tokens - num_decode,
+                    num_decode_tokens=num_decode,
                     batch_size=len(batch.sequences),
                     kv_blocks_used=used,
                     kv_blocks_total=kv.total_blocks,

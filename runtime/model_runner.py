@@ -28,6 +28,7 @@ when a row uses them, penalty counts and logprobs (documented in llmc.runtime.sa
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -148,10 +149,14 @@ class ModelRunner:
         check_table(table, expected_shapes(*shape_args))
         self.workspace = Workspace(table, self.device)
         t, b = max_num_tokens, max_batch_size
-        stage_bytes = 8 * (3 * t + 3 * b) + 4 * (2 * b + 1 + b * self.max_blocks_per_seq)
+        stage_bytes = 8 * (4 * t + 3 * b) + 4 * (2 * b + 1 + b * self.max_blocks_per_seq)
         stage_bytes += 4 * b * (1 + len(smp.FLOAT_COLUMNS)) + 8 * 32
         self.staging = Staging(stage_bytes, self.device)
-        self._host_ids = torch.empty(b, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        pin = self.device.type == "cuda"
+        # two read-back buffers: step N+1 may be launched before step N's ids are read
+        self._host_ids = torch.empty(2, b, dtype=torch.int64, pin_memory=pin)
+        self._launches = 0
+        self._unread = 0  # launched steps whose ids were not read back yet
         self.graphs: Any = None  # llmc.runtime.cuda_graphs.DecodeGraphs once captured
 
     def capture_cuda_graphs(self, buckets: tuple[int, ...] | None = None) -> float:
@@ -217,43 +222,131 @@ class ModelRunner:
                     f"{end} tokens (tokens_per_block={self.tokens_per_block})"
                 )
 
-    def _prepare(self, batch: ScheduledBatch) -> _StepInputs:
-        self._check(batch)
-        seqs = list(batch.sequences)
-        order = [s for s in seqs if s.num_new_tokens == 1]
-        order += [s for s in seqs if s.num_new_tokens != 1]
+    def decode_rows(
+        self, batch: ScheduledBatch, src_rows: list[int] | None = None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(token ids, positions, cache slots, source rows [b] int64, block tables [b, nb]
+        int32) of a decode-only batch, in batch order, checked.
+
+        With ``src_rows`` (async scheduling) every row's token is the one the previous step
+        sampled into row ``src_rows[i]`` of its ``sampled_ids``: not known on the host yet,
+        so the row's position is the sequence's ``num_tokens`` and its staged id is 0."""
+        seqs = batch.sequences
+        b = len(seqs)
+        if b > self.max_batch_size or b > self.max_num_tokens:
+            self._check(batch)
+        ahead = src_rows is not None
+        if ahead and (len(src_rows) != b or min(src_rows, default=0) < 0):
+            raise EngineError(f"step {batch.step_id}: src_rows must give a row >= 0 per sequence")
+        tok: list[int] = []
+        pos: list[int] = []
+        tables: list[list[int]] = []
+        ok = True
+        for s in seqs:
+            seq, a = s.seq, s.start_position
+            out = seq.output_token_ids
+            known = len(seq.prompt_token_ids) + len(out)
+            if ahead:
+                ok &= a == known and s.num_new_tokens == 1
+                tok.append(0)
+            else:
+                ok &= 0 <= a < known and s.num_new_tokens == 1
+                tok.append(seq.token_at(a) if ok else 0)
+            pos.append(a)
+            tables.append(seq.block_table)
         tpb = self.tokens_per_block
-        ids, positions, slots = _flatten(order, tpb)
-        cu, seq_lens, last_row = [0], [], {}
-        for s in order:
-            last_row[id(s)] = cu[-1] + s.num_new_tokens - 1
-            cu.append(cu[-1] + s.num_new_tokens)
-            seq_lens.append(s.start_position + s.num_new_tokens)
-        flat_ids = ids
-        if flat_ids.min() < 0 or flat_ids.max() >= self.spec.vocab_size:
+        p = np.asarray(pos, dtype=np.int64)
+        nblk = p // tpb + 1
+        have = np.fromiter((len(t) for t in tables), dtype=np.int64, count=b)
+        ids = np.asarray(tok, dtype=np.int64)
+        ok = ok and bool((p < self.max_seq_len).all() and (have >= nblk).all())
+        ok = ok and not (b and (ids.min() < 0 or ids.max() >= self.spec.vocab_size))
+        if not ok:
+            if ahead:
+                raise RequestError(
+                    f"step {batch.step_id}: an async-scheduled row is not the next token of its "
+                    "sequence, lacks its block or exceeds max_seq_len"
+                )
+            self._check(batch)  # raises the precise error
+            self._check_vocab(ids, batch.sequences, list(range(b + 1)))
+        nb = int(nblk.max()) if b else 1
+        table = np.full((b, nb), -1, dtype=np.int32)
+        mask = np.arange(nb) < nblk[:, None]
+        table[mask] = np.fromiter(
+            itertools.chain.from_iterable(
+                t[:k] for t, k in zip(tables, nblk.tolist(), strict=True)
+            ),
+            dtype=np.int32,
+            count=int(nblk.sum()),
+        )
+        slots = table[np.arange(b), p // tpb].astype(np.int64) * tpb + p % tpb
+        src = np.asarray(src_rows if ahead else [-1] * b, dtype=np.int64)
+        return ids, p, slots, src, table
+
+    def _check_vocab(self, flat_ids: np.ndarray, order: Any, cu: list[int]) -> None:
+        if flat_ids.size and (flat_ids.min() < 0 or flat_ids.max() >= self.spec.vocab_size):
             rows = np.nonzero((flat_ids < 0) | (flat_ids >= self.spec.vocab_size))[0]
             bad = order[int(np.searchsorted(cu, rows[0], side="right")) - 1]
             raise RequestError(
                 f"request {bad.seq.request_id}: token id outside the vocabulary "
                 f"[0, {self.spec.vocab_size})"
             )
-        b = len(order)
-        nb = max(-(-n // tpb) for n in seq_lens)
-        tables = np.full((b, nb), -1, dtype=np.int32)
-        for i, s in enumerate(order):
-            blocks = s.seq.block_table[: -(-seq_lens[i] // tpb)]
-            tables[i, : len(blocks)] = blocks
+
+    def gather_input_ids(self, out: torch.Tensor, staged: torch.Tensor, src: torch.Tensor) -> None:
+        """out = staged ids, except rows with ``src >= 0``: the previous step's sampled id of
+        row ``src`` (device-side; capturable in a CUDA graph)."""
+        prev = self.workspace["sampled_ids"].index_select(0, src.clamp(min=0))
+        torch.where(src >= 0, prev, staged, out=out)
+
+    def _prepare(self, batch: ScheduledBatch, src_rows: list[int] | None = None) -> _StepInputs:
+        seqs = list(batch.sequences)
+        tpb = self.tokens_per_block
+        if src_rows is not None or all(s.num_new_tokens == 1 for s in seqs):
+            order = seqs
+            flat_ids, positions, slots, src, tables = self.decode_rows(batch, src_rows)
+            b = len(order)
+            nb = tables.shape[1]
+            cu = np.arange(b + 1, dtype=np.int32)
+            seq_lens = positions + 1
+            last_row = {id(s): i for i, s in enumerate(order)}
+        else:
+            self._check(batch)
+            order = [s for s in seqs if s.num_new_tokens == 1]
+            order += [s for s in seqs if s.num_new_tokens != 1]
+            flat_ids, positions, slots = _flatten(order, tpb)
+            src = None
+            cu, seq_lens, last_row = [0], [], {}
+            for s in order:
+                last_row[id(s)] = cu[-1] + s.num_new_tokens - 1
+                cu.append(cu[-1] + s.num_new_tokens)
+                seq_lens.append(s.start_position + s.num_new_tokens)
+            self._check_vocab(flat_ids, order, cu)
+            b = len(order)
+            nb = max(-(-n // tpb) for n in seq_lens)
+            tables = np.full((b, nb), -1, dtype=np.int32)
+            for i, s in enumerate(order):
+                blocks = s.seq.block_table[: -(-seq_lens[i] // tpb)]
+                tables[i, : len(blocks)] = blocks
         sampled = [s for s in seqs if s.sample]
+        if src_rows is not None and any(
+            s.seq.sampling.logprobs is not None or smp.uses_penalties(s.seq.sampling)
+            for s in sampled
+        ):
+            raise EngineError(
+                f"step {batch.step_id}: async scheduling does not serve penalties or logprobs"
+            )
         st = self.staging
         st.begin()
         st.add("input_ids", flat_ids, "int64")
+        if src is not None and src_rows is not None:
+            st.add("src_rows", src, "int64")
         st.add("positions", positions, "int64")
         st.add("slot_mapping", slots, "int64")
         st.add("logits_indices", [last_row[id(s)] for s in sampled], "int64")
         st.add("cu_seqlens_q", cu, "int32")
         st.add("seq_lens", seq_lens, "int32")
         st.add("block_tables", tables.reshape(-1), "int32")
-        cols = smp.sampling_columns([s.seq for s in sampled])
+        cols = smp.sampling_columns([s.seq for s in sampled], 1 if src_rows is not None else 0)
         for name in smp.INT64_COLUMNS:
             st.add(name, cols[name], "int64")
         for name in smp.INT32_COLUMNS:
@@ -267,7 +360,10 @@ class ModelRunner:
         for name in ("input_ids", "positions", "slot_mapping", "logits_indices"):
             n = dev[name].shape[0]
             static[name] = ws[name][:n]
-            static[name].copy_(dev[name])
+            if name == "input_ids" and "src_rows" in dev:
+                self.gather_input_ids(static[name], dev[name], dev["src_rows"])
+            else:
+                static[name].copy_(dev[name])
         for name in ("cu_seqlens_q", "seq_lens"):
             static[name] = ws[name][: dev[name].shape[0]]
             static[name].copy_(dev[name])
@@ -281,7 +377,7 @@ class ModelRunner:
             block_tables=bt,
             num_decode_seqs=sum(1 for s in order if s.num_new_tokens == 1),
             max_query_len=max(s.num_new_tokens for s in order),
-            max_seq_len=max(seq_lens),
+            max_seq_len=int(max(seq_lens)),
             partial_out=ws["attn_partial_out"],
             partial_lse=ws["attn_partial_lse"],
         )
@@ -356,31 +452,88 @@ class ModelRunner:
 
     def step(self, batch: ScheduledBatch) -> StepOutput:
         """Compute one step; return the sampled token of each ``sample`` sequence."""
+        return self.launch(batch).result()
+
+    def launch(self, batch: ScheduledBatch, src_rows: list[int] | None = None) -> PendingStep:
+        """Start one step on the device and return without waiting for its sampled ids.
+
+        ``src_rows`` (async scheduling): a decode-only batch scheduled before the previous
+        step's tokens reached the host; row ``i``'s input is row ``src_rows[i]`` of the
+        previous step's sampled ids, which stay on the device. At most two launched steps
+        may be unread (``PendingStep.result()``) at a time.
+        """
+        if self._unread >= 2:
+            raise EngineError("two launched steps are unread; call result() on the older one")
         if batch.is_empty:
-            return StepOutput(token_ids=[], phase_times={})
+            return PendingStep(self, None, None, {}, token_ids=[])
         if self.graphs is not None and self.graphs.can_run(batch):
-            return self.graphs.run(batch)
+            return self.graphs.launch(batch, src_rows)
         t0 = time.perf_counter()
-        inp = self._prepare(batch)
+        inp = self._prepare(batch, src_rows)
         t1 = time.perf_counter()
         logits = self._forward(inp)
         t2 = time.perf_counter()
         times: dict[str, Any] = {"prepare": t1 - t0, "forward": t2 - t1}
         if logits is None or inp.sampling is None:
             times["sample"] = 0.0
-            return StepOutput(token_ids=[], phase_times=times)
+            return PendingStep(self, None, None, times, token_ids=[])
         s, meta = inp.num_sampled, inp.sampling
         ids = self.backend.sample(logits, meta)
         out_ids = self.workspace["sampled_ids"][:s]
         out_ids.copy_(ids)
-        logprobs = None
         if meta.num_logprobs is not None:
             packed = smp.logprob_tensor(logits, meta, out_ids, meta.num_logprobs).cpu().tolist()
             token_ids = [int(row[0]) for row in packed]
             logprobs = smp.unpack_logprobs(packed, [x.seq for x in inp.sampled])
+            times["sample"] = time.perf_counter() - t2
+            return PendingStep(self, None, None, times, token_ids=token_ids, logprobs=logprobs)
+        pending = self.read_back_ids(s, times)
+        times["sample"] = time.perf_counter() - t2  # sampling launch; result() adds the wait
+        return pending
+
+    def read_back_ids(self, n: int, times: dict[str, Any]) -> PendingStep:
+        """Start the device→host copy of the first ``n`` sampled ids (pinned buffer, event)."""
+        host = self._host_ids[self._launches % 2, :n]
+        self._launches += 1
+        src = self.workspace["sampled_ids"][:n]
+        if self.device.type == "cuda":
+            host.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
         else:
-            host = self._host_ids[:s]
-            host.copy_(out_ids)
-            token_ids = host.tolist()
-        times["sample"] = time.perf_counter() - t2
-        return StepOutput(token_ids=token_ids, logprobs=logprobs, phase_times=times)
+            host.copy_(src)
+            event = None
+        self._unread += 1
+        return PendingStep(self, host, event, times)
+
+
+class PendingStep:
+    """A launched step: ``result()`` waits for its sampled ids (once) → StepOutput."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        host: torch.Tensor | None,
+        event: Any,
+        times: dict[str, Any],
+        *,
+        token_ids: list[int] | None = None,
+        logprobs: list[smp.TokenLogprobs | None] | None = None,
+    ) -> None:
+        self._runner, self._host, self._event = runner, host, event
+        self.times = times
+        self._out: StepOutput | None = None
+        if token_ids is not None:
+            self._out = StepOutput(token_ids=token_ids, logprobs=logprobs, phase_times=times)
+
+    def result(self) -> StepOutput:
+        if self._out is None:
+            t0 = time.perf_counter()
+            if self._event is not None:
+                self._event.synchronize()
+            assert self._host is not None
+            ids = self._host.tolist()
+            self._runner._unread -= 1
+            self.times["sample"] = self.times.get("sample", 0.0) + time.perf_counter() - t0
+            self._out = StepOutput(token_ids=ids, phase_times=self.times)
+        return self._out

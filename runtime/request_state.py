@@ -40,15 +40,22 @@ class RequestState:
     def take_new_tokens(self, logprob: Any, now: float) -> tuple[list[int], list[Any]]:
         """Output tokens (and their logprobs) appended since the last call; records timings."""
         assert self.seq is not None
-        new = self.seq.output_token_ids[self.num_seen :]
-        self.num_seen = len(self.seq.output_token_ids)
+        out = self.seq.output_token_ids
+        n = len(out) - self.num_seen
+        if n == 1:  # the common case: one token per step, no extra lists
+            new = [out[-1]]
+            self.record.token_times.append(now)
+        else:
+            new = out[self.num_seen :]
+            self.record.token_times.extend([now] * n)
+        self.num_seen = len(out)
         rec = self.record
         if new and rec.first_token_time is None:
             rec.first_token_time = now
-        rec.token_times.extend([now] * len(new))
-        new_lp = [logprob] if logprob is not None and new else []
-        self.logprobs.extend(new_lp)
-        return list(new), new_lp
+        if logprob is not None and new:
+            self.logprobs.append(logprob)
+            return new, [logprob]
+        return new, []
 
     def detokenize(self, token_ids: list[int]) -> str:
         """Text delta of ``token_ids`` ('' without a tokenizer); see ``stopped_by_string``."""

@@ -65,27 +65,66 @@ def derived_seed(request_id: int) -> int:
 def row_seed(seq: Sequence) -> int:
     """The int64 seed of one sequence's sampling stream."""
     s = seq.sampling.seed
-    return _to_int64(s) if s is not None else derived_seed(seq.request_id)
+    return _seed64(s) if s is not None else derived_seed(seq.request_id)
+
+
+@functools.lru_cache(maxsize=1024)
+def _seed64(seed: int) -> int:
+    return _to_int64(seed)
 
 
 def uses_penalties(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
-def sampling_columns(seqs: Seq[Sequence]) -> dict[str, list]:
-    """Per-row host columns of SamplingMetadata, keyed by its field names."""
-    cols: dict[str, list] = {name: [] for name in INT64_COLUMNS + INT32_COLUMNS + FLOAT_COLUMNS}
-    for seq in seqs:
-        p = seq.sampling
-        cols["seeds"].append(row_seed(seq))
-        cols["offsets"].append(len(seq.output_token_ids))
-        cols["top_k"].append(p.top_k)
-        cols["temperature"].append(p.temperature)
-        cols["top_p"].append(p.top_p)
-        cols["min_p"].append(p.min_p)
-        cols["repetition_penalty"].append(p.repetition_penalty)
-        cols["presence_penalty"].append(p.presence_penalty)
-        cols["frequency_penalty"].append(p.frequency_penalty)
+_CONST_COLUMNS = ("top_k", *FLOAT_COLUMNS)
+"""Columns that depend on the SamplingParams only (not on the request id or the step)."""
+
+
+_ROWS_BY_ID: dict[int, tuple[SamplingParams, tuple]] = {}
+
+
+def _const_row(p: SamplingParams) -> tuple:
+    """The constant columns of ``p``, cached by object identity (the params object is kept
+    in the cache entry, so its id cannot be reused while the entry lives)."""
+    hit = _ROWS_BY_ID.get(id(p))
+    if hit is not None and hit[0] is p:
+        return hit[1]
+    row = _make_row(p)
+    if len(_ROWS_BY_ID) >= 4096:
+        _ROWS_BY_ID.clear()
+    _ROWS_BY_ID[id(p)] = (p, row)
+    return row
+
+
+def _make_row(p: SamplingParams) -> tuple:
+    return (
+        p.top_k,
+        p.temperature,
+        p.top_p,
+        p.min_p,
+        p.repetition_penalty,
+        p.presence_penalty,
+        p.frequency_penalty,
+    )
+
+
+def sampling_columns(seqs: Seq[Sequence], offset_extra: int = 0) -> dict[str, list]:
+    """Per-row host columns of SamplingMetadata, keyed by its field names.
+
+    ``offset_extra``: tokens each row has sampled beyond its ``output_token_ids`` (1 when
+    the step is scheduled before the previous step's tokens are known: async scheduling).
+    """
+    cols: dict[str, list] = {
+        "seeds": [row_seed(seq) for seq in seqs],
+        "offsets": [len(seq.output_token_ids) + offset_extra for seq in seqs],
+    }
+    consts = [_const_row(seq.sampling) for seq in seqs]
+    if consts:
+        for name, col in zip(_CONST_COLUMNS, zip(*consts, strict=True), strict=True):
+            cols[name] = list(col)
+    else:
+        cols.update({name: [] for name in _CONST_COLUMNS})
     return cols
 
 

@@ -114,6 +114,7 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self._no_evict = config.policy == GUARANTEED_NO_EVICT
+        self._eos = frozenset(config.eos_token_ids)
         self._seqs: dict[int, Sequence] = {}  # every unfinished sequence
         self._order: dict[int, int] = {}  # arrival number per request id
         self._arrivals = 0
@@ -237,11 +238,20 @@ class Scheduler:
         picked: list[ScheduledSequence] = []
         preempted: list[int] = []
 
+        tpb = kv.tokens_per_block
+
         # 1. Running sequences, in queue order; the newest is preempted when blocks run out.
         i = 0
         while i < len(self._running) and budget > 0:
             seq = self._running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            start = seq.num_computed_tokens
+            n_prompt = len(seq.prompt_token_ids)
+            n = min(n_prompt + len(seq.output_token_ids) - start, budget)
+            if n == 1 and start < len(seq.block_table) * tpb:  # its block is there already
+                picked.append(self._slice(seq, 1))
+                budget -= 1
+                i += 1
+                continue
             scheduled = True
             while not kv.append_slots(seq, n):
                 if self._no_evict:
@@ -261,11 +271,13 @@ class Scheduler:
                 i += 1
 
         # 2. Waiting sequences, in queue order, until one does not fit.
-        reserved = self._reserved_blocks() if self._no_evict else 0
+        reserved: int | None = None  # computed once, when a waiting sequence is looked at
         while not preempted and budget > 0 and len(self._running) < cfg.max_batch_size:
             seq = self._peek_waiting()
             if seq is None:
                 break
+            if reserved is None:
+                reserved = self._reserved_blocks() if self._no_evict else 0
             cached = kv.cached_prefix_tokens(seq)
             remaining = seq.num_tokens - cached
             n = min(remaining, budget)
@@ -295,8 +307,13 @@ class Scheduler:
         self._step += 1
         self._num_tokens += cfg.max_num_tokens - budget
         self._peak_running = max(self._peak_running, len(self._running))
-        decode = [s for s in picked if s.is_decode]
-        prefill = [s for s in picked if not s.is_decode]
+        decode: list[ScheduledSequence] = []
+        prefill: list[ScheduledSequence] = []
+        for s in picked:  # ScheduledSequence.is_decode, inlined
+            if s.num_new_tokens == 1 and s.start_position >= len(s.seq.prompt_token_ids):
+                decode.append(s)
+            else:
+                prefill.append(s)
         return ScheduledBatch(
             step_id=self._step - 1,
             sequences=tuple(decode + prefill),
@@ -305,7 +322,8 @@ class Scheduler:
 
     def _slice(self, seq: Sequence, n: int) -> ScheduledSequence:
         start = seq.num_computed_tokens
-        return ScheduledSequence(seq, start, n, sample=start + n == seq.num_tokens)
+        end = len(seq.prompt_token_ids) + len(seq.output_token_ids)
+        return ScheduledSequence(seq, start, n, start + n == end)
 
     def _reserved_blocks(self) -> int:
         """Blocks promised to running sequences but not allocated yet (guaranteed_no_evict)."""
@@ -320,7 +338,8 @@ class Scheduler:
         ``sampled_token_ids`` holds one id per scheduled sequence with ``sample=True``, in batch
         order. Returns the sequences that finished in this step (``finish_reason`` set).
         """
-        n_sampled = sum(1 for s in batch.sequences if s.sample)
+        seqs = batch.sequences
+        n_sampled = sum(1 for s in seqs if s.sample)
         if len(sampled_token_ids) != n_sampled:
             raise ValueError(
                 f"step {batch.step_id} sampled {n_sampled} sequences but "
@@ -328,22 +347,28 @@ class Scheduler:
             )
         finished: list[Sequence] = []
         tokens = iter(sampled_token_ids)
-        for ss in batch.sequences:
+        tpb = self.kv.tokens_per_block
+        reuse = self.kv.enable_block_reuse
+        running = SequenceStatus.RUNNING
+        for ss in seqs:
             seq = ss.seq
             token = next(tokens) if ss.sample else None
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status is not running:
                 continue  # finished (cancelled) between schedule() and update()
-            if seq.num_computed_tokens != ss.start_position:
+            before = seq.num_computed_tokens
+            if before != ss.start_position:
                 raise RuntimeError(
                     f"request {seq.request_id}: step {batch.step_id} is stale (computed "
-                    f"{seq.num_computed_tokens} tokens, step started at {ss.start_position})"
+                    f"{before} tokens, step started at {ss.start_position})"
                 )
-            seq.num_computed_tokens += ss.num_new_tokens
-            self.kv.register_full_blocks(seq)
+            after = seq.num_computed_tokens = before + ss.num_new_tokens
+            if reuse and after // tpb != before // tpb:  # a block filled up in this step
+                self.kv.register_full_blocks(seq)
             if token is None:
                 continue
-            seq.output_token_ids.append(int(token))
-            reason = self._stop_reason(seq, int(token))
+            token = int(token)
+            seq.output_token_ids.append(token)
+            reason = self._stop_reason(seq, token)
             if reason is not None:
                 self._running.remove(seq)
                 self._finish(seq, reason)
@@ -351,13 +376,15 @@ class Scheduler:
         return finished
 
     def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
-        if not seq.sampling.ignore_eos and token in self.config.eos_token_ids:
+        sp = seq.sampling
+        if token in self._eos and not sp.ignore_eos:
             return FinishReason.STOP
-        if token in seq.sampling.stop_token_ids:
+        if sp.stop_token_ids and token in sp.stop_token_ids:
             return FinishReason.STOP
-        if len(seq.output_token_ids) >= seq.max_new_tokens:
+        n_out = len(seq.output_token_ids)
+        if n_out >= seq.max_new_tokens:
             return FinishReason.LENGTH
-        if seq.num_tokens >= self.config.max_seq_len:
+        if len(seq.prompt_token_ids) + n_out >= self.config.max_seq_len:
             return FinishReason.LENGTH
         return None
 

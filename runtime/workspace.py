@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -191,25 +192,42 @@ class Workspace:
 
 
 class Staging:
-    """Host byte buffer (pinned on CUDA) + device mirror: a step's inputs in one copy.
+    """Host byte buffers (pinned on CUDA) + one device mirror: a step's inputs in one copy.
 
     Usage per step: ``begin()``, ``add(name, values, dtype)`` per section, then
     ``upload()`` → {name: device tensor}. Sections are 8-byte aligned and packed in the
-    order added; only the used prefix is copied. The host buffer is reused next step, which
-    is safe because every step ends with a synchronising device→host copy.
+    order added; only the used prefix is copied. On CUDA there are two host buffers used in
+    turn, so a step can be staged while the previous step's copy may still be in flight;
+    ``begin()`` waits for the copy that last read the buffer it reuses (a CUDA event). The
+    device mirror is the same for every step (CUDA graphs read fixed addresses); a later
+    step's copy into it is ordered after the earlier step's kernels by the stream. On CPU
+    the host buffer is the "device" buffer and everything is synchronous.
     """
 
     def __init__(self, capacity_bytes: int, device: torch.device) -> None:
         self.device = device
         self.capacity = capacity_bytes
-        pin = device.type == "cuda"
-        self.host = torch.empty(capacity_bytes, dtype=torch.uint8, pin_memory=pin)
-        self._np = self.host.numpy()
-        self.dev = self.host if device.type == "cpu" else torch.empty_like(self.host, device=device)
+        cuda = device.type == "cuda"
+        self._hosts = [
+            torch.empty(capacity_bytes, dtype=torch.uint8, pin_memory=cuda)
+            for _ in range(2 if cuda else 1)
+        ]
+        self._nps = [h.numpy() for h in self._hosts]
+        self._events: list[Any] = [None] * len(self._hosts)
+        self._turn = 0
+        self.host = self._hosts[0]
+        self._np = self._nps[0]
+        self.dev = self.host if not cuda else torch.empty_like(self.host, device=device)
         self._sections: list[tuple[str, int, int, torch.dtype]] = []
         self._used = 0
 
     def begin(self) -> None:
+        if len(self._hosts) > 1:
+            self._turn ^= 1
+            event = self._events[self._turn]
+            if event is not None:
+                event.synchronize()  # the copy that last read this host buffer is done
+            self.host, self._np = self._hosts[self._turn], self._nps[self._turn]
         self._sections = []
         self._used = 0
 
@@ -227,6 +245,9 @@ class Staging:
     def upload(self) -> dict[str, torch.Tensor]:
         if self.dev is not self.host and self._used:
             self.dev[: self._used].copy_(self.host[: self._used], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._events[self._turn] = event
         return {
             name: self.dev[off : off + n * dt.itemsize].view(dt)
             for name, off, n, dt in self._sections
