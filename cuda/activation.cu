@@ -4,19 +4,13 @@
 // y dimension strides over rows.  vec_ok = 1 when I % VEC == 0 and pointers are 16-byte
 // aligned (then each thread handles one 16-byte vector of gate and of up).
 //
-// History (H200, 4096 x 28672 bf16; % of copy bandwidth):
-//   v1  expf + IEEE division per element .................................... 77%
-//   v2  ex2.approx + rcp.rn (about half the instructions per element)
+// History (H200, 4096 x 28672 bf16, bench; % of copy bandwidth):
+//   v1  (this) expf + IEEE division ........................................... 77%
+//   v2  ex2.approx + rcp.rn (about half the instructions): 77% -- not issue-bound, so
+//       no gain; reverted for the exact path (2026-11-30, commit 1e34cd6).
 #include "common.cuh"
 
-// silu(g) * u = g * u / (1 + e^-g): fast exp (ex2.approx) and IEEE reciprocal (PTX); for
-// g < -88, e^-g = inf and the reciprocal is 0 (the exact result underflows too).
-__device__ __forceinline__ float silu_mul(float g, float u) {
-    float e, r;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(g * -1.4426950408889634f));
-    asm("rcp.rn.f32 %0, %1;" : "=f"(r) : "f"(1.f + e));
-    return g * u * r;
-}
+__device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.f + expf(-g)) * u; }
 
 extern "C" __global__ void silu_and_mul_kernel(const scalar_t* __restrict__ x,
                                                scalar_t* __restrict__ out, int T, int I,

@@ -54,22 +54,6 @@ def _aligned(*ts: torch.Tensor) -> bool:
     return all(t.data_ptr() % 16 == 0 for t in ts)
 
 
-def _vec_width(count: int, elem_bytes: int) -> int:
-    """Mirror of common.cuh ``vec_width_for``: widest element count <= 16 bytes dividing count."""
-    vec = 16 // elem_bytes
-    for w in (vec, max(1, vec // 2), max(1, vec // 4)):
-        if count % w == 0:
-            return w
-    return 1
-
-
-def _rope_block(nq: int, nkv: int, hd: int, elem_bytes: int) -> int:
-    """rope_kv block: one work unit per thread (rounded to a warp, at most 1024)."""
-    units = (nq + nkv) * (hd // 2 // _vec_width(hd // 2, elem_bytes))
-    units += nkv * (hd // _vec_width(hd, elem_bytes))
-    return min(1024, (units + 31) // 32 * 32)
-
-
 def _need(t: torch.Tensor, name: str, dtype: torch.dtype | None = None) -> None:
     if not t.is_cuda or not t.is_contiguous():
         raise UnsupportedError(f"CudaBackend: {name} must be a contiguous CUDA tensor")
@@ -243,9 +227,8 @@ class CudaBackend:
         args = (
             _p(qkv), _p(positions), _p(cos), _p(sin), _p(k_cache), _p(v_cache),
             _p(slot_mapping), _p(out), _i(t), _i(cos.shape[0]),
-            _i((hd // 2) % 4 == 0 and _aligned(cos, sin)),
         )  # fmt: skip
-        self._launch(k, (min(t, 65535),), (_rope_block(nq, nkv, hd, qkv.element_size()),), args)
+        self._launch(k, (min(t, 65535),), (128,), args)
         return out
 
     def min_split_keys(self, num_decode: int, num_kv_heads: int) -> int:
@@ -258,17 +241,16 @@ class CudaBackend:
     def num_splits(self, num_decode: int, num_kv_heads: int, max_seq_len: int) -> int:
         """Most flash-decoding splits per sequence (grid z) of a decode launch.
 
-        ~2 waves of CTAs when the batch alone does not fill the chip, none when it does;
+        ~2 waves of CTAs when the batch gives fewer CTAs than SMs, none otherwise;
         never more than ``max_seq_len`` needs at ``min_split_keys`` keys per split.
         """
         budget = (self.max_num_seqs * SPLIT_ROWS_PER_SEQ) // max(1, num_decode)
         if self.force_splits:
             return max(1, min(self.force_splits, MAX_SPLITS, budget))
         ctas = max(1, num_decode * num_kv_heads)
-        wave = CTAS_PER_SM * self._sm_count
-        if ctas >= wave:
+        if ctas >= self._sm_count:  # measured: batch 64 x 4096 is fastest unsplit
             return 1
-        want = math.ceil(2 * wave / ctas)
+        want = math.ceil(2 * CTAS_PER_SM * self._sm_count / ctas)
         by_len = math.ceil(max(1, max_seq_len) / self.min_split_keys(num_decode, num_kv_heads))
         return max(1, min(want, by_len, MAX_SPLITS, budget))
 

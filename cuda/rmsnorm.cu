@@ -9,40 +9,14 @@
 // 16-byte aligned; otherwise a scalar path runs.  Launch: grid min(T, 65535), block
 // ceil(H / VEC / RMS_VPT) rounded up to a warp multiple (<= 1024).
 //
-// History (H200, 16384 x 4096 bf16; % of copy bandwidth, rms_norm / add_rms_norm):
-//   v1  weight read after the block reduction (an L2 round trip on the row's critical
-//       path) .................................................................. 69% / 79%
-//   v2  the weight's vectors are loaded with the row, before the reduction; row and
-//       weight kept packed (16-byte words) in registers
+// History (H200, 16384 x 4096 bf16, bench; % of copy bandwidth, rms_norm / add_rms_norm):
+//   v1  (this) weight read after the block reduction ........................ 69% / 79%
+//   v2  weight vectors loaded with the row before the reduction, row and weight kept
+//       packed in registers (66 -> 54 registers): 60% / 74% -- slower; reverted
+//       (2026-11-30, commit 1e34cd6).
 #include "common.cuh"
 
 #define RMS_VPT 4
-
-// One 16-byte vector as raw words <-> VEC floats (rows are kept packed in registers).
-__device__ __forceinline__ void unpack16(const v4u& v, float* f) {
-    const unsigned w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-#if LLMC_DTYPE == 0
-        f[i] = __uint_as_float(w[i]);
-#else
-        f[2 * i] = to_float((unsigned short)(w[i] & 0xffffu));
-        f[2 * i + 1] = to_float((unsigned short)(w[i] >> 16));
-#endif
-    }
-}
-__device__ __forceinline__ v4u pack16(const float* f) {
-    unsigned w[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-#if LLMC_DTYPE == 0
-        w[i] = __float_as_uint(f[i]);
-#else
-        w[i] = pack2(f[2 * i], f[2 * i + 1]);
-#endif
-    }
-    return v4u{w[0], w[1], w[2], w[3]};
-}
 
 extern "C" __global__ void rms_norm_kernel(const scalar_t* __restrict__ x,
                                            scalar_t* __restrict__ residual,
@@ -57,26 +31,22 @@ extern "C" __global__ void rms_norm_kernel(const scalar_t* __restrict__ x,
         float ss = 0.f;
         if (vec_ok) {
             const int nv = H / VEC;
-            v4u cache[RMS_VPT], wc[RMS_VPT];  // the row and the weight, packed
+            float cache[RMS_VPT][VEC];
 #pragma unroll
             for (int k = 0; k < RMS_VPT; ++k) {
                 const int i = threadIdx.x + k * blockDim.x;
                 if (i < nv) {
-                    cache[k] = reinterpret_cast<const v4u*>(xr)[i];
-                    wc[k] = reinterpret_cast<const v4u*>(w)[i];
-                    float f[VEC];
-                    unpack16(cache[k], f);
+                    load_vec<VEC>(xr + i * VEC, cache[k]);
                     if (has_residual) {
                         float r[VEC];
-                        unpack16(reinterpret_cast<const v4u*>(rr)[i], r);
+                        load_vec<VEC>(rr + i * VEC, r);
 #pragma unroll
-                        for (int e = 0; e < VEC; ++e) f[e] += r[e];
-                        cache[k] = pack16(f);  // rounded to the dtype, as torch stores it
-                        reinterpret_cast<v4u*>(rr)[i] = cache[k];
-                        unpack16(cache[k], f);
+                        for (int e = 0; e < VEC; ++e)
+                            cache[k][e] = to_float(from_float(cache[k][e] + r[e]));
+                        store_vec<VEC>(rr + i * VEC, cache[k]);
                     }
 #pragma unroll
-                    for (int e = 0; e < VEC; ++e) ss += f[e] * f[e];
+                    for (int e = 0; e < VEC; ++e) ss += cache[k][e] * cache[k][e];
                 }
             }
             for (int i = threadIdx.x + RMS_VPT * blockDim.x; i < nv; i += blockDim.x) {
@@ -97,11 +67,10 @@ extern "C" __global__ void rms_norm_kernel(const scalar_t* __restrict__ x,
             for (int k = 0; k < RMS_VPT; ++k) {
                 const int i = threadIdx.x + k * blockDim.x;
                 if (i < nv) {
-                    float o[VEC], wv[VEC];
-                    unpack16(cache[k], o);
-                    unpack16(wc[k], wv);
+                    float wv[VEC], o[VEC];
+                    load_vec<VEC>(w + i * VEC, wv);
 #pragma unroll
-                    for (int e = 0; e < VEC; ++e) o[e] = o[e] * scale * wv[e];
+                    for (int e = 0; e < VEC; ++e) o[e] = cache[k][e] * scale * wv[e];
                     store_vec<VEC>(orow + i * VEC, o);
                 }
             }

@@ -7,14 +7,13 @@
 // (llama3 / linear scaling is already folded into the tables).  slot < 0 skips the cache
 // write (CUDA-graph padding rows); q is still written.  Positions are clamped to
 // [0, max_pos) so a bad position cannot read out of bounds.
-// Launch: grid min(T, 65535), block = units rounded up to a warp (<= 1024, so a token's
-// loads are all issued at once; the unit loop covers the rest); pointers aligned to PV
-// elements (checked by the Python wrapper).  cs_vec = 1: cos/sin rows are 16-byte aligned
-// and read as 16-byte vectors (else scalar reads).
+// Launch: grid min(T, 65535), block 128; pointers aligned to PV elements (checked by the
+// Python wrapper).
 //
-// History (H200, 16384 tokens, GQA 32/8, hd 128, bf16; % of copy bandwidth):
-//   v1  block 128 looping over 448 units, cos/sin read as scalars ......... 73%
-//   v2  one unit per thread (block 448), 16-byte cos/sin reads
+// History (H200, 16384 tokens, GQA 32/8, hd 128, bf16, bench; % of copy bandwidth):
+//   v1  (this) block 128 looping over the 448 work units, scalar cos/sin ...... 73%
+//   v2  one unit per thread (block 448) and 16-byte cos/sin reads: 63% -- slower;
+//       reverted (2026-11-30, commit 1e34cd6).
 #include "common.cuh"
 
 #define NQ NUM_Q_HEADS
@@ -25,10 +24,6 @@
 #define PV vec_width_for(HALF)
 #define VV vec_width_for(HD)
 
-struct alignas(16) v4f {
-    float x, y, z, w;
-};
-
 extern "C" __global__ void rope_kv_kernel(const scalar_t* __restrict__ qkv,
                                           const long long* __restrict__ positions,
                                           const float* __restrict__ cos_t,
@@ -36,8 +31,7 @@ extern "C" __global__ void rope_kv_kernel(const scalar_t* __restrict__ qkv,
                                           scalar_t* __restrict__ k_cache,
                                           scalar_t* __restrict__ v_cache,
                                           const long long* __restrict__ slots,
-                                          scalar_t* __restrict__ q_out, int T, int max_pos,
-                                          int cs_vec) {
+                                          scalar_t* __restrict__ q_out, int T, int max_pos) {
     constexpr int pv = PV, vv = VV;
     constexpr int rot_units = (NQ + NKV) * (HALF / pv);
     constexpr int v_units = NKV * (HD / vv);
@@ -55,28 +49,11 @@ extern "C" __global__ void rope_kv_kernel(const scalar_t* __restrict__ qkv,
                 float x1[pv], x2[pv], y1[pv], y2[pv];
                 load_vec<pv>(row + h * HD + i0, x1);
                 load_vec<pv>(row + h * HD + HALF + i0, x2);
-                float ce[pv], se[pv];
-                if constexpr (pv % 4 == 0 && HALF % 4 == 0) {
-                    if (cs_vec) {
-#pragma unroll
-                        for (int e = 0; e < pv; e += 4) {
-                            const v4f cv = *reinterpret_cast<const v4f*>(c + i0 + e);
-                            const v4f sv = *reinterpret_cast<const v4f*>(s + i0 + e);
-                            ce[e] = cv.x; ce[e + 1] = cv.y; ce[e + 2] = cv.z; ce[e + 3] = cv.w;
-                            se[e] = sv.x; se[e + 1] = sv.y; se[e + 2] = sv.z; se[e + 3] = sv.w;
-                        }
-                    } else {
-#pragma unroll
-                        for (int e = 0; e < pv; ++e) ce[e] = c[i0 + e], se[e] = s[i0 + e];
-                    }
-                } else {
-#pragma unroll
-                    for (int e = 0; e < pv; ++e) ce[e] = c[i0 + e], se[e] = s[i0 + e];
-                }
 #pragma unroll
                 for (int e = 0; e < pv; ++e) {
-                    y1[e] = x1[e] * ce[e] - x2[e] * se[e];
-                    y2[e] = x2[e] * ce[e] + x1[e] * se[e];
+                    const float ce = c[i0 + e], se = s[i0 + e];
+                    y1[e] = x1[e] * ce - x2[e] * se;
+                    y2[e] = x2[e] * ce + x1[e] * se;
                 }
                 scalar_t* dst;
                 if (h < NQ) {
