@@ -57,6 +57,9 @@ class RuntimeConfig:
     """None: the engine's build setting."""
     cuda_graphs: bool = True
     """Replay CUDA graphs for decode-only steps (CUDA backend only; ``--no_cuda_graphs``)."""
+    async_scheduling: bool = True
+    """Schedule and launch decode step N+1 while step N runs on the GPU (CUDA device only;
+    CPU runs stay synchronous). See docs/RUNTIME.md."""
 
     def __post_init__(self) -> None:
         for name, allowed in (("device", DEVICES), ("backend", BACKENDS)):
@@ -173,6 +176,7 @@ class EngineRuntime:
         self.backend = backend
         self.engine = engine
         self.vocab_size = spec.vocab_size
+        self.async_scheduling = False
 
     # ---- construction --------------------------------------------------------------
     @classmethod
@@ -304,7 +308,7 @@ class EngineRuntime:
         )
         if config.cuda_graphs and backend == "cuda" and device == "cuda":
             runner.capture_cuda_graphs()
-        return cls(
+        rt = cls(
             spec=spec,
             runner=runner,
             kv=kv,
@@ -315,6 +319,8 @@ class EngineRuntime:
             backend=backend,
             engine=engine,
         )
+        rt.async_scheduling = config.async_scheduling and device == "cuda"  # Executor reads it
+        return rt
 
     @staticmethod
     def _make_backend(backend: str, device: str, engine: Any, max_batch_size: int) -> Any:
@@ -347,4 +353,5 @@ class EngineRuntime:
             "enable_block_reuse": self.kv.enable_block_reuse,
             "scheduler_policy": self.scheduler.config.policy,
             "cuda_graphs": getattr(self.runner, "graphs", None) is not None,
+            "async_scheduling": self.async_scheduling,
         }

@@ -25,6 +25,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from llmc.runtime.detokenizer import IncrementalDetokenizer
@@ -62,6 +63,17 @@ def _token_counts(batch: ScheduledBatch) -> tuple[int, int]:
     return total, decode
 
 
+@dataclass
+class _InFlight:
+    """A launched step and what its StepRecord needs."""
+
+    batch: ScheduledBatch
+    pending: Any  # PendingStep (async scheduling) or None
+    start: float
+    schedule_s: float
+    used_blocks: int
+
+
 class Executor:
     """In-flight-batching executor over a Scheduler and a ModelRunner.
 
@@ -69,10 +81,15 @@ class Executor:
     ``vocab_size`` attributes: an ``EngineRuntime`` or an ``ExecutorParts``.
     """
 
-    def __init__(self, engine: Any, *, async_scheduling: bool = False) -> None:
+    def __init__(self, engine: Any, *, async_scheduling: bool | None = None) -> None:
         self.engine = engine
-        self.async_scheduling = async_scheduling
+        if async_scheduling is None:  # the runtime's choice (RuntimeConfig, CUDA only)
+            async_scheduling = bool(getattr(engine, "async_scheduling", False))
         self.runner: Runner = engine.runner
+        self.async_scheduling = async_scheduling and hasattr(self.runner, "launch")
+        self._inflight: _InFlight | None = None
+        self.num_ahead_steps = 0
+        """Steps launched by async scheduling before the previous step's tokens were known."""
         self.scheduler = engine.scheduler
         self.tokenizer: Tokenizer | None = getattr(engine, "tokenizer", None)
         self.vocab_size: int = int(engine.vocab_size)
@@ -279,12 +296,31 @@ class Executor:
     # ------------------------------------------------------------------ the loop
     def has_work(self) -> bool:
         with self._cv:
-            return bool(self._cancels) or self.scheduler.has_unfinished()
+            return (
+                bool(self._cancels) or self.scheduler.has_unfinished() or self._inflight is not None
+            )
 
     def step(self) -> bool:
-        """Run one engine step (cancellations, schedule, model, update); False if idle."""
+        """Run one engine step (cancellations, schedule, model, update); False if idle.
+
+        With async scheduling, one call finishes one step (update and responses) after
+        launching the next one when it can be scheduled ahead."""
         with self._step_lock:
-            return self._step()
+            return self._step_async() if self.async_scheduling else self._step()
+
+    def _schedule(self, t0: float) -> ScheduledBatch:
+        """Schedule a step (lock held) and stamp first-scheduled times."""
+        batch = self.scheduler.schedule()
+        for ss in batch.sequences:
+            rec = self._states[ss.seq.request_id].record
+            if rec.scheduled_time is None:
+                rec.scheduled_time = t0
+        if batch.is_empty:
+            raise RuntimeError(
+                f"step {batch.step_id}: the scheduler scheduled nothing although "
+                f"{self.scheduler.num_waiting} requests wait (scheduler bug)"
+            )
+        return batch
 
     def _step(self) -> bool:
         t0 = _now()
@@ -292,43 +328,79 @@ class Executor:
             self._apply_cancels()
             if not self.scheduler.has_unfinished():
                 return False
-            batch = self.scheduler.schedule()
-            kv = self.scheduler.kv
-            used = kv.num_used_blocks
-            for ss in batch.sequences:
-                rec = self._states[ss.seq.request_id].record
-                if rec.scheduled_time is None:
-                    rec.scheduled_time = t0
+            batch = self._schedule(t0)
+            used = self.scheduler.kv.num_used_blocks
         t1 = _now()
-        if batch.is_empty:
-            raise RuntimeError(
-                f"step {batch.step_id}: the scheduler scheduled nothing although "
-                f"{self.scheduler.num_waiting} requests wait (scheduler bug)"
-            )
         out = self.runner.step(batch)
+        self._complete(_InFlight(batch, None, t0, t1 - t0, used), out)
+        return True
+
+    def _step_async(self) -> bool:
+        cur = self._inflight
+        if cur is None:
+            t0 = _now()
+            with self._cv:
+                self._apply_cancels()
+                if not self.scheduler.has_unfinished():
+                    return False
+                batch = self._schedule(t0)
+                used = self.scheduler.kv.num_used_blocks
+            t1 = _now()
+            cur = _InFlight(batch, self.runner.launch(batch), t0, t1 - t0, used)
+        self._inflight = None
+        t0 = _now()
+        with self._cv:  # the next step, scheduled before cur's tokens are known
+            self._apply_cancels()
+            ahead = self._ahead_ok(cur.batch) and self.scheduler.schedule_ahead(cur.batch)
+            used = self.scheduler.kv.num_used_blocks
+        if ahead:
+            rows = {
+                id(ss.seq): i for i, ss in enumerate(s for s in cur.batch.sequences if s.sample)
+            }
+            src = [rows[id(ss.seq)] for ss in ahead.sequences]
+            t1 = _now()
+            self._inflight = _InFlight(ahead, self.runner.launch(ahead, src), t0, t1 - t0, used)
+            self.num_ahead_steps += 1
+        assert cur.pending is not None
+        self._complete(cur, cur.pending.result())
+        return True
+
+    def _ahead_ok(self, batch: ScheduledBatch) -> bool:
+        """Rows that need the host to know their previous tokens (penalties count the
+        output tokens, logprobs come back in their own copy) keep a step synchronous."""
+        for ss in batch.sequences:
+            p = ss.seq.sampling
+            penalties = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+            if p.logprobs is not None or penalties:
+                return False
+        return True
+
+    def _complete(self, cur: _InFlight, out: Any) -> None:
+        """Apply a computed step: scheduler update, responses, its StepRecord."""
+        batch = cur.batch
         t2 = _now()
         with self._cv:
             self.scheduler.update(batch, list(out.token_ids))
             self._postprocess(batch, out, t2)
             t3 = _now()
-            phases = {"schedule": t1 - t0, **dict(out.phase_times or {}), "update": t3 - t2}
+            phases = {"schedule": cur.schedule_s, **dict(out.phase_times or {}), "update": t3 - t2}
             num_tokens, num_decode = _token_counts(batch)
+            kv = self.scheduler.kv
             self.step_records.append(
                 StepRecord(
                     step_id=batch.step_id,
-                    start_time=t0,
+                    start_time=cur.start,
                     end_time=t3,
                     num_tokens=num_tokens,
                     num_prefill_tokens=num_tokens - num_decode,
                     num_decode_tokens=num_decode,
                     batch_size=len(batch.sequences),
-                    kv_blocks_used=used,
+                    kv_blocks_used=cur.used_blocks,
                     kv_blocks_total=kv.total_blocks,
                     num_preempted=len(batch.preempted_request_ids),
                     phase_times=phases,
                 )
             )
-        return True
 
     def _apply_cancels(self) -> None:
         for rid in self._cancels:
@@ -343,8 +415,8 @@ class Executor:
         logprobs = list(getattr(out, "logprobs", None) or [])
         sampled = [ss for ss in batch.sequences if ss.sample]
         for row, ss in enumerate(sampled):
-            seq, state = ss.seq, self._states[ss.seq.request_id]
-            if state.final:
+            seq, state = ss.seq, self._states.get(ss.seq.request_id)
+            if state is None or state.final:  # ended (and maybe delivered) before this step
                 continue
             new, new_lp = state.take_new_tokens(logprobs[row] if logprobs else None, now)
             reason = seq.finish_reason if seq.is_finished else None
@@ -384,7 +456,7 @@ class Executor:
         while True:
             with self._cv:
                 while not self._stop_loop and not (
-                    self._cancels or self.scheduler.has_unfinished()
+                    self._cancels or self.scheduler.has_unfinished() or self._inflight is not None
                 ):
                     self._cv.wait()
                 if self._stop_loop:

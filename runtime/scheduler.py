@@ -320,6 +320,47 @@ class Scheduler:
             preempted_request_ids=tuple(preempted),
         )
 
+    def schedule_ahead(self, prev: ScheduledBatch) -> ScheduledBatch | None:
+        """The next decode step, scheduled while ``prev`` runs (async scheduling), or None.
+
+        ``prev`` has been scheduled but not yet ``update``d: its sampled tokens are unknown,
+        and each of its sampled sequences gets its next token computed from that unknown
+        token (the runner takes it from the device). Returns None, and changes nothing, when
+        this step needs the host to know ``prev``'s outcome first: a running sequence that
+        ``prev`` does not sample (a prefill chunk is pending or the budget skipped it), a
+        waiting sequence that could be admitted (free batch slot), too few free blocks (no
+        preemption here), or nothing left to decode. A sequence whose ``prev`` token is its
+        last by length (max_new_tokens, max_seq_len) is left out; one that then stops on
+        EOS / a stop token / a stop string has its extra token discarded by ``update``
+        (it is no longer running) and its blocks were already freed by ``finish``.
+        """
+        cfg, kv = self.config, self.kv
+        running = self._running
+        if not running or (self._waiting and len(running) < cfg.max_batch_size):
+            return None
+        sampled = {id(ss.seq): ss for ss in prev.sequences if ss.sample}
+        rows: list[tuple[Sequence, int]] = []
+        need = 0
+        for seq in running:
+            ss = sampled.get(id(seq))
+            if ss is None or seq.num_computed_tokens != ss.start_position:
+                return None
+            n_out = len(seq.output_token_ids) + 1  # with prev's token
+            if n_out >= seq.max_new_tokens or seq.num_prompt_tokens + n_out >= cfg.max_seq_len:
+                continue
+            need += kv.num_blocks_needed(seq, ss.num_new_tokens + 1)
+            rows.append((seq, ss.num_new_tokens))
+        if not rows or len(rows) > cfg.max_num_tokens or need > kv.num_free_blocks:
+            return None
+        picked = []
+        for seq, n_prev in rows:
+            if not kv.append_slots(seq, n_prev + 1):
+                raise RuntimeError(f"request {seq.request_id}: block count was wrong (bug)")
+            picked.append(ScheduledSequence(seq, seq.num_computed_tokens + n_prev, 1, True))
+        self._step += 1
+        self._num_tokens += len(picked)
+        return ScheduledBatch(step_id=self._step - 1, sequences=tuple(picked))
+
     def _slice(self, seq: Sequence, n: int) -> ScheduledSequence:
         start = seq.num_computed_tokens
         end = len(seq.prompt_token_ids) + len(seq.output_token_ids)
