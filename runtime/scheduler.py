@@ -335,6 +335,7 @@ class Scheduler:
         (it is no longer running) and its blocks were already freed by ``finish``.
         """
         cfg, kv = self.config, self.kv
+        tpb = kv.tokens_per_block
         running = self._running
         if not running or (self._waiting and len(running) < cfg.max_batch_size):
             return None
@@ -348,15 +349,17 @@ class Scheduler:
             n_out = len(seq.output_token_ids) + 1  # with prev's token
             if n_out >= seq.max_new_tokens or seq.num_prompt_tokens + n_out >= cfg.max_seq_len:
                 continue
-            need += kv.num_blocks_needed(seq, ss.num_new_tokens + 1)
+            if ss.start_position + ss.num_new_tokens >= len(seq.block_table) * tpb:
+                need += kv.num_blocks_needed(seq, ss.num_new_tokens + 1)  # a new block
             rows.append((seq, ss.num_new_tokens))
         if not rows or len(rows) > cfg.max_num_tokens or need > kv.num_free_blocks:
             return None
         picked = []
         for seq, n_prev in rows:
-            if not kv.append_slots(seq, n_prev + 1):
+            start = seq.num_computed_tokens + n_prev
+            if start >= len(seq.block_table) * tpb and not kv.append_slots(seq, n_prev + 1):
                 raise RuntimeError(f"request {seq.request_id}: block count was wrong (bug)")
-            picked.append(ScheduledSequence(seq, seq.num_computed_tokens + n_prev, 1, True))
+            picked.append(ScheduledSequence(seq, start, 1, True))
         self._step += 1
         self._num_tokens += len(picked)
         return ScheduledBatch(step_id=self._step - 1, sequences=tuple(picked))
