@@ -26,6 +26,7 @@ is allocated on the device. Flash-decoding splits are fixed per bucket at captur
 
 from __future__ import annotations
 
+import gc
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -200,6 +201,21 @@ class DecodeGraphs:
             n = max(getattr(r.backend, "max_num_seqs", 0), self.buckets[-1])
             reserve(n, r.spec.num_heads, r.spec.head_dim, vocab_rows=self.buckets[-1])
         self._pool = torch.cuda.graph_pool_handle()
+        # A garbage collection during capture can free an earlier runtime's pinned buffers
+        # or events (cudaFreeHost / event calls are illegal while capturing and invalidate
+        # the capture): collect now, and not again until the graphs are captured.
+        gc.collect()
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            self._capture_buckets()
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+        self.capture_seconds = time.perf_counter() - t0
+
+    def _capture_buckets(self) -> None:
+        r = self.runner
         for big in sorted(self.buckets, reverse=True):
             dev = self._stage(big, None, [])
             self._layout[big] = list(r.staging._sections)
@@ -210,7 +226,6 @@ class DecodeGraphs:
                 self._body(big, dev)
             self.graphs[big] = g
         torch.cuda.synchronize(r.device)
-        self.capture_seconds = time.perf_counter() - t0
 
     # ---- replay ----------------------------------------------------------------------
     def bucket_for(self, n: int) -> int | None:
