@@ -18,6 +18,8 @@ from typing import Annotated, Any
 import typer
 from llmc.cli.options import (
     PROFILE_OPTION,
+    AsyncScheduling,
+    CudaGraphs,
     err_console,
     handle_errors,
     merge_settings,
@@ -124,15 +126,6 @@ BlockReuse = Annotated[
         "enable_block_reuse",
         "Reuse KV blocks of shared prefixes (true/false). Default: true.",
         metavar="BOOL",
-    ),
-]
-CudaGraphs = Annotated[
-    bool | None,
-    typer.Option(
-        "--cuda_graphs/--no_cuda_graphs",
-        "--cuda-graphs/--no-cuda-graphs",
-        help="Replay CUDA graphs for decode-only steps (CUDA backend). Default: on.",
-        show_default=False,
     ),
 ]
 
@@ -289,6 +282,7 @@ def bench_command(
     scheduler_policy: Policy = None,
     enable_block_reuse: BlockReuse = None,
     cuda_graphs: CudaGraphs = None,
+    async_scheduling: AsyncScheduling = None,
     profile: Annotated[str | None, PROFILE_OPTION] = None,
 ) -> None:
     """Benchmark an engine: throughput, latency percentiles, KV cache; optionally vs a peer."""

@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
@@ -293,3 +293,25 @@ def human_bytes(n: float | None) -> str:
             return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.2f} {unit}"
         n /= 1024
     raise AssertionError
+
+
+# ---- runtime switches shared by run, bench and profile -------------------------------------
+CudaGraphs = Annotated[
+    bool | None,
+    typer.Option(
+        "--cuda_graphs/--no_cuda_graphs",
+        "--cuda-graphs/--no-cuda-graphs",
+        help="Replay CUDA graphs for decode-only steps (CUDA backend). Default: on.",
+        show_default=False,
+    ),
+]
+AsyncScheduling = Annotated[
+    bool | None,
+    typer.Option(
+        "--async_scheduling/--no_async_scheduling",
+        "--async-scheduling/--no-async-scheduling",
+        help="On CUDA, schedule and launch step N+1 while step N runs on the GPU (sampled ids "
+        "stay on the device). Default: on.",
+        show_default=False,
+    ),
+]

@@ -21,7 +21,6 @@ from llmc.cli.bench_cmd import (
     BlockReuse,
     Burstiness,
     Concurrency,
-    CudaGraphs,
     Dataset,
     Device,
     Distribution,
@@ -44,7 +43,15 @@ from llmc.cli.bench_cmd import (
     make_settings,
     write_json,
 )  # fmt: skip
-from llmc.cli.options import PROFILE_OPTION, err_console, handle_errors, option, out_console
+from llmc.cli.options import (
+    PROFILE_OPTION,
+    AsyncScheduling,
+    CudaGraphs,
+    err_console,
+    handle_errors,
+    option,
+    out_console,
+)
 from llmc.cli.report_render import fmt, kv_section, pct, throughput_section
 from llmc.runtime.metrics import request_flops
 from llmc.runtime.profiler import (
@@ -254,6 +261,7 @@ def profile_command(
     scheduler_policy: Policy = None,
     enable_block_reuse: BlockReuse = None,
     cuda_graphs: CudaGraphs = None,
+    async_scheduling: AsyncScheduling = None,
     trace: Annotated[
         str | None,
         option(

@@ -26,6 +26,8 @@ import typer
 from llmc.cli.options import (
     JSON_OPTION,
     PROFILE_OPTION,
+    AsyncScheduling,
+    CudaGraphs,
     check_keys,
     err_console,
     handle_errors,
@@ -277,15 +279,8 @@ def run_command(
         str | None,
         option("scheduler_policy", "guaranteed_no_evict or max_utilization. Default: the first."),
     ] = None,
-    cuda_graphs: Annotated[
-        bool | None,
-        typer.Option(
-            "--cuda_graphs/--no_cuda_graphs",
-            "--cuda-graphs/--no-cuda-graphs",
-            help="Replay CUDA graphs for decode-only steps (CUDA backend). Default: on.",
-            show_default=False,
-        ),
-    ] = None,
+    cuda_graphs: CudaGraphs = None,
+    async_scheduling: AsyncScheduling = None,
     profile: Annotated[str | None, PROFILE_OPTION] = None,
     json_out: Annotated[bool, JSON_OPTION] = False,
 ) -> None:
