@@ -27,9 +27,9 @@ ENG=${ENG:-/tmp/llmc-engines}
 N_128=${N_128:-3000}          # issue: 3000
 N_PEER=${N_PEER:-512}         # the 8B peer runs on this subset (HF at ~4.7k tok/s)
 N_B1=${N_B1:-4}               # batch-1 128/512 requests
-N_2048=${N_2048:-300}         # issue: 1000
+N_2048=${N_2048:-1000}        # issue: 1000
 N_LONG=${N_LONG:-256}         # 128/2048; issue: 1000
-N_SMOL=${N_SMOL:-1024}        # issue: 4096
+N_SMOL=${N_SMOL:-4096}        # issue: 4096
 T0=$(date +%s)
 log() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/bench.log"; }
 
@@ -99,8 +99,10 @@ for r in $ROWS; do
     smol) bench smollm2_128_128_peer "$SM" 200 --num_requests "$N_SMOL" --isl 128 --osl 128 \
             --peer hf ;;
     profile) profile_run ;;
-    2048) bench llama8b_2048_128 "$L8" 150 --num_requests "$N_2048" --isl 2048 --osl 128 ;;
+    2048) bench llama8b_2048_128 "$L8" 200 --num_requests "$N_2048" --isl 2048 --osl 128 ;;
     long) bench llama8b_128_2048 "$L8" 200 --num_requests "$N_LONG" --isl 128 --osl 2048 ;;
+    b1sync) bench llama8b_b1_sync "$L8" 90 --num_requests "$N_B1" --isl 128 --osl 512 \
+            --concurrency 1 --warmup 1 --no_async_scheduling ;;
     nographs) bench llama8b_b1_nographs "$L8" 60 --num_requests 2 --isl 128 --osl 512 \
             --concurrency 1 --warmup 1 --no_cuda_graphs ;;
     esac

@@ -31,6 +31,7 @@ ROWS = (
     ("smollm2_128_128_peer", "SmolLM2-135M shape 128/128 offline"),
     ("llama8b_128_128_nographs", "Llama-3-8B 128/128, --no_cuda_graphs"),
     ("llama8b_b1_nographs", "Llama-3-8B batch 1, --no_cuda_graphs"),
+    ("llama8b_b1_sync", "Llama-3-8B batch 1, --no_async_scheduling"),
 )
 
 
