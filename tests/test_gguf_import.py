@@ -53,7 +53,7 @@ class _FlatModel(torch.nn.Module):
 def transformers_gguf(smollm2_gguf):
     """transformers' GGUF loader (the path from_pretrained(gguf_file=...) takes for llama).
 
-    Called directly: from_pretrained additionally requires `accelerate` for GGUF files.
+    Called directly (faster than from_pretrained, which the test below also checks).
     """
     import transformers
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
@@ -459,3 +459,21 @@ def test_corrupted_bytes_never_escape_as_raw_exceptions(tiny_gguf):
         except LlmcError:
             failures += 1
     assert failures > 50  # most corruptions are caught, none escape as another exception
+
+
+def test_logits_match_from_pretrained_gguf_file(smollm2_hf_dir, smollm2_gguf):
+    """The issue's reference, verbatim: the imported HF checkpoint run through transformers
+    equals ``AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)`` on the GGUF itself."""
+    import transformers
+
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32
+    ).eval()
+    ours = transformers.AutoModelForCausalLM.from_pretrained(
+        smollm2_hf_dir, dtype=torch.float32
+    ).eval()
+    ids = torch.tensor([[1, 4093, 198, 19556, 905, 30, 2, 198, 1, 520, 9531, 198, 33, 34]])
+    with torch.no_grad():
+        a, b = ours(ids).logits, ref(ids).logits
+    torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    assert a.abs().max() > 1
