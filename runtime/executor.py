@@ -348,31 +348,49 @@ class Executor:
             t1 = _now()
             cur = _InFlight(batch, self.runner.launch(batch), t0, t1 - t0, used)
         self._inflight = None
-        t0 = _now()
-        with self._cv:  # the next step, scheduled before cur's tokens are known
-            self._apply_cancels()
-            ahead = self._ahead_ok(cur.batch) and self.scheduler.schedule_ahead(cur.batch)
-            used = self.scheduler.kv.num_used_blocks
-        if ahead:
-            rows = {
-                id(ss.seq): i for i, ss in enumerate(s for s in cur.batch.sequences if s.sample)
-            }
-            src = [rows[id(ss.seq)] for ss in ahead.sequences]
-            t1 = _now()
-            self._inflight = _InFlight(ahead, self.runner.launch(ahead, src), t0, t1 - t0, used)
-            self.num_ahead_steps += 1
+        if self._ahead_ok(cur.batch):
+            t0 = _now()
+            with self._cv:  # the next step, scheduled before cur's tokens are known
+                self._apply_cancels()
+                ahead = self.scheduler.schedule_ahead(cur.batch)
+                used = self.scheduler.kv.num_used_blocks
+            if ahead:
+                rows = {
+                    id(ss.seq): i for i, ss in enumerate(s for s in cur.batch.sequences if s.sample)
+                }
+                src = [rows[id(ss.seq)] for ss in ahead.sequences]
+                t1 = _now()
+                pending = self.runner.launch(ahead, src)
+                self._inflight = _InFlight(ahead, pending, t0, t1 - t0, used)
+                self.num_ahead_steps += 1
         assert cur.pending is not None
         self._complete(cur, cur.pending.result())
         return True
 
     def _ahead_ok(self, batch: ScheduledBatch) -> bool:
-        """Rows that need the host to know their previous tokens (penalties count the
-        output tokens, logprobs come back in their own copy) keep a step synchronous."""
+        """Whether the step after ``batch`` may be launched before ``batch``'s ids are read.
+
+        No when a row needs the host to know its previous tokens (penalties count the output
+        tokens, logprobs come back in their own copy), and no when the ids of ``batch``
+        are latency-critical or free a batch slot: a request's first token (a launch ahead
+        of it could only delay it, by the launch's host time, or by a whole step where the
+        launch waits for the device) or a request's last token by length (a client that
+        replaces a finished request, as a closed loop does, would otherwise wait for the
+        speculative step before its prompt is scheduled)."""
+        max_seq_len = self.scheduler.config.max_seq_len
         for ss in batch.sequences:
-            p = ss.seq.sampling
-            penalties = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
-            if p.logprobs is not None or penalties:
+            seq = ss.seq
+            p = seq.sampling
+            if p.logprobs is not None or p.repetition_penalty != 1.0:
                 return False
+            if p.presence_penalty or p.frequency_penalty:
+                return False
+            if ss.sample:
+                n_out = len(seq.output_token_ids) + 1  # with this step's token
+                if n_out == 1 or n_out >= seq.max_new_tokens:
+                    return False
+                if len(seq.prompt_token_ids) + n_out >= max_seq_len:
+                    return False
         return True
 
     def _complete(self, cur: _InFlight, out: Any) -> None:

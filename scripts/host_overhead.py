@@ -14,6 +14,13 @@ phase table names them: schedule, prepare, forward, sample, update, and the whol
 
     .venv/bin/python scripts/host_overhead.py --batch 128 --isl 128 --osl 256
     .venv/bin/python scripts/host_overhead.py --batch 256 --async_scheduling --profile
+
+``--latency`` instead runs a closed loop of one request at a time on a *simulated device*
+(``SimulatedDevice``: a step's ids reach the host only at launch time + a fixed GPU time per
+step, steps executed in order on one simulated stream) and prints TTFT and ITL with async
+scheduling off and on:
+
+    .venv/bin/python scripts/host_overhead.py --latency --isl 128 --osl 64
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import cProfile
 import pstats
 import statistics
 import time
+from typing import Any
 
 import torch
 from llmc.compiler.spec import ModelSpec
@@ -35,6 +43,89 @@ from llmc.runtime.scheduler import Scheduler, SchedulerConfig
 from llmc.runtime.types import Request, SamplingParams
 
 PHASES = ("schedule", "prepare", "forward", "sample", "update")
+
+
+class _SimPending:
+    """A PendingStep whose ids are on the host only at ``end`` (simulated device time)."""
+
+    def __init__(self, inner: Any, end: float) -> None:
+        self._inner, self.end = inner, end
+
+    def ready(self) -> bool:
+        return time.perf_counter() >= self.end
+
+    def result(self) -> Any:
+        wait = self.end - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
+        return self._inner.result()
+
+
+class SimulatedDevice:
+    """A ModelRunner stand-in: the real runner's host work, plus simulated device time.
+
+    A step launched at host time ``t`` starts when the previous step ends or at ``t``,
+    whichever is later (one in-order stream), and runs ``prefill_s`` (a step with a chunk of
+    more than one token) or ``decode_s``; its ids reach the host at its end. ``launch_s``
+    (prefill, decode) adds host time to each launch (an eager prefill's kernel launches,
+    a graph launch), spent while the simulated device already runs the step."""
+
+    def __init__(
+        self,
+        runner: Any,
+        prefill_s: float = 0.008,
+        decode_s: float = 0.005,
+        launch_s: tuple[float, float] = (0.0, 0.0),
+        *,
+        blocking_launch: bool = False,
+    ) -> None:
+        self.runner = runner
+        self.blocking_launch = blocking_launch
+        self.graphs = getattr(runner, "graphs", None)
+        self.prefill_s, self.decode_s, self.launch_s = prefill_s, decode_s, launch_s
+        self._free_at = 0.0
+        self.launches: list[tuple[float, float]] = []  # (launch time, end) per step
+
+    def launch(self, batch: Any, src_rows: list[int] | None = None) -> _SimPending:
+        t0 = time.perf_counter()
+        pending = self.runner.launch(batch, src_rows)
+        prefill = any(s.num_new_tokens > 1 for s in batch.sequences)
+        host = self.launch_s[0] if prefill else self.launch_s[1]
+        if host > 0:
+            time.sleep(host)
+        start = max(t0, self._free_at)
+        end = max(start + (self.prefill_s if prefill else self.decode_s), time.perf_counter())
+        self._free_at = end
+        self.launches.append((t0, end))
+        if self.blocking_launch and end > time.perf_counter():
+            time.sleep(end - time.perf_counter())
+        return _SimPending(pending, end)
+
+    def step(self, batch: Any) -> Any:
+        return self.launch(batch).result()
+
+
+def closed_loop_latency(
+    ex: Executor, num_requests: int, isl: int, osl: int, concurrency: int = 1
+) -> tuple[list[float], list[float]]:
+    """(TTFT, ITL) seconds per request of a closed loop in the caller's thread, as ``llmc
+    bench --concurrency N`` drives it: a finished request is replaced before the next step."""
+    sp = SamplingParams(max_new_tokens=osl, temperature=0.0, ignore_eos=True)
+    todo = list(range(num_requests))
+    inflight: set[int] = set()
+    first = len(ex.request_records)
+    while todo or inflight:
+        while todo and len(inflight) < concurrency:
+            i = todo.pop(0)
+            ids = [(i * 7919 + j * 104729) % 128000 + 1 for j in range(isl)]
+            inflight.add(ex.enqueue_request(Request(prompt_token_ids=ids, sampling=sp)))
+        for r in ex.await_responses(list(inflight)):
+            if r.is_final:
+                inflight.discard(r.request_id)
+    recs = ex.request_records[first:]
+    ttft = [r.first_token_time - r.arrival_time for r in recs]
+    itl = [(r.token_times[-1] - r.token_times[0]) / max(1, len(r.token_times) - 1) for r in recs]
+    return ttft, itl
 
 
 class NoopBackend:
@@ -86,7 +177,9 @@ class MockGraphs(DecodeGraphs):
             self.graphs[big] = _NoopGraph()
 
 
-def build(args: argparse.Namespace) -> Executor:
+def build(args: argparse.Namespace, wrap: Any = None) -> Executor:
+    """The Executor of the measurement; ``wrap(runner)`` (e.g. a SimulatedDevice) replaces
+    the runner it drives."""
     spec = ModelSpec(
         architecture="LlamaForCausalLM",
         vocab_size=128256,
@@ -130,8 +223,9 @@ def build(args: argparse.Namespace) -> Executor:
         ),
         kv,
     )
+    drive = wrap(runner) if wrap is not None else runner
     return Executor(
-        ExecutorParts(runner, sched, spec.vocab_size), async_scheduling=args.async_scheduling
+        ExecutorParts(drive, sched, spec.vocab_size), async_scheduling=args.async_scheduling
     )
 
 
@@ -161,6 +255,29 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     return out
 
 
+def latency(args: argparse.Namespace) -> None:
+    """TTFT / ITL (ms, median) of a closed loop on a SimulatedDevice, async off and on."""
+    for asy in (False, True):
+        args.async_scheduling = asy
+
+        def wrap(r: Any) -> SimulatedDevice:
+            return SimulatedDevice(
+                r,
+                args.prefill_ms / 1e3,
+                args.decode_ms / 1e3,
+                (args.launch_ms[0] / 1e3, args.launch_ms[1] / 1e3),
+                blocking_launch=args.blocking_launch,
+            )
+
+        ex = build(args, wrap)
+        ttft, itl = closed_loop_latency(ex, args.requests, args.isl, args.osl, args.concurrency)
+        print(
+            f"async {asy!s:5}: TTFT p50 {statistics.median(ttft) * 1e3:.2f} ms "
+            f"(max {max(ttft) * 1e3:.2f}), ITL p50 {statistics.median(itl) * 1e3:.2f} ms, "
+            f"ahead steps {ex.num_ahead_steps}"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=128)
@@ -173,8 +290,18 @@ def main() -> None:
     ap.add_argument("--streaming", action="store_true")
     ap.add_argument("--async_scheduling", action="store_true")
     ap.add_argument("--profile", action="store_true", help="print a cProfile of the run")
+    ap.add_argument("--latency", action="store_true", help="TTFT/ITL on a simulated device")
+    ap.add_argument("--requests", type=int, default=5)
+    ap.add_argument("--concurrency", type=int, default=1)
+    ap.add_argument("--prefill_ms", type=float, default=8.0)
+    ap.add_argument("--decode_ms", type=float, default=5.0)
+    ap.add_argument("--launch_ms", type=float, nargs=2, default=(0.0, 0.0))
+    ap.add_argument("--blocking_launch", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.latency:
+        latency(args)
+        return
     res = run(args)
     print(
         f"batch {args.batch}, isl {args.isl}, osl {args.osl}, path {args.path}, "
