@@ -39,6 +39,7 @@ from llmc.runtime.types import (
     SamplingParams,
     ScheduledBatch,
     Sequence,
+    SequenceStatus,
 )
 
 from llmc.errors import EngineError, LlmcError, RequestError
@@ -136,6 +137,7 @@ class Executor:
             state.seq = seq
             if self.tokenizer is not None:
                 state.detok = IncrementalDetokenizer(self.tokenizer, request.sampling.stop)
+            state.deferred = not request.streaming and not request.sampling.stop
             self._cv.notify_all()
             return rid
 
@@ -431,17 +433,38 @@ class Executor:
 
     def _postprocess(self, batch: ScheduledBatch, out: Any, now: float) -> None:
         logprobs = list(getattr(out, "logprobs", None) or [])
-        sampled = [ss for ss in batch.sequences if ss.sample]
-        for row, ss in enumerate(sampled):
-            seq, state = ss.seq, self._states.get(ss.seq.request_id)
+        states = self._states
+        finished = SequenceStatus.FINISHED
+        row = -1
+        for ss in batch.sequences:
+            if not ss.sample:
+                continue
+            row += 1
+            seq = ss.seq
+            state = states.get(seq.request_id)
             if state is None or state.final:  # ended (and maybe delivered) before this step
                 continue
+            if state.deferred and not logprobs and seq.status is not finished:
+                # nothing to show until the end: only the token's time (take_new_tokens)
+                n = len(seq.output_token_ids)
+                if n - state.num_seen == 1:
+                    rec = state.record
+                    rec.token_times.append(now)
+                    state.num_seen = n
+                    if rec.first_token_time is None:
+                        rec.first_token_time = now
+                else:
+                    state.take_new_tokens(None, now)
+                continue
             new, new_lp = state.take_new_tokens(logprobs[row] if logprobs else None, now)
-            reason = seq.finish_reason if seq.is_finished else None
-            text_ids = new
-            if reason is FinishReason.STOP and new and self._is_stop_token(seq, new[-1]):
-                text_ids = new[:-1]  # the EOS / stop token has no text in the output
+            reason = seq.finish_reason if seq.status is finished else None
+            text_ids = seq.output_token_ids[state.num_text :] if state.deferred else new
+            stop_token = reason is FinishReason.STOP and new and self._is_stop_token(seq, new[-1])
+            if stop_token:
+                text_ids = text_ids[:-1]  # the EOS / stop token has no text in the output
             delta = state.detokenize(text_ids)
+            if stop_token:
+                state.num_text += 1
             if reason is None and state.stopped_by_string:
                 self.scheduler.finish(seq.request_id, FinishReason.STOP)
                 reason = FinishReason.STOP

@@ -32,6 +32,11 @@ class RequestState:
     """Output tokens of ``seq`` already turned into responses."""
     logprobs: list[Any] = field(default_factory=list)
     final: bool = False
+    deferred: bool = False
+    """Text is made once, at the end (a non-streaming request without stop strings: nobody
+    sees a delta, so per-step detokenization would be wasted host time)."""
+    num_text: int = 0
+    """Output tokens of ``seq`` already fed to the detokenizer."""
 
     @property
     def text(self) -> str:
@@ -59,7 +64,15 @@ class RequestState:
 
     def detokenize(self, token_ids: list[int]) -> str:
         """Text delta of ``token_ids`` ('' without a tokenizer); see ``stopped_by_string``."""
+        self.num_text += len(token_ids)
         return self.detok.add_tokens(token_ids) if self.detok is not None else ""
+
+    def _catch_up(self) -> None:
+        """A deferred request ends: its not yet detokenized outputs get their text."""
+        if self.deferred and self.seq is not None:
+            rest = self.seq.output_token_ids[self.num_text :]
+            if rest:
+                self.detokenize(rest)
 
     @property
     def stopped_by_string(self) -> bool:
@@ -76,6 +89,7 @@ class RequestState:
         response."""
         seq = self.seq
         assert seq is not None and not self.final
+        self._catch_up()
         if self.detok is not None:
             delta += self.detok.finish()
         ids = list(seq.output_token_ids)
@@ -99,6 +113,7 @@ class RequestState:
 
     def error_response(self, error: BaseException) -> Response:
         """Close the request with an error (its message and error class's exit code)."""
+        self._catch_up()
         rec = self.record
         rec.error, rec.finish_reason = str(error), FinishReason.ERROR.value
         rec.finish_time = time.perf_counter()
