@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+
 from llmc.cli.options import (
     PROFILE_OPTION,
     AsyncScheduling,
@@ -28,11 +29,10 @@ from llmc.cli.options import (
     print_json,
     profile_section,
 )
+from llmc.errors import BenchFailure, ConfigError, UsageError, did_you_mean
 from llmc.runtime.bench_run import BenchSettings, parse_percentiles
 from llmc.runtime.engine_runtime import RuntimeConfig
 from llmc.runtime.workload import ArrivalSpec, SyntheticSpec
-
-from llmc.errors import BenchFailure, ConfigError, UsageError, did_you_mean
 
 WORKLOAD_KEYS = (
     "num_requests", "isl", "osl", "isl_stdev", "osl_stdev", "distribution", "dataset",

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 import typer
+
 from llmc.cli.options import (
     JSON_OPTION,
     PROFILE_OPTION,
@@ -22,7 +23,6 @@ from llmc.cli.options import (
     print_json,
     progress_reporter,
 )
-
 from llmc.errors import UsageError
 
 

@@ -5,10 +5,11 @@ Pure rendering of a ``BuildResult``; no logic a library user would need lives he
 
 from __future__ import annotations
 
-from llmc.cli.options import human_bytes
-from llmc.compiler.builder import BuildResult
 from rich.console import Console
 from rich.table import Table
+
+from llmc.cli.options import human_bytes
+from llmc.compiler.builder import BuildResult
 
 
 def summary_table(result: BuildResult) -> Table:

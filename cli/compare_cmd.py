@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import typer
-from llmc.cli.options import handle_errors, out_console
 from rich.console import Console
 
+from llmc.cli.options import handle_errors, out_console
 from llmc.errors import UsageError
 
 SCHEMA = "llmc.bench"

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from llmc.cli.options import JSON_OPTION, err_console, handle_errors, option, print_json
 
+from llmc.cli.options import JSON_OPTION, err_console, handle_errors, option, print_json
 from llmc.errors import UsageError
 
 

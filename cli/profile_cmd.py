@@ -16,6 +16,9 @@ from collections.abc import Iterator, Sequence
 from typing import Annotated, Any
 
 import typer
+from rich.console import Console
+from rich.table import Table
+
 from llmc.cli.bench_cmd import (
     Backend,
     BlockReuse,
@@ -53,6 +56,7 @@ from llmc.cli.options import (
     out_console,
 )
 from llmc.cli.report_render import fmt, kv_section, pct, throughput_section
+from llmc.errors import UsageError
 from llmc.runtime.metrics import request_flops
 from llmc.runtime.profiler import (
     BreakdownRow,
@@ -67,10 +71,6 @@ from llmc.runtime.profiler import (
 )
 from llmc.runtime.recommend import TuningInputs, recommend
 from llmc.runtime.records import StepRecord
-from rich.console import Console
-from rich.table import Table
-
-from llmc.errors import UsageError
 
 PROFILE_DEFAULTS: dict[str, Any] = {"num_requests": 16, "isl": 64, "osl": 32, "warmup": 1}
 SPARK = "▁▂▃▄▅▆▇█"

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+
 from llmc.cli.options import (
     JSON_OPTION,
     PROFILE_OPTION,
@@ -37,10 +38,9 @@ from llmc.cli.options import (
     print_json,
     profile_section,
 )
+from llmc.errors import LlmcError, RequestError, UsageError, did_you_mean
 from llmc.runtime.engine_runtime import RuntimeConfig
 from llmc.runtime.types import Request, SamplingParams
-
-from llmc.errors import LlmcError, RequestError, UsageError, did_you_mean
 
 SAMPLING_KEYS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 RUNTIME_KEYS = RuntimeConfig.field_names()

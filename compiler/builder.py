@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import llmc
 from llmc.compiler.build_config import BuildConfig
 from llmc.compiler.engine_format import (
     KERNELS_DIR,
@@ -37,8 +38,6 @@ from llmc.compiler.engine_format import (
 from llmc.compiler.memory_plan import MemoryPlan, plan_memory
 from llmc.compiler.resolve import ResolvedBuild, detect_gpu, device_memory, resolve_build
 from llmc.compiler.spec import ModelSpec
-
-import llmc
 from llmc.errors import CheckpointError, ConfigError, UsageError
 
 PHASES = ("read", "plan", "convert", "compile", "write")

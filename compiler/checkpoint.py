@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from llmc.compiler import gguf_reader, hf_reader
 from llmc.compiler.spec import ModelSpec
 from llmc.compiler.weight_passes import validate_hf_tensors
-
 from llmc.errors import CheckpointError, UnsupportedError
 
 

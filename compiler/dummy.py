@@ -20,9 +20,9 @@ import hashlib
 import math
 
 import torch
+
 from llmc.compiler.spec import ModelSpec
 from llmc.compiler.weight_passes import TORCH_DTYPES
-
 from llmc.errors import ConfigError
 
 STD = 0.02

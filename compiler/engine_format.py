@@ -31,11 +31,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import llmc
 from llmc.compiler.memory_plan import MemoryPlan
 from llmc.compiler.resolve import ResolvedBuild
 from llmc.compiler.spec import ModelSpec
-
-import llmc
 from llmc.errors import ConfigError, EngineError, LlmcError
 
 if TYPE_CHECKING:
@@ -173,6 +172,7 @@ class LoadedEngine:
         """Engine tensors on ``device``: read from weights.safetensors, or regenerated from
         the dummy seed. Names, shapes and dtype are checked against the spec."""
         import torch
+
         from llmc.compiler.weight_passes import TORCH_DTYPES
 
         if self.build.load_format == "dummy":

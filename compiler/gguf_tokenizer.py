@@ -21,7 +21,6 @@ from functools import cache
 from typing import Any
 
 from llmc.compiler.gguf_reader import GGUFHeader
-
 from llmc.errors import CheckpointError, UnsupportedError
 
 _CONTROL, _USER_DEFINED = 3, 4

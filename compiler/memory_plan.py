@@ -28,7 +28,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from llmc.compiler.spec import ModelSpec
-
 from llmc.errors import CapacityError, EngineError
 
 PLAN_FORMAT_VERSION = 1

@@ -20,7 +20,6 @@ from typing import Any
 
 from llmc.compiler.build_config import BuildConfig
 from llmc.compiler.spec import ModelSpec
-
 from llmc.errors import ConfigError, EngineError
 
 

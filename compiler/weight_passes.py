@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-from llmc.compiler.spec import ModelSpec
 
+from llmc.compiler.spec import ModelSpec
 from llmc.errors import CheckpointError
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

@@ -17,7 +17,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from llmc.cuda.kernels import FAMILIES, NVCC_FLAGS, KernelConfig, cubin_name, source
-
 from llmc.errors import UnsupportedError
 
 

@@ -18,7 +18,6 @@ from pathlib import Path
 
 from llmc.cuda.build import families_for, nvcc_compile
 from llmc.cuda.kernels import FAMILIES, KernelConfig, source
-
 from llmc.errors import LlmcError
 
 CHECK_CONFIGS = (

@@ -30,10 +30,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from llmc.cuda.kernels import KernelConfig, KernelLibrary
-from llmc.runtime.backend import AttentionMetadata, SamplingMetadata
 
+from llmc.cuda.kernels import KernelConfig, KernelLibrary
 from llmc.errors import UnsupportedError
+from llmc.runtime.backend import AttentionMetadata, SamplingMetadata
 
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 LOG2E = 1.4426950408889634

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 
 import torch
+
 from llmc.runtime.backend import AttentionMetadata, SamplingMetadata
 
 # ---------------------------------------------------------------------------------------

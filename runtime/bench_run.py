@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from llmc.errors import ConfigError, UsageError
 from llmc.runtime.benchmark import (
     BenchResult,
     ProgressFn,
@@ -37,8 +38,6 @@ from llmc.runtime.workload import (
     load_dataset,
     synthetic_workload,
 )
-
-from llmc.errors import ConfigError, UsageError
 
 PEERS = ("hf",)
 

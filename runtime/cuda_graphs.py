@@ -32,11 +32,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+from llmc.errors import ConfigError, EngineError
 from llmc.runtime import sampling as smp
 from llmc.runtime.backend import AttentionMetadata, SamplingMetadata
 from llmc.runtime.types import ScheduledBatch
-
-from llmc.errors import ConfigError, EngineError
 
 if TYPE_CHECKING:
     from llmc.runtime.model_runner import ModelRunner, PendingStep, StepOutput

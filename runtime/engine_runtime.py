@@ -27,11 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from llmc.errors import ConfigError, UnsupportedError, did_you_mean
 from llmc.runtime.kv_cache import KVCacheManager
 from llmc.runtime.scheduler import GUARANTEED_NO_EVICT, POLICIES, Scheduler, SchedulerConfig
 from llmc.runtime.tokenizer import Tokenizer
-
-from llmc.errors import ConfigError, UnsupportedError, did_you_mean
 
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "torch", "cuda")

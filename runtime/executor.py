@@ -28,6 +28,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from llmc.errors import EngineError, LlmcError, RequestError
 from llmc.runtime.detokenizer import IncrementalDetokenizer
 from llmc.runtime.records import RequestRecord, StepRecord
 from llmc.runtime.request_state import RequestState
@@ -41,8 +42,6 @@ from llmc.runtime.types import (
     Sequence,
     SequenceStatus,
 )
-
-from llmc.errors import EngineError, LlmcError, RequestError
 
 
 class Runner(Protocol):

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from llmc.compiler.spec import ModelSpec
 
+from llmc.compiler.spec import ModelSpec
 from llmc.errors import CapacityError, ConfigError
 
 

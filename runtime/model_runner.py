@@ -35,7 +35,9 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from llmc.compiler.spec import ModelSpec
+from llmc.errors import ConfigError, EngineError, RequestError
 from llmc.runtime import sampling as smp
 from llmc.runtime.backend import AttentionMetadata, Backend, SamplingMetadata
 from llmc.runtime.kv_tensors import KVCacheTensors, allocate_kv_cache
@@ -50,8 +52,6 @@ from llmc.runtime.workspace import (
     default_table,
     expected_shapes,
 )
-
-from llmc.errors import ConfigError, EngineError, RequestError
 
 
 @dataclass

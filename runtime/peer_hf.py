@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 from llmc.compiler.spec import ModelSpec
+from llmc.errors import ConfigError, UnsupportedError
 from llmc.runtime.records import RequestRecord
 from llmc.runtime.workload import WorkloadRequest
-
-from llmc.errors import ConfigError, UnsupportedError
 
 CACHE_SETTINGS = ("auto", "static", "dynamic")
 

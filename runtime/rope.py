@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 
 import torch
-from llmc.compiler.spec import ModelSpec
 
+from llmc.compiler.spec import ModelSpec
 from llmc.errors import UnsupportedError
 
 

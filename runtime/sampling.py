@@ -25,6 +25,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import torch
+
 from llmc.cuda import reference as ref
 from llmc.runtime.backend import SamplingMetadata
 from llmc.runtime.types import SamplingParams, Sequence

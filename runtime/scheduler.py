@@ -30,6 +30,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from llmc.errors import ConfigError, RequestError
 from llmc.runtime.kv_cache import KVCacheManager
 from llmc.runtime.types import (
     FinishReason,
@@ -38,8 +39,6 @@ from llmc.runtime.types import (
     Sequence,
     SequenceStatus,
 )
-
-from llmc.errors import ConfigError, RequestError
 
 logger = logging.getLogger("llmc.scheduler")
 

@@ -11,6 +11,7 @@ accepted cost of a reference backend; the CUDA backend allocates nothing per ste
 from __future__ import annotations
 
 import torch
+
 from llmc.cuda import reference as ref
 from llmc.runtime.backend import AttentionMetadata, SamplingMetadata
 

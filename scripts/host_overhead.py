@@ -33,6 +33,7 @@ import time
 from typing import Any
 
 import torch
+
 from llmc.compiler.spec import ModelSpec
 from llmc.runtime.cuda_graphs import DecodeGraphs
 from llmc.runtime.executor import Executor

@@ -14,12 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
+
 from llmc.compiler.spec import ModelSpec
 from llmc.compiler.weight_passes import to_engine_weights
 from llmc.runtime.model_runner import ModelRunner
 from llmc.runtime.torch_backend import TorchBackend
 from llmc.runtime.types import SamplingParams, ScheduledBatch, ScheduledSequence, Sequence
-from safetensors.torch import load_file
 
 
 def load_engine(ckpt: Path, dtype: str = "float32") -> tuple[ModelSpec, dict[str, torch.Tensor]]:

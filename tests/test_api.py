@@ -332,9 +332,10 @@ def test_profiler_without_an_llm_is_an_error(engine_dir):
 
 
 def test_cli_build_goes_through_the_build_function(tiny_llama_dir, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
     from llmc.cli.main import app
     from llmc.compiler import builder
-    from typer.testing import CliRunner
 
     seen = []
     real = builder.build
@@ -358,10 +359,10 @@ def test_cli_build_goes_through_the_build_function(tiny_llama_dir, tmp_path, mon
 
 
 def test_cli_run_goes_through_the_llm_class(engine_dir, monkeypatch):
-    from llmc.cli.main import app
     from typer.testing import CliRunner
 
     from llmc import api
+    from llmc.cli.main import app
 
     seen = []
     real_init = api.LLM.__init__

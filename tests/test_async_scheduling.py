@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 from _model_runner_utils import load_engine
 from _runtime_helpers import load_tokenizer, one_torch_thread  # noqa: F401 (fixture)
+
 from llmc.runtime.cuda_graphs import DecodeGraphs
 from llmc.runtime.engine_runtime import EngineRuntime, Limits, RuntimeConfig
 from llmc.runtime.executor import Executor

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 from _bench_helpers import build_tiny_engine, small_ceilings  # noqa: F401
-from llmc.cli.main import app
 from typer.testing import CliRunner
 
+from llmc.cli.main import app
 from llmc.errors import BenchFailure, UsageError
 
 runner = CliRunner()

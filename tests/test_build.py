@@ -8,15 +8,15 @@ import time
 
 import pytest
 import torch
+from safetensors.torch import load_file
+
+import llmc
 from llmc.compiler import builder
 from llmc.compiler.build_config import BuildConfig
 from llmc.compiler.builder import build
 from llmc.compiler.engine_format import load_engine
 from llmc.compiler.spec import ModelSpec
 from llmc.compiler.weight_passes import to_engine_weights
-from safetensors.torch import load_file
-
-import llmc
 from llmc.errors import CapacityError, ConfigError
 
 

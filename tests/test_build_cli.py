@@ -10,10 +10,11 @@ import time
 
 import pytest
 import torch
-from llmc.cli.main import app
-from llmc.compiler import builder
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
+
+from llmc.cli.main import app
+from llmc.compiler import builder
 
 
 @pytest.fixture(autouse=True)

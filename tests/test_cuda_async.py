@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+
 from llmc.runtime.engine_runtime import EngineRuntime, Limits, RuntimeConfig
 from llmc.runtime.types import SamplingParams
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
+
 from llmc.cuda import compile_check
 from llmc.cuda.build import families_for
 from llmc.cuda.kernels import FAMILIES, KernelConfig, cubin_name, source
@@ -46,7 +47,6 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 def test_compile_error_is_reported(tmp_path):
     from llmc.cuda.build import nvcc_compile
-
     from llmc.errors import UnsupportedError
 
     with pytest.raises(UnsupportedError, match="nvcc failed"):

@@ -16,6 +16,7 @@ import random
 
 import pytest
 import torch
+
 from llmc.compiler.dummy import dummy_weights
 from llmc.compiler.spec import ModelSpec
 from llmc.runtime.engine_runtime import EngineRuntime, Limits, RuntimeConfig

@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+
 from llmc.cuda import reference as ref
 from llmc.runtime.backend import AttentionMetadata, SamplingMetadata
 

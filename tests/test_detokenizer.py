@@ -9,6 +9,7 @@ import pytest
 from _runtime_helpers import load_tokenizer, smollm2_tokenizer_dir
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+
 from llmc.runtime.detokenizer import IncrementalDetokenizer
 from llmc.runtime.tokenizer import Tokenizer
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from llmc.compiler.dummy import dummy_weights
 from llmc.compiler.spec import ModelSpec
-
 from llmc.errors import ConfigError
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from _runtime_helpers import one_torch_thread  # noqa: F401
+
 from llmc.compiler.build_config import BuildConfig
 from llmc.compiler.builder import build
 from llmc.runtime.engine_runtime import EngineRuntime, Limits, RuntimeConfig

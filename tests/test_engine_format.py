@@ -6,12 +6,12 @@ import json
 import shutil
 
 import pytest
+
+import llmc
 from llmc.compiler import builder
 from llmc.compiler.build_config import BuildConfig
 from llmc.compiler.engine_format import load_engine, rebuild_command
 from llmc.compiler.memory_plan import MemoryPlan
-
-import llmc
 from llmc.errors import EngineError
 
 

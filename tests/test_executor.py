@@ -8,10 +8,10 @@ import threading
 
 import pytest
 from _runtime_helpers import fake_parts, load_tokenizer
-from llmc.runtime.executor import Executor
-from llmc.runtime.types import FinishReason, Request, SamplingParams
 
 from llmc.errors import RequestError
+from llmc.runtime.executor import Executor
+from llmc.runtime.types import FinishReason, Request, SamplingParams
 
 
 def ids_request(ids, n=8, streaming=True, **sp) -> Request:

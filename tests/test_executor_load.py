@@ -10,6 +10,7 @@ import random
 
 import pytest
 from _runtime_helpers import one_torch_thread  # noqa: F401
+
 from llmc.compiler.build_config import BuildConfig
 from llmc.compiler.builder import build
 from llmc.runtime.engine_runtime import EngineRuntime, RuntimeConfig

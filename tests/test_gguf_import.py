@@ -10,10 +10,10 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from llmc.compiler.checkpoint import load_checkpoint, read_model_spec
-from llmc.compiler.gguf_reader import TOKENIZER_ARRAYS, import_gguf, read_gguf_header
 from safetensors.torch import load_file
 
+from llmc.compiler.checkpoint import load_checkpoint, read_model_spec
+from llmc.compiler.gguf_reader import TOKENIZER_ARRAYS, import_gguf, read_gguf_header
 from llmc.errors import CheckpointError, UnsupportedError
 
 # ---- SmolLM2 (the real Q4_1/Q8_0 file) against transformers ----------------------------

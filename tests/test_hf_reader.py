@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from llmc.compiler.checkpoint import Checkpoint, load_checkpoint, read_model_spec
-from llmc.compiler.spec import ModelSpec
 from safetensors.torch import load_file, save_file
 
+from llmc.compiler.checkpoint import Checkpoint, load_checkpoint, read_model_spec
+from llmc.compiler.spec import ModelSpec
 from llmc.errors import CheckpointError, UnsupportedError
 
 

@@ -8,11 +8,11 @@ import sys
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from llmc.errors import ConfigError
 from llmc.runtime.block_hash import ROOT_HASH, block_hash, chain_hashes
 from llmc.runtime.kv_cache import KVCacheManager
 from llmc.runtime.types import SamplingParams, Sequence
-
-from llmc.errors import ConfigError
 
 
 def mkseq(rid: int, tokens: list[int]) -> Sequence:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from llmc.compiler.memory_plan import (
     ALIGNMENT,
     OPS,
@@ -15,7 +16,6 @@ from llmc.compiler.memory_plan import (
     plan_memory,
 )
 from llmc.compiler.spec import ModelSpec
-
 from llmc.errors import CapacityError
 
 LLAMA3_8B = ModelSpec(

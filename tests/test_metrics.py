@@ -6,6 +6,7 @@ import random
 
 import numpy as np
 import pytest
+
 from llmc.runtime.metrics import achieved, aggregate, percentile, request_flops, summarize
 from llmc.runtime.records import RequestRecord, StepRecord
 

@@ -15,10 +15,10 @@ from _model_runner_utils import (
     new_seq,
     prompts,
 )
-from llmc.runtime.types import ScheduledBatch, ScheduledSequence
-from llmc.runtime.workspace import default_table
 
 from llmc.errors import ConfigError, EngineError, RequestError
+from llmc.runtime.types import ScheduledBatch, ScheduledSequence
+from llmc.runtime.workspace import default_table
 
 LENGTHS = [37, 5, 70, 1, 18]
 

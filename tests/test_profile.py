@@ -7,7 +7,10 @@ from pathlib import Path
 
 import pytest
 from _bench_helpers import build_tiny_engine, small_ceilings  # noqa: F401
+from typer.testing import CliRunner
+
 from llmc.cli.main import app
+from llmc.errors import UsageError
 from llmc.runtime.metrics import aggregate
 from llmc.runtime.profiler import (
     OpEvent,
@@ -19,9 +22,6 @@ from llmc.runtime.profiler import (
 )
 from llmc.runtime.recommend import TuningInputs, recommend
 from llmc.runtime.records import StepRecord
-from typer.testing import CliRunner
-
-from llmc.errors import UsageError
 
 runner = CliRunner()
 

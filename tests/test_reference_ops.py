@@ -12,12 +12,13 @@ import random
 import pytest
 import torch
 import transformers
+from transformers.models.llama import modeling_llama as hf_llama
+
 from llmc.compiler.spec import ModelSpec
 from llmc.cuda import reference as ref
 from llmc.runtime.backend import AttentionMetadata
 from llmc.runtime.rope import cos_sin_tables
 from llmc.runtime.torch_backend import TorchBackend
-from transformers.models.llama import modeling_llama as hf_llama
 
 SMALL = dict(
     vocab_size=64,

@@ -8,13 +8,14 @@ import shutil
 
 import pytest
 from _runtime_helpers import one_torch_thread  # noqa: F401
+from typer.testing import CliRunner
+
 from llmc.cli.main import app
 from llmc.compiler.build_config import BuildConfig
 from llmc.compiler.builder import build
 from llmc.runtime.engine_runtime import EngineRuntime, RuntimeConfig
 from llmc.runtime.tokenizer import Tokenizer
 from llmc.runtime.types import SamplingParams
-from typer.testing import CliRunner
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -268,9 +269,9 @@ def test_damaged_engine_dir_is_refused_with_the_rebuild_command(engine, tmp_path
 def test_engine_for_another_target_is_refused_by_the_cuda_backend(engine, monkeypatch):
     """On an sm_90 GPU, the CUDA backend needs an engine built for sm_90 (this one is cpu)."""
     import torch
-    from llmc.runtime import engine_runtime
 
     from llmc.errors import EngineError
+    from llmc.runtime import engine_runtime
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(engine_runtime, "_gpu_arch", lambda: "sm_90")

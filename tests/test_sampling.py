@@ -7,10 +7,11 @@ import math
 
 import pytest
 import torch
+from transformers.generation import logits_process as hf
+
 from llmc.cuda import reference as ref
 from llmc.runtime import sampling as smp
 from llmc.runtime.types import SamplingParams, Sequence
-from transformers.generation import logits_process as hf
 
 NINF = float("-inf")
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 import logging
 
 import pytest
+
+from llmc.errors import ConfigError, RequestError
 from llmc.runtime.kv_cache import KVCacheManager
 from llmc.runtime.scheduler import Scheduler, SchedulerConfig
 from llmc.runtime.types import FinishReason, SamplingParams, ScheduledBatch, Sequence
-
-from llmc.errors import ConfigError, RequestError
 
 EOS = 2
 

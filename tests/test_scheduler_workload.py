@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
+
+from llmc.errors import RequestError
 from llmc.runtime.kv_cache import KVCacheManager
 from llmc.runtime.scheduler import Scheduler, SchedulerConfig
 from llmc.runtime.types import FinishReason, SamplingParams, ScheduledBatch, Sequence
-
-from llmc.errors import RequestError
 
 STEMS = [[5] * 40, [5] * 12 + [6] * 28, [7, 8] * 20, [5] * 4 + [9] * 36]
 

@@ -1,7 +1,7 @@
 import pytest
+
 from llmc.compiler.build_config import BuildConfig
 from llmc.compiler.spec import ModelSpec
-
 from llmc.errors import ConfigError, UnsupportedError, UsageError
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from llmc.compiler.checkpoint import load_checkpoint
 from llmc.compiler.weight_passes import TORCH_DTYPES, to_engine_weights
-
 from llmc.errors import CheckpointError
 
 

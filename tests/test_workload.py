@@ -6,6 +6,8 @@ import json
 import statistics
 
 import pytest
+
+from llmc.errors import ConfigError, UsageError
 from llmc.runtime.workload import (
     ArrivalSpec,
     SyntheticSpec,
@@ -15,8 +17,6 @@ from llmc.runtime.workload import (
     synthetic_workload,
     write_dataset,
 )
-
-from llmc.errors import ConfigError, UsageError
 
 
 def test_exact_lengths_without_stdev() -> None:
