@@ -20,6 +20,9 @@ Capacity policies (``SchedulerConfig.policy``):
 
 A request whose whole life can never fit in the pool is refused by ``add`` (RequestError), so
 neither policy can livelock. Sequences in a ``ScheduledBatch`` are ordered decode-first.
+
+``SchedulerConfig``, ``SchedulerStats``, the policy names and the per-request admission checks
+live in ``llmc.runtime.admission`` and are re-exported here.
 """
 
 from __future__ import annotations
@@ -27,10 +30,18 @@ from __future__ import annotations
 import bisect
 import heapq
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 from llmc.errors import ConfigError, RequestError
+from llmc.runtime.admission import (
+    GUARANTEED_NO_EVICT,
+    MAX_UTILIZATION,  # noqa: F401 (re-exported, like POLICIES)
+    POLICIES,  # noqa: F401
+    SchedulerConfig,
+    SchedulerStats,
+    check_new_sequence,
+    kv_tokens_needed,
+)
 from llmc.runtime.kv_cache import KVCacheManager
 from llmc.runtime.types import (
     FinishReason,
@@ -41,11 +52,6 @@ from llmc.runtime.types import (
 )
 
 logger = logging.getLogger("llmc.scheduler")
-
-GUARANTEED_NO_EVICT = "guaranteed_no_evict"
-MAX_UTILIZATION = "max_utilization"
-POLICIES = (GUARANTEED_NO_EVICT, MAX_UTILIZATION)
-
 
 _new = object.__new__
 
@@ -60,61 +66,6 @@ def decode_slice(seq: Sequence, start: int) -> ScheduledSequence:
     d["num_new_tokens"] = 1
     d["sample"] = True
     return ss
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """Limits of one engine (from its build config) and the capacity policy."""
-
-    max_num_tokens: int
-    """Per-step token budget (decode tokens + prefill chunks)."""
-    max_batch_size: int
-    """Most running sequences."""
-    max_seq_len: int
-    """Longest prompt + generated tokens."""
-    max_input_len: int
-    """Longest prompt."""
-    tokens_per_block: int
-    enable_chunked_prefill: bool = True
-    policy: str = GUARANTEED_NO_EVICT
-    eos_token_ids: tuple[int, ...] = ()
-    """End-of-sequence ids of the model (ignored by requests with ignore_eos)."""
-
-    def __post_init__(self) -> None:
-        names = ("max_num_tokens", "max_batch_size", "max_seq_len", "max_input_len")
-        for name in (*names, "tokens_per_block"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ConfigError(f"scheduler {name} must be a positive integer, got {v!r}")
-        if self.policy not in POLICIES:
-            raise ConfigError(
-                f"scheduler policy {self.policy!r} is not one of {', '.join(POLICIES)}"
-            )
-        if self.max_input_len > self.max_seq_len:
-            raise ConfigError(
-                f"max_input_len ({self.max_input_len}) must not exceed "
-                f"max_seq_len ({self.max_seq_len})"
-            )
-        if not self.enable_chunked_prefill and self.max_num_tokens < self.max_input_len:
-            raise ConfigError(
-                f"max_num_tokens ({self.max_num_tokens}) is smaller than max_input_len "
-                f"({self.max_input_len}) with chunked prefill off: a prompt could never be "
-                "scheduled; raise max_num_tokens or enable chunked prefill"
-            )
-        if any(not isinstance(t, int) or t < 0 for t in self.eos_token_ids):
-            raise ConfigError(f"eos_token_ids must be non-negative integers: {self.eos_token_ids}")
-        object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
-
-
-@dataclass(frozen=True)
-class SchedulerStats:
-    num_steps: int
-    num_scheduled_tokens: int
-    num_preemptions: int
-    num_finished: int
-    num_running: int
-    num_waiting: int
-    peak_running: int
 
 
 class Scheduler:
@@ -160,47 +111,13 @@ class Scheduler:
             heapq.heappop(self._heap)  # cancelled while waiting
         return None
 
-    def _kv_tokens_needed(self, seq: Sequence) -> int:
-        """Cached tokens at the end of the sequence's life (the last sampled one is not)."""
-        return seq.num_prompt_tokens + seq.max_new_tokens - 1
-
     # ---------------------------------------------------------------- requests
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence; raise RequestError if it can never be served."""
-        cfg, rid = self.config, seq.request_id
-        n_prompt = seq.num_prompt_tokens
+        rid = seq.request_id
         if rid in self._seqs:
             raise RequestError(f"request {rid}: a request with this id is already queued")
-        if seq.status is not SequenceStatus.WAITING or seq.output_token_ids or seq.block_table:
-            raise RequestError(f"request {rid}: only a fresh sequence can be added")
-        if n_prompt == 0:
-            raise RequestError(f"request {rid}: the prompt is empty")
-        if n_prompt > cfg.max_input_len:
-            raise RequestError(
-                f"request {rid}: prompt has {n_prompt} tokens, more than the engine's "
-                f"max_input_len={cfg.max_input_len}"
-            )
-        if not isinstance(seq.max_new_tokens, int) or seq.max_new_tokens < 1:
-            raise RequestError(f"request {rid}: max_new_tokens={seq.max_new_tokens!r} is not >= 1")
-        if n_prompt + seq.max_new_tokens > cfg.max_seq_len:
-            room = cfg.max_seq_len - n_prompt
-            if not seq.sampling.clamp_max_new_tokens or room < 1:
-                raise RequestError(
-                    f"request {rid}: prompt ({n_prompt} tokens) + max_new_tokens "
-                    f"({seq.max_new_tokens}) = {n_prompt + seq.max_new_tokens} exceeds the "
-                    f"engine's max_seq_len={cfg.max_seq_len}; shorten the prompt, lower "
-                    "max_new_tokens"
-                    + (" or set clamp_max_new_tokens" if room >= 1 else " (no room is left)")
-                )
-            seq.max_new_tokens = room
-        need_tokens = self._kv_tokens_needed(seq)
-        need_blocks = self.kv.blocks_for_tokens(need_tokens)
-        if need_blocks > self.kv.total_blocks:
-            raise RequestError(
-                f"request {rid}: needs {need_blocks} KV-cache blocks ({n_prompt} prompt + "
-                f"{seq.max_new_tokens} new tokens, {self.kv.tokens_per_block} tokens per block) "
-                f"but the whole pool has {self.kv.total_blocks}; it could never run"
-            )
+        check_new_sequence(self.config, self.kv, seq)  # may clamp max_new_tokens
         seq.num_computed_tokens = 0
         seq.finish_reason = None
         self._seqs[rid] = seq
@@ -306,7 +223,7 @@ class Scheduler:
             if n < remaining and not cfg.enable_chunked_prefill and remaining <= cfg.max_num_tokens:
                 break
             if self._no_evict:
-                life = kv.num_blocks_needed(seq, self._kv_tokens_needed(seq) - cached)
+                life = kv.num_blocks_needed(seq, kv_tokens_needed(seq) - cached)
                 if life > kv.num_free_blocks - reserved:
                     break
             elif not kv.can_allocate(seq, n):
@@ -317,7 +234,7 @@ class Scheduler:
             if not kv.append_slots(seq, n):
                 raise RuntimeError(f"request {seq.request_id}: admission check was wrong")
             if self._no_evict:
-                total = kv.blocks_for_tokens(self._kv_tokens_needed(seq))
+                total = kv.blocks_for_tokens(kv_tokens_needed(seq))
                 reserved += total - len(seq.block_table)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self._running, seq, key=self._key)
@@ -391,7 +308,7 @@ class Scheduler:
     def _reserved_blocks(self) -> int:
         """Blocks promised to running sequences but not allocated yet (guaranteed_no_evict)."""
         return sum(
-            self.kv.blocks_for_tokens(self._kv_tokens_needed(s)) - len(s.block_table)
+            self.kv.blocks_for_tokens(kv_tokens_needed(s)) - len(s.block_table)
             for s in self._running
         )
 
