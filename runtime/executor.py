@@ -2,9 +2,10 @@
 
 The loop has three verbs: ``Scheduler.schedule()`` → ``ModelRunner.step(batch)`` →
 ``Scheduler.update(batch, token_ids)``, then post-processing (detokenize, stop strings,
-responses, records). It runs in the caller's thread (``step``, ``run_until_complete``,
-``await_responses`` and ``generate`` drive it) or in a background thread (``start`` /
-``shutdown``), as TensorRT-LLM's Executor does.
+responses, records: runtime/engine_step.py, which also holds the async-scheduling rule
+``ahead_ok``). This module owns requests, the lock and the loop. It runs in the caller's
+thread (``step``, ``run_until_complete``, ``await_responses`` and ``generate`` drive it) or
+in a background thread (``start`` / ``shutdown``), as TensorRT-LLM's Executor does.
 
 Invariants:
 - A bad request never stops the engine: validation and ``Scheduler.add`` errors become an
@@ -25,11 +26,17 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from llmc.errors import EngineError, LlmcError, RequestError
 from llmc.runtime.detokenizer import IncrementalDetokenizer
+from llmc.runtime.engine_step import (
+    InFlight,
+    ahead_ok,
+    emit_step_responses,
+    request_output,
+    step_record,
+)
 from llmc.runtime.records import RequestRecord, StepRecord
 from llmc.runtime.request_state import RequestState
 from llmc.runtime.responses import RequestOutput, Response
@@ -40,7 +47,6 @@ from llmc.runtime.types import (
     SamplingParams,
     ScheduledBatch,
     Sequence,
-    SequenceStatus,
 )
 
 
@@ -50,28 +56,6 @@ class Runner(Protocol):
 
 def _now() -> float:
     return time.perf_counter()
-
-
-def _token_counts(batch: ScheduledBatch) -> tuple[int, int]:
-    """(tokens, decode tokens) of ``batch`` in one pass (ScheduledBatch's properties, inlined)."""
-    total = decode = 0
-    for s in batch.sequences:
-        n = s.num_new_tokens
-        total += n
-        if n == 1 and s.start_position >= len(s.seq.prompt_token_ids):
-            decode += 1
-    return total, decode
-
-
-@dataclass
-class _InFlight:
-    """A launched step and what its StepRecord needs."""
-
-    batch: ScheduledBatch
-    pending: Any  # PendingStep (async scheduling) or None
-    start: float
-    schedule_s: float
-    used_blocks: int
 
 
 class Executor:
@@ -87,7 +71,7 @@ class Executor:
             async_scheduling = bool(getattr(engine, "async_scheduling", False))
         self.runner: Runner = engine.runner
         self.async_scheduling = async_scheduling and hasattr(self.runner, "launch")
-        self._inflight: _InFlight | None = None
+        self._inflight: InFlight | None = None
         self.num_ahead_steps = 0
         """Steps launched by async scheduling before the previous step's tokens were known."""
         self.scheduler = engine.scheduler
@@ -274,25 +258,10 @@ class Executor:
                 parts[r.request_id].append(r)
                 if r.is_final:
                     finals[r.request_id] = r
-        return [self._output(i, prompts[n], parts[i], *info[i]) for n, i in enumerate(ids)]
-
-    def _output(
-        self, rid: int, prompt: Any, responses: list[Response], request: Request, seq: Any
-    ) -> RequestOutput:
-        final = responses[-1]
-        logprobs = [lp for r in responses for lp in (r.logprobs or [])]
-        return RequestOutput(
-            request_id=rid,
-            prompt=prompt if isinstance(prompt, str) else request.prompt,
-            prompt_token_ids=list(seq.prompt_token_ids) if seq is not None else [],
-            token_ids=list(final.token_ids or []),
-            text=final.text or "",
-            finish_reason=final.finish_reason,
-            error=final.error,
-            error_code=final.error_code,
-            logprobs=logprobs or None,
-            record=self._records[rid],
-        )
+        return [
+            request_output(i, prompts[n], parts[i], *info[i], self._records[i])
+            for n, i in enumerate(ids)
+        ]
 
     # ------------------------------------------------------------------ the loop
     def has_work(self) -> bool:
@@ -333,7 +302,7 @@ class Executor:
             used = self.scheduler.kv.num_used_blocks
         t1 = _now()
         out = self.runner.step(batch)
-        self._complete(_InFlight(batch, None, t0, t1 - t0, used), out)
+        self._complete(InFlight(batch, None, t0, t1 - t0, used), out)
         return True
 
     def _step_async(self) -> bool:
@@ -347,9 +316,9 @@ class Executor:
                 batch = self._schedule(t0)
                 used = self.scheduler.kv.num_used_blocks
             t1 = _now()
-            cur = _InFlight(batch, self.runner.launch(batch), t0, t1 - t0, used)
+            cur = InFlight(batch, self.runner.launch(batch), t0, t1 - t0, used)
         self._inflight = None
-        if self._ahead_ok(cur.batch):
+        if ahead_ok(cur.batch, self.scheduler.config.max_seq_len):
             t0 = _now()
             with self._cv:  # the next step, scheduled before cur's tokens are known
                 self._apply_cancels()
@@ -362,64 +331,21 @@ class Executor:
                 src = [rows[id(ss.seq)] for ss in ahead.sequences]
                 t1 = _now()
                 pending = self.runner.launch(ahead, src)
-                self._inflight = _InFlight(ahead, pending, t0, t1 - t0, used)
+                self._inflight = InFlight(ahead, pending, t0, t1 - t0, used)
                 self.num_ahead_steps += 1
         assert cur.pending is not None
         self._complete(cur, cur.pending.result())
         return True
 
-    def _ahead_ok(self, batch: ScheduledBatch) -> bool:
-        """Whether the step after ``batch`` may be launched before ``batch``'s ids are read.
-
-        No when a row needs the host to know its previous tokens (penalties count the output
-        tokens, logprobs come back in their own copy), and no when the ids of ``batch``
-        are latency-critical or free a batch slot: a request's first token (a launch ahead
-        of it could only delay it, by the launch's host time, or by a whole step where the
-        launch waits for the device) or a request's last token by length (a client that
-        replaces a finished request, as a closed loop does, would otherwise wait for the
-        speculative step before its prompt is scheduled)."""
-        max_seq_len = self.scheduler.config.max_seq_len
-        for ss in batch.sequences:
-            seq = ss.seq
-            p = seq.sampling
-            if p.logprobs is not None or p.repetition_penalty != 1.0:
-                return False
-            if p.presence_penalty or p.frequency_penalty:
-                return False
-            if ss.sample:
-                n_out = len(seq.output_token_ids) + 1  # with this step's token
-                if n_out == 1 or n_out >= seq.max_new_tokens:
-                    return False
-                if len(seq.prompt_token_ids) + n_out >= max_seq_len:
-                    return False
-        return True
-
-    def _complete(self, cur: _InFlight, out: Any) -> None:
+    def _complete(self, cur: InFlight, out: Any) -> None:
         """Apply a computed step: scheduler update, responses, its StepRecord."""
         batch = cur.batch
         t2 = _now()
         with self._cv:
             self.scheduler.update(batch, list(out.token_ids))
-            self._postprocess(batch, out, t2)
+            emit_step_responses(batch, out, t2, self._states, self.scheduler, self._eos, self._emit)
             t3 = _now()
-            phases = {"schedule": cur.schedule_s, **dict(out.phase_times or {}), "update": t3 - t2}
-            num_tokens, num_decode = _token_counts(batch)
-            kv = self.scheduler.kv
-            self.step_records.append(
-                StepRecord(
-                    step_id=batch.step_id,
-                    start_time=cur.start,
-                    end_time=t3,
-                    num_tokens=num_tokens,
-                    num_prefill_tokens=num_tokens - num_decode,
-                    num_decode_tokens=num_decode,
-                    batch_size=len(batch.sequences),
-                    kv_blocks_used=cur.used_blocks,
-                    kv_blocks_total=kv.total_blocks,
-                    num_preempted=len(batch.preempted_request_ids),
-                    phase_times=phases,
-                )
-            )
+            self.step_records.append(step_record(cur, out, t2, t3, self.scheduler.kv.total_blocks))
 
     def _apply_cancels(self) -> None:
         for rid in self._cancels:
@@ -429,52 +355,6 @@ class Executor:
             self.scheduler.finish(rid, FinishReason.CANCELLED)
             self._emit(state.final_response(FinishReason.CANCELLED, [], "", [], _now()))
         self._cancels.clear()
-
-    def _postprocess(self, batch: ScheduledBatch, out: Any, now: float) -> None:
-        logprobs = list(getattr(out, "logprobs", None) or [])
-        states = self._states
-        finished = SequenceStatus.FINISHED
-        row = -1
-        for ss in batch.sequences:
-            if not ss.sample:
-                continue
-            row += 1
-            seq = ss.seq
-            state = states.get(seq.request_id)
-            if state is None or state.final:  # ended (and maybe delivered) before this step
-                continue
-            if state.deferred and not logprobs and seq.status is not finished:
-                # nothing to show until the end: only the token's time (take_new_tokens)
-                n = len(seq.output_token_ids)
-                if n - state.num_seen == 1:
-                    rec = state.record
-                    rec.token_times.append(now)
-                    state.num_seen = n
-                    if rec.first_token_time is None:
-                        rec.first_token_time = now
-                else:
-                    state.take_new_tokens(None, now)
-                continue
-            new, new_lp = state.take_new_tokens(logprobs[row] if logprobs else None, now)
-            reason = seq.finish_reason if seq.status is finished else None
-            text_ids = seq.output_token_ids[state.num_text :] if state.deferred else new
-            stop_token = reason is FinishReason.STOP and new and self._is_stop_token(seq, new[-1])
-            if stop_token:
-                text_ids = text_ids[:-1]  # the EOS / stop token has no text in the output
-            delta = state.detokenize(text_ids)
-            if stop_token:
-                state.num_text += 1
-            if reason is None and state.stopped_by_string:
-                self.scheduler.finish(seq.request_id, FinishReason.STOP)
-                reason = FinishReason.STOP
-            if reason is not None:
-                self._emit(state.final_response(reason, new, delta, new_lp, now))
-            elif state.request.streaming and (new or delta):
-                self._emit(state.delta_response(new, delta, new_lp))
-
-    def _is_stop_token(self, seq: Sequence, token: int) -> bool:
-        sp = seq.sampling
-        return token in sp.stop_token_ids or (not sp.ignore_eos and token in self._eos)
 
     def run_until_complete(self) -> None:
         """Step until every queued request has finished (caller-thread mode)."""

@@ -1,0 +1,206 @@
+"""One engine step's stages that need none of the Executor's locks or queues (no torch).
+
+The Executor (runtime/executor.py) owns requests, the lock and the loop; this module owns
+what is decided about, and made from, a single step:
+
+- ``InFlight``: a launched step and what its StepRecord needs.
+- ``ahead_ok``: the async-scheduling rule, whether the step after a batch may be launched
+  before that batch's sampled ids reach the host.
+- ``emit_step_responses``: a computed step's sampled tokens → each request's Responses
+  (token ids, detokenized text deltas, stop tokens and stop strings, final responses).
+- ``step_record``: a computed step's StepRecord (runtime/records.py).
+- ``request_output``: one request's Responses → the RequestOutput ``Executor.generate``
+  returns.
+
+Invariants:
+- Nothing here keeps state or takes a lock. ``emit_step_responses`` mutates RequestStates
+  and may finish sequences in the scheduler, so the caller holds the Executor's lock;
+  the other functions are pure.
+- Row *i* of a step's sampled ids and logprobs belongs to the *i*-th scheduled sequence
+  with ``sample`` set (a prefill chunk that is not a prompt's last samples nothing).
+- A request whose state is already final (cancelled, failed, stopped) gets no Response
+  from a later step, so every request gets exactly one final Response.
+- The text of a finishing EOS / stop token id is not part of the output text (its id is),
+  and a stop string finishes the request in the scheduler at the step that completes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from llmc.runtime.records import RequestRecord, StepRecord
+from llmc.runtime.request_state import RequestState
+from llmc.runtime.responses import RequestOutput, Response
+from llmc.runtime.types import (
+    FinishReason,
+    Request,
+    ScheduledBatch,
+    Sequence,
+    SequenceStatus,
+)
+
+
+class Finisher(Protocol):
+    """The one Scheduler method post-processing needs (a stop string ends a sequence)."""
+
+    def finish(self, request_id: int, reason: FinishReason) -> Any: ...
+
+
+@dataclass
+class InFlight:
+    """A launched step and what its StepRecord needs."""
+
+    batch: ScheduledBatch
+    pending: Any  # PendingStep (async scheduling) or None
+    start: float
+    schedule_s: float
+    used_blocks: int
+
+
+def token_counts(batch: ScheduledBatch) -> tuple[int, int]:
+    """(tokens, decode tokens) of ``batch`` in one pass (ScheduledBatch's properties, inlined)."""
+    total = decode = 0
+    for s in batch.sequences:
+        n = s.num_new_tokens
+        total += n
+        if n == 1 and s.start_position >= len(s.seq.prompt_token_ids):
+            decode += 1
+    return total, decode
+
+
+def ahead_ok(batch: ScheduledBatch, max_seq_len: int) -> bool:
+    """Whether the step after ``batch`` may be launched before ``batch``'s ids are read.
+
+    No when a row needs the host to know its previous tokens (penalties count the output
+    tokens, logprobs come back in their own copy), and no when the ids of ``batch``
+    are latency-critical or free a batch slot: a request's first token (a launch ahead
+    of it could only delay it, by the launch's host time, or by a whole step where the
+    launch waits for the device) or a request's last token by length (a client that
+    replaces a finished request, as a closed loop does, would otherwise wait for the
+    speculative step before its prompt is scheduled)."""
+    for ss in batch.sequences:
+        seq = ss.seq
+        p = seq.sampling
+        if p.logprobs is not None or p.repetition_penalty != 1.0:
+            return False
+        if p.presence_penalty or p.frequency_penalty:
+            return False
+        if ss.sample:
+            n_out = len(seq.output_token_ids) + 1  # with this step's token
+            if n_out == 1 or n_out >= seq.max_new_tokens:
+                return False
+            if len(seq.prompt_token_ids) + n_out >= max_seq_len:
+                return False
+    return True
+
+
+def step_record(
+    cur: InFlight, out: Any, update_start: float, end: float, kv_blocks_total: int
+) -> StepRecord:
+    """The StepRecord of ``cur``, computed as ``out``, updated from ``update_start`` to ``end``."""
+    batch = cur.batch
+    phases = {
+        "schedule": cur.schedule_s,
+        **dict(out.phase_times or {}),
+        "update": end - update_start,
+    }
+    num_tokens, num_decode = token_counts(batch)
+    return StepRecord(
+        step_id=batch.step_id,
+        start_time=cur.start,
+        end_time=end,
+        num_tokens=num_tokens,
+        num_prefill_tokens=num_tokens - num_decode,
+        num_decode_tokens=num_decode,
+        batch_size=len(batch.sequences),
+        kv_blocks_used=cur.used_blocks,
+        kv_blocks_total=kv_blocks_total,
+        num_preempted=len(batch.preempted_request_ids),
+        phase_times=phases,
+    )
+
+
+def is_stop_token(seq: Sequence, token: int, eos: frozenset[int]) -> bool:
+    """Whether ``token`` ends ``seq`` as a stop token id or (unless ignored) an EOS id."""
+    sp = seq.sampling
+    return token in sp.stop_token_ids or (not sp.ignore_eos and token in eos)
+
+
+def emit_step_responses(
+    batch: ScheduledBatch,
+    out: Any,
+    now: float,
+    states: Mapping[int, RequestState],
+    scheduler: Finisher,
+    eos: frozenset[int],
+    emit: Callable[[Response], None],
+) -> None:
+    """Turn the tokens ``Scheduler.update`` appended for ``batch`` into Responses (``emit``).
+
+    Call after the update, with the Executor's lock held."""
+    logprobs = list(getattr(out, "logprobs", None) or [])
+    finished = SequenceStatus.FINISHED
+    row = -1
+    for ss in batch.sequences:
+        if not ss.sample:
+            continue
+        row += 1
+        seq = ss.seq
+        state = states.get(seq.request_id)
+        if state is None or state.final:  # ended (and maybe delivered) before this step
+            continue
+        if state.deferred and not logprobs and seq.status is not finished:
+            # nothing to show until the end: only the token's time (take_new_tokens)
+            n = len(seq.output_token_ids)
+            if n - state.num_seen == 1:
+                rec = state.record
+                rec.token_times.append(now)
+                state.num_seen = n
+                if rec.first_token_time is None:
+                    rec.first_token_time = now
+            else:
+                state.take_new_tokens(None, now)
+            continue
+        new, new_lp = state.take_new_tokens(logprobs[row] if logprobs else None, now)
+        reason = seq.finish_reason if seq.status is finished else None
+        text_ids = seq.output_token_ids[state.num_text :] if state.deferred else new
+        stop_token = reason is FinishReason.STOP and new and is_stop_token(seq, new[-1], eos)
+        if stop_token:
+            text_ids = text_ids[:-1]  # the EOS / stop token has no text in the output
+        delta = state.detokenize(text_ids)
+        if stop_token:
+            state.num_text += 1
+        if reason is None and state.stopped_by_string:
+            scheduler.finish(seq.request_id, FinishReason.STOP)
+            reason = FinishReason.STOP
+        if reason is not None:
+            emit(state.final_response(reason, new, delta, new_lp, now))
+        elif state.request.streaming and (new or delta):
+            emit(state.delta_response(new, delta, new_lp))
+
+
+def request_output(
+    rid: int,
+    prompt: Any,
+    responses: list[Response],
+    request: Request,
+    seq: Sequence | None,
+    record: RequestRecord,
+) -> RequestOutput:
+    """The RequestOutput of request ``rid`` from its Responses (the last one final)."""
+    final = responses[-1]
+    logprobs = [lp for r in responses for lp in (r.logprobs or [])]
+    return RequestOutput(
+        request_id=rid,
+        prompt=prompt if isinstance(prompt, str) else request.prompt,
+        prompt_token_ids=list(seq.prompt_token_ids) if seq is not None else [],
+        token_ids=list(final.token_ids or []),
+        text=final.text or "",
+        finish_reason=final.finish_reason,
+        error=final.error,
+        error_code=final.error_code,
+        logprobs=logprobs or None,
+        record=record,
+    )
