@@ -27,6 +27,7 @@ is allocated on the device. Flash-decoding splits are fixed per bucket at captur
 from __future__ import annotations
 
 import gc
+import operator
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +41,11 @@ from llmc.runtime.types import ScheduledBatch
 
 if TYPE_CHECKING:
     from llmc.runtime.model_runner import ModelRunner, PendingStep, StepOutput
+
+_SEQ = operator.attrgetter("seq")
+_NEW = operator.attrgetter("num_new_tokens")
+_SAMPLE = operator.attrgetter("sample")
+_PARAMS = operator.attrgetter("sampling")
 
 # neutral value of each sampling column for padding rows
 _PAD_COLUMN = {
@@ -66,13 +72,14 @@ def default_buckets(max_batch_size: int) -> tuple[int, ...]:
 
 def graph_eligible(batch: ScheduledBatch) -> bool:
     """True when ``batch`` is decode-only with plain sampling (what the graphs compute)."""
-    for s in batch.sequences:
-        if s.num_new_tokens != 1 or not s.sample:
-            return False
-        p = s.seq.sampling
+    rows = batch.sequences
+    if not rows or set(map(_NEW, rows)) != {1} or not all(map(_SAMPLE, rows)):
+        return False
+    params = list(map(_PARAMS, map(_SEQ, rows)))
+    for p in dict(zip(map(id, params), params, strict=True)).values():  # distinct objects
         if p.logprobs is not None or smp.uses_penalties(p):
             return False
-    return bool(batch.sequences)
+    return True
 
 
 class DecodeGraphs:
@@ -113,40 +120,50 @@ class DecodeGraphs:
         rows: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None,
         seqs: list,
         offset_extra: int = 0,
+        cols: dict[str, Any] | None = None,
     ) -> dict:
         """Stage padded inputs of ``big`` rows. ``rows`` = (token ids, positions, slots,
-        source rows, block tables [b, nb]) of the ``b`` real rows, or None (capture)."""
+        source rows, block tables [b, nb]) of the ``b`` real rows, or None (capture);
+        ``cols``: their sampling columns (``StepInputBuilder.decode_step``), else computed
+        from ``seqs``. Each section is written in place in the staging buffer."""
         r = self.runner
         mbs = r.max_blocks_per_seq
-        ids = np.zeros(big, dtype=np.int64)
-        pos = np.zeros(big, dtype=np.int64)
-        slots = np.full(big, -1, dtype=np.int64)
-        src = np.full(big, -1, dtype=np.int64)
-        lens = np.zeros(big, dtype=np.int32)
-        tables = np.full((big, mbs), -1, dtype=np.int32)
-        b = 0
-        if rows is not None:
-            tok, p, sl, sr, bt = rows
-            b = len(tok)
-            ids[:b], pos[:b], slots[:b], src[:b], lens[:b] = tok, p, sl, sr, p + 1
-            tables[:b, : bt.shape[1]] = bt
-        cols = smp.sampling_columns(seqs, offset_extra)
+        b = 0 if rows is None else len(rows[0])
+        if cols is None:
+            cols = smp.sampling_columns(seqs, offset_extra)
         st = r.staging
         st.begin()
-        st.add("input_ids", ids, "int64")
-        st.add("src_rows", src, "int64")
-        st.add("positions", pos, "int64")
-        st.add("slot_mapping", slots, "int64")
-        st.add("seq_lens", lens, "int32")
-        st.add("block_tables", tables.reshape(-1), "int32")
+        # (section, index in ``rows``, padding value)
+        pads = (
+            ("input_ids", 0, 0),
+            ("src_rows", 3, -1),
+            ("positions", 1, 0),
+            ("slot_mapping", 2, -1),
+        )
+        for name, i, pad in pads:
+            view = st.reserve(name, big, "int64")
+            if b:
+                view[:b] = rows[i]  # type: ignore[index]
+            view[b:] = pad
+        lens = st.reserve("seq_lens", big, "int32")
+        if b:
+            lens[:b] = rows[1] + 1  # type: ignore[index]
+        lens[b:] = 0
+        tables = st.reserve("block_tables", big * mbs, "int32").reshape(big, mbs)
+        if b:
+            bt = rows[4]  # type: ignore[index]
+            tables[:b, : bt.shape[1]] = bt
+            tables[:b, bt.shape[1] :] = -1
+        tables[b:] = -1
         for names, dt in (
             (smp.INT64_COLUMNS, "int64"),
             (smp.INT32_COLUMNS, "int32"),
             (smp.FLOAT_COLUMNS, "float32"),
         ):
             for name in names:
-                col = cols[name] + [_PAD_COLUMN[name]] * (big - b)
-                st.add(name, col, dt)
+                view = st.reserve(name, big, dt)
+                view[:b] = cols[name]
+                view[b:] = _PAD_COLUMN[name]
         return st.upload()
 
     def _body(self, big: int, dev: dict[str, torch.Tensor]) -> None:
@@ -254,12 +271,11 @@ class DecodeGraphs:
         """
         r = self.runner
         t0 = time.perf_counter()
-        tok, pos, slots, src, tables = r.decode_rows(batch, src_rows)
-        b = len(tok)
+        rows, cols, _ = r.decode_step(batch, src_rows)
+        b = len(rows[0])
         big = self.bucket_for(b)
         assert big is not None
-        seqs = [s.seq for s in batch.sequences]
-        self._stage(big, (tok, pos, slots, src, tables), seqs, 1 if src_rows is not None else 0)
+        self._stage(big, rows, [], 1 if src_rows is not None else 0, cols)
         if r.staging._sections != self._layout[big]:
             raise EngineError(f"CUDA graph bucket {big}: staging layout changed since capture")
         t1 = time.perf_counter()

@@ -168,6 +168,12 @@ class ModelRunner:
         """``StepInputBuilder.decode_rows``: the checked rows of a decode-only batch."""
         return self.inputs.decode_rows(batch, src_rows)
 
+    def decode_step(
+        self, batch: ScheduledBatch, src_rows: list[int] | None = None
+    ) -> tuple[tuple[np.ndarray, ...], dict[str, np.ndarray], np.ndarray]:
+        """``StepInputBuilder.decode_step``: decode rows + their sampling columns."""
+        return self.inputs.decode_step(batch, src_rows)
+
     def gather_input_ids(self, out: torch.Tensor, staged: torch.Tensor, src: torch.Tensor) -> None:
         """``StepInputBuilder.gather_input_ids``: staged ids, or the previous step's sampled
         id where ``src >= 0`` (device-side; capturable in a CUDA graph)."""

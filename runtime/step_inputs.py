@@ -19,6 +19,7 @@ the returned tensors are views of the static workspace, valid until the next ste
 from __future__ import annotations
 
 import itertools
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,8 +30,119 @@ from llmc.compiler.spec import ModelSpec
 from llmc.errors import ConfigError, EngineError, RequestError
 from llmc.runtime import sampling as smp
 from llmc.runtime.backend import AttentionMetadata, SamplingMetadata
-from llmc.runtime.types import ScheduledBatch, ScheduledSequence
+from llmc.runtime.types import ScheduledBatch, ScheduledSequence, Sequence
 from llmc.runtime.workspace import Staging, Workspace
+
+_SEQ = operator.attrgetter("seq")
+_START = operator.attrgetter("start_position")
+_NEW = operator.attrgetter("num_new_tokens")
+_SAMPLE = operator.attrgetter("sample")
+_TABLE = operator.attrgetter("block_table")
+_OUT = operator.attrgetter("output_token_ids")
+_PARAMS = operator.attrgetter("sampling")
+_LAST = operator.itemgetter(-1)
+
+
+class DecodeRowCache:
+    """Per-sequence state kept across decode steps, so a decode step reads each sequence in
+    a few C-level passes instead of rebuilding its rows from Python lists.
+
+    A row holds a sequence's block-table entries seen so far (int32, -1 beyond), its prompt
+    length, seed and constant sampling columns. Rows are keyed by Sequence identity (the
+    cache keeps the object, so its id is not reused while the row lives) and its blocks are
+    trusted only while the sequence's ``block_table`` is the same list object: the
+    KVCacheManager replaces the list when it allocates or frees and only appends to it in
+    place, so the blocks appended since the row was filled are copied in. A sequence's
+    ``prompt_token_ids`` and ``sampling`` are never replaced or mutated after it is created
+    (nothing in the runtime does); they are re-checked (by identity) whenever the batch's
+    sequences or block lists differ from the previous decode step's. Every step's current
+    blocks are also compared with the live lists (a row that differs is
+    refilled). When the rows run out, the cache starts over with the current batch.
+    """
+
+    def __init__(self, capacity: int, width: int) -> None:
+        self.capacity, self.width = capacity, width
+        self.table = np.full((capacity, width), -1, dtype=np.int32)
+        self.filled = np.zeros(capacity, dtype=np.int64)
+        self.seed = np.zeros(capacity, dtype=np.int64)
+        self.top_k = np.zeros(capacity, dtype=np.int32)
+        self.floats = np.zeros((capacity, len(smp.FLOAT_COLUMNS)), dtype=np.float32)
+        self.plain = np.zeros(capacity, dtype=bool)
+        self.prompt_len = np.zeros(capacity, dtype=np.int64)
+        self._clear()
+
+    def _clear(self) -> None:
+        self.seqs: list[Any] = [None] * self.capacity
+        self.lists: list[Any] = [None] * self.capacity
+        self.params: list[Any] = [None] * self.capacity
+        self.prompts: list[Any] = [None] * self.capacity
+        self.row_of: dict[int, int] = {}
+        self.next = 0
+        self._last_seqs: list[Any] = []
+        self._last_lists: list[Any] = []
+        self._last_idx = np.zeros(0, dtype=np.int64)
+
+    def _fill(self, r: int, seq: Any) -> None:
+        """(Re)fill row ``r`` from ``seq`` (its blocks are copied in by ``rows``)."""
+        p = seq.sampling
+        self.seqs[r], self.lists[r], self.params[r] = seq, seq.block_table, p
+        self.prompts[r] = seq.prompt_token_ids
+        self.prompt_len[r] = len(seq.prompt_token_ids)
+        self.table[r] = -1
+        self.filled[r] = 0
+        self.seed[r] = smp.row_seed(seq)
+        const = smp._const_row(p)
+        self.top_k[r] = const[0]
+        self.floats[r] = const[1:]
+        self.plain[r] = p.logprobs is None and not smp.uses_penalties(p)
+
+    def rows(self, seqs: list[Any], lists: list[Any], have: np.ndarray) -> np.ndarray:
+        """The rows [b] int64 of ``seqs`` (whose block_tables are ``lists``, of lengths
+        ``have``), filled up to ``min(have, width)`` blocks."""
+        if not (
+            len(seqs) == len(self._last_seqs)
+            and all(map(operator.is_, seqs, self._last_seqs))
+            and all(map(operator.is_, lists, self._last_lists))
+        ):
+            self._last_idx = self._locate(seqs, lists)
+            self._last_seqs, self._last_lists = seqs, lists
+        idx = self._last_idx
+        need = np.minimum(have, self.width)
+        for i in np.nonzero(need != self.filled[idx])[0].tolist():
+            self._copy_blocks(int(idx[i]), lists[i], int(need[i]))
+        return idx
+
+    def _locate(self, seqs: list[Any], lists: list[Any]) -> np.ndarray:
+        """The rows of ``seqs``: new sequences get a row; a row whose block list is no
+        longer the sequence's is refilled."""
+        rows = list(map(self.row_of.get, map(id, seqs)))
+        if None in rows:
+            missing = [i for i, r in enumerate(rows) if r is None]
+            if self.next + len(missing) > self.capacity:
+                self._clear()
+                missing, rows = list(range(len(seqs))), [None] * len(seqs)
+            for i in missing:
+                r = rows[i] = self.next
+                self.next += 1
+                self.row_of[id(seqs[i])] = r
+                self._fill(r, seqs[i])
+        for i, r in enumerate(rows):
+            seq = seqs[i]
+            if (
+                lists[i] is not self.lists[r]
+                or seq.sampling is not self.params[r]
+                or seq.prompt_token_ids is not self.prompts[r]
+            ):
+                self._fill(r, seq)
+        return np.asarray(rows, dtype=np.int64)
+
+    def _copy_blocks(self, r: int, blocks: list[int], n: int) -> None:
+        f = int(self.filled[r])
+        if n < f:  # not an append: refill the row
+            self.table[r] = -1
+            f = 0
+        self.table[r, f:n] = blocks[f:n]
+        self.filled[r] = n
 
 
 @dataclass
@@ -95,6 +207,7 @@ class StepInputBuilder:
         stage_bytes = 8 * (4 * t + 3 * b) + 4 * (2 * b + 1 + b * self.max_blocks_per_seq)
         stage_bytes += 4 * b * (1 + len(smp.FLOAT_COLUMNS)) + 8 * 32
         self.staging = Staging(stage_bytes, device)
+        self.row_cache = DecodeRowCache(2 * max_batch_size + 64, self.max_blocks_per_seq)
 
     def _check(self, batch: ScheduledBatch) -> None:
         if batch.num_tokens > self.max_num_tokens:
@@ -133,36 +246,39 @@ class StepInputBuilder:
         With ``src_rows`` (async scheduling) every row's token is the one the previous step
         sampled into row ``src_rows[i]`` of its ``sampled_ids``: not known on the host yet,
         so the row's position is the sequence's ``num_tokens`` and its staged id is 0."""
-        seqs = batch.sequences
-        b = len(seqs)
+        return self.decode_step(batch, src_rows)[0]
+
+    def decode_step(
+        self, batch: ScheduledBatch, src_rows: list[int] | None = None
+    ) -> tuple[
+        tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+        dict[str, np.ndarray],
+        np.ndarray,
+    ]:
+        """(``decode_rows``' rows, the rows' sampling columns as numpy arrays keyed like
+        ``sampling.sampling_columns``, per-row "plain sampling" flags [b] bool: no
+        penalty, no logprobs). Per-sequence state comes from ``row_cache``."""
+        sched = batch.sequences
+        b = len(sched)
         if b > self.max_batch_size or b > self.max_num_tokens:
             self._check(batch)
         ahead = src_rows is not None
         if ahead and (len(src_rows) != b or min(src_rows, default=0) < 0):
             raise EngineError(f"step {batch.step_id}: src_rows must give a row >= 0 per sequence")
-        tok: list[int] = []
-        pos: list[int] = []
-        tables: list[list[int]] = []
-        ok = True
-        for s in seqs:
-            seq, a = s.seq, s.start_position
-            out = seq.output_token_ids
-            known = len(seq.prompt_token_ids) + len(out)
-            if ahead:
-                ok &= a == known and s.num_new_tokens == 1
-                tok.append(0)
-            else:
-                ok &= 0 <= a < known and s.num_new_tokens == 1
-                tok.append(seq.token_at(a) if ok else 0)
-            pos.append(a)
-            tables.append(seq.block_table)
+        seqs = list(map(_SEQ, sched))
+        lists = list(map(_TABLE, seqs))
+        outs = list(map(_OUT, seqs))
+        p = np.fromiter(map(_START, sched), dtype=np.int64, count=b)
+        new = np.fromiter(map(_NEW, sched), dtype=np.int64, count=b)
+        nout = np.fromiter(map(len, outs), dtype=np.int64, count=b)
+        have = np.fromiter(map(len, lists), dtype=np.int64, count=b)
+        cache = self.row_cache
+        rows = cache.rows(seqs, lists, have)
+        known = cache.prompt_len[rows] + nout
         tpb = self.tokens_per_block
-        p = np.asarray(pos, dtype=np.int64)
         nblk = p // tpb + 1
-        have = np.fromiter((len(t) for t in tables), dtype=np.int64, count=b)
-        ids = np.asarray(tok, dtype=np.int64)
-        ok = ok and bool((p < self.max_seq_len).all() and (have >= nblk).all())
-        ok = ok and not (b and (ids.min() < 0 or ids.max() >= self.spec.vocab_size))
+        rows_ok = (p == known) if ahead else (p >= 0) & (p < known)
+        ok = bool((rows_ok & (new == 1) & (p < self.max_seq_len) & (have >= nblk)).all())
         if not ok:
             if ahead:
                 raise RequestError(
@@ -170,20 +286,35 @@ class StepInputBuilder:
                     "sequence, lacks its block or exceeds max_seq_len"
                 )
             self._check(batch)  # raises the precise error
-            self._check_vocab(ids, batch.sequences, list(range(b + 1)))
+            raise EngineError(f"step {batch.step_id}: a decode row has more than one new token")
+        if ahead:
+            ids = np.zeros(b, dtype=np.int64)
+        elif bool((p == known - 1).all() and (nout > 0).all()):
+            ids = np.fromiter(map(_LAST, outs), dtype=np.int64, count=b)
+        else:
+            ids = np.fromiter(map(Sequence.token_at, seqs, p.tolist()), dtype=np.int64, count=b)
+        if b and (ids.min() < 0 or ids.max() >= self.spec.vocab_size):
+            self._check_vocab(ids, sched, list(range(b + 1)))
+        blk = p // tpb
+        cur = np.fromiter(map(operator.getitem, lists, blk.tolist()), dtype=np.int64, count=b)
+        bad = np.nonzero(cache.table[rows, blk] != cur)[0].tolist()
+        for i in bad:  # a block list changed other than by an append: refill its row
+            cache._fill(int(rows[i]), seqs[i])
+            cache._copy_blocks(int(rows[i]), lists[i], min(int(have[i]), cache.width))
         nb = int(nblk.max()) if b else 1
-        table = np.full((b, nb), -1, dtype=np.int32)
-        mask = np.arange(nb) < nblk[:, None]
-        table[mask] = np.fromiter(
-            itertools.chain.from_iterable(
-                t[:k] for t, k in zip(tables, nblk.tolist(), strict=True)
-            ),
-            dtype=np.int32,
-            count=int(nblk.sum()),
-        )
-        slots = table[np.arange(b), p // tpb].astype(np.int64) * tpb + p % tpb
-        src = np.asarray(src_rows if ahead else [-1] * b, dtype=np.int64)
-        return ids, p, slots, src, table
+        table = cache.table[rows, :nb]
+        if bool((cache.filled[rows] > nblk).any()):
+            table[np.arange(nb) >= nblk[:, None]] = -1
+        slots = cur * tpb + p % tpb
+        src = np.asarray(src_rows, dtype=np.int64) if ahead else np.full(b, -1, dtype=np.int64)
+        cols = {
+            "seeds": cache.seed[rows],
+            "offsets": nout + 1 if ahead else nout,
+            "top_k": cache.top_k[rows],
+        }
+        for j, name in enumerate(smp.FLOAT_COLUMNS):
+            cols[name] = cache.floats[rows, j]
+        return (ids, p, slots, src, table), cols, cache.plain[rows]
 
     def _check_vocab(self, flat_ids: np.ndarray, order: Any, cu: list[int]) -> None:
         if flat_ids.size and (flat_ids.min() < 0 or flat_ids.max() >= self.spec.vocab_size):
@@ -205,14 +336,24 @@ class StepInputBuilder:
         static workspace; ``src_rows`` as in ``decode_rows`` (async scheduling)."""
         seqs = list(batch.sequences)
         tpb = self.tokens_per_block
-        if src_rows is not None or all(s.num_new_tokens == 1 for s in seqs):
+        cols: dict[str, Any] | None = None
+        if src_rows is not None or set(map(_NEW, seqs)) <= {1}:
             order = seqs
-            flat_ids, positions, slots, src, tables = self.decode_rows(batch, src_rows)
+            rows, dcols, plain = self.decode_step(batch, src_rows)
+            flat_ids, positions, slots, src, tables = rows
             b = len(order)
             nb = tables.shape[1]
             cu = np.arange(b + 1, dtype=np.int32)
             seq_lens = positions + 1
-            last_row = {id(s): i for i, s in enumerate(order)}
+            flags = np.fromiter(map(_SAMPLE, seqs), dtype=bool, count=b)
+            sampled = list(itertools.compress(seqs, flags.tolist()))
+            logits_rows = np.nonzero(flags)[0]
+            if src_rows is not None and not bool(plain[flags].all()):
+                raise EngineError(
+                    f"step {batch.step_id}: async scheduling does not serve penalties or logprobs"
+                )
+            cols = {name: col[flags] for name, col in dcols.items()}
+            num_decode, max_query = b, 1
         else:
             self._check(batch)
             order = [s for s in seqs if s.num_new_tokens == 1]
@@ -231,14 +372,17 @@ class StepInputBuilder:
             for i, s in enumerate(order):
                 blocks = s.seq.block_table[: -(-seq_lens[i] // tpb)]
                 tables[i, : len(blocks)] = blocks
-        sampled = [s for s in seqs if s.sample]
-        if src_rows is not None and any(
-            s.seq.sampling.logprobs is not None or smp.uses_penalties(s.seq.sampling)
-            for s in sampled
-        ):
-            raise EngineError(
-                f"step {batch.step_id}: async scheduling does not serve penalties or logprobs"
-            )
+            sampled = [s for s in seqs if s.sample]
+            logits_rows = [last_row[id(s)] for s in sampled]
+            num_decode = sum(1 for s in order if s.num_new_tokens == 1)
+            max_query = max(s.num_new_tokens for s in order)
+            if src_rows is not None and any(
+                s.seq.sampling.logprobs is not None or smp.uses_penalties(s.seq.sampling)
+                for s in sampled
+            ):
+                raise EngineError(
+                    f"step {batch.step_id}: async scheduling does not serve penalties or logprobs"
+                )
         st = self.staging
         st.begin()
         st.add("input_ids", flat_ids, "int64")
@@ -246,11 +390,12 @@ class StepInputBuilder:
             st.add("src_rows", src, "int64")
         st.add("positions", positions, "int64")
         st.add("slot_mapping", slots, "int64")
-        st.add("logits_indices", [last_row[id(s)] for s in sampled], "int64")
+        st.add("logits_indices", logits_rows, "int64")
         st.add("cu_seqlens_q", cu, "int32")
         st.add("seq_lens", seq_lens, "int32")
         st.add("block_tables", tables.reshape(-1), "int32")
-        cols = smp.sampling_columns([s.seq for s in sampled], 1 if src_rows is not None else 0)
+        if cols is None:
+            cols = smp.sampling_columns([s.seq for s in sampled], 1 if src_rows is not None else 0)
         for name in smp.INT64_COLUMNS:
             st.add(name, cols[name], "int64")
         for name in smp.INT32_COLUMNS:
@@ -279,8 +424,8 @@ class StepInputBuilder:
             cu_seqlens_q=static["cu_seqlens_q"],
             seq_lens=static["seq_lens"],
             block_tables=bt,
-            num_decode_seqs=sum(1 for s in order if s.num_new_tokens == 1),
-            max_query_len=max(s.num_new_tokens for s in order),
+            num_decode_seqs=num_decode,
+            max_query_len=max_query,
             max_seq_len=int(max(seq_lens)),
             partial_out=ws["attn_partial_out"],
             partial_lse=ws["attn_partial_lse"],

@@ -232,15 +232,19 @@ class Staging:
         self._used = 0
 
     def add(self, name: str, values: Sequence | np.ndarray, dtype: str) -> None:
+        self.reserve(name, len(values), dtype)[:] = values
+
+    def reserve(self, name: str, n: int, dtype: str) -> np.ndarray:
+        """Add a section of ``n`` values and return its host view, to be filled in place
+        before ``upload()`` (``add`` is ``reserve`` + assignment)."""
         np_dtype = np.dtype(dtype)
-        n = len(values)
         nbytes = n * np_dtype.itemsize
         off = -(-self._used // 8) * 8
         if off + nbytes > self.capacity:
             raise EngineError(f"step staging overflow at {name!r} ({off + nbytes} bytes)")
-        self._np[off : off + nbytes].view(np_dtype)[:] = values
         self._sections.append((name, off, n, TORCH_DTYPES[dtype]))
         self._used = off + nbytes
+        return self._np[off : off + nbytes].view(np_dtype)
 
     def upload(self) -> dict[str, torch.Tensor]:
         if self.dev is not self.host and self._used:
