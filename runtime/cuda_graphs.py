@@ -42,10 +42,9 @@ from llmc.runtime.types import ScheduledBatch
 if TYPE_CHECKING:
     from llmc.runtime.model_runner import ModelRunner, PendingStep, StepOutput
 
-_SEQ = operator.attrgetter("seq")
 _NEW = operator.attrgetter("num_new_tokens")
 _SAMPLE = operator.attrgetter("sample")
-_PARAMS = operator.attrgetter("sampling")
+_PARAMS = operator.attrgetter("seq.sampling")
 
 # neutral value of each sampling column for padding rows
 _PAD_COLUMN = {
@@ -75,7 +74,7 @@ def graph_eligible(batch: ScheduledBatch) -> bool:
     rows = batch.sequences
     if not rows or set(map(_NEW, rows)) != {1} or not all(map(_SAMPLE, rows)):
         return False
-    params = list(map(_PARAMS, map(_SEQ, rows)))
+    params = list(map(_PARAMS, rows))
     for p in dict(zip(map(id, params), params, strict=True)).values():  # distinct objects
         if p.logprobs is not None or smp.uses_penalties(p):
             return False

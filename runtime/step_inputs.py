@@ -55,9 +55,9 @@ class DecodeRowCache:
     place, so the blocks appended since the row was filled are copied in. A sequence's
     ``prompt_token_ids`` and ``sampling`` are never replaced or mutated after it is created
     (nothing in the runtime does); they are re-checked (by identity) whenever the batch's
-    sequences or block lists differ from the previous decode step's. Every step's current
-    blocks are also compared with the live lists (a row that differs is
-    refilled). When the rows run out, the cache starts over with the current batch.
+    sequences or block lists differ from the previous decode step's. A block list that
+    shrinks in place has its row refilled. When the rows run out, the cache starts over
+    with the current batch.
     """
 
     def __init__(self, capacity: int, width: int) -> None:
@@ -78,7 +78,6 @@ class DecodeRowCache:
         self.prompts: list[Any] = [None] * self.capacity
         self.row_of: dict[int, int] = {}
         self.next = 0
-        self._last_seqs: list[Any] = []
         self._last_lists: list[Any] = []
         self._last_idx = np.zeros(0, dtype=np.int64)
 
@@ -99,13 +98,13 @@ class DecodeRowCache:
     def rows(self, seqs: list[Any], lists: list[Any], have: np.ndarray) -> np.ndarray:
         """The rows [b] int64 of ``seqs`` (whose block_tables are ``lists``, of lengths
         ``have``), filled up to ``min(have, width)`` blocks."""
+        # a block list object belongs to one sequence for its whole life (the KVCacheManager
+        # makes a new list per allocation), so the same lists mean the same sequences
         if not (
-            len(seqs) == len(self._last_seqs)
-            and all(map(operator.is_, seqs, self._last_seqs))
-            and all(map(operator.is_, lists, self._last_lists))
+            len(lists) == len(self._last_lists) and all(map(operator.is_, lists, self._last_lists))
         ):
             self._last_idx = self._locate(seqs, lists)
-            self._last_seqs, self._last_lists = seqs, lists
+            self._last_lists = lists
         idx = self._last_idx
         need = np.minimum(have, self.width)
         for i in np.nonzero(need != self.filled[idx])[0].tolist():
@@ -296,24 +295,20 @@ class StepInputBuilder:
         if b and (ids.min() < 0 or ids.max() >= self.spec.vocab_size):
             self._check_vocab(ids, sched, list(range(b + 1)))
         blk = p // tpb
-        cur = np.fromiter(map(operator.getitem, lists, blk.tolist()), dtype=np.int64, count=b)
-        bad = np.nonzero(cache.table[rows, blk] != cur)[0].tolist()
-        for i in bad:  # a block list changed other than by an append: refill its row
-            cache._fill(int(rows[i]), seqs[i])
-            cache._copy_blocks(int(rows[i]), lists[i], min(int(have[i]), cache.width))
         nb = int(nblk.max()) if b else 1
         table = cache.table[rows, :nb]
         if bool((cache.filled[rows] > nblk).any()):
             table[np.arange(nb) >= nblk[:, None]] = -1
-        slots = cur * tpb + p % tpb
+        slots = table[np.arange(b), blk].astype(np.int64) * tpb + p % tpb
         src = np.asarray(src_rows, dtype=np.int64) if ahead else np.full(b, -1, dtype=np.int64)
         cols = {
             "seeds": cache.seed[rows],
             "offsets": nout + 1 if ahead else nout,
             "top_k": cache.top_k[rows],
         }
+        floats = cache.floats[rows]
         for j, name in enumerate(smp.FLOAT_COLUMNS):
-            cols[name] = cache.floats[rows, j]
+            cols[name] = floats[:, j]
         return (ids, p, slots, src, table), cols, cache.plain[rows]
 
     def _check_vocab(self, flat_ids: np.ndarray, order: Any, cu: list[int]) -> None:
