@@ -142,8 +142,10 @@ class KVCacheManager:
             lo, hi = i * tpb, (i + 1) * tpb
             if hi <= n_prompt:
                 tokens = seq.prompt_token_ids[lo:hi]
+            elif lo >= n_prompt:
+                tokens = seq.output_token_ids[lo - n_prompt : hi - n_prompt]
             else:
-                tokens = [seq.token_at(j) for j in range(lo, hi)]
+                tokens = [*seq.prompt_token_ids[lo:], *seq.output_token_ids[: hi - n_prompt]]
             parent = block_hash(parent, tokens)
             hashes.append(parent)
         return hashes[:num_blocks]

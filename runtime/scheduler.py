@@ -30,6 +30,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import logging
+import operator
 from typing import Any
 
 from llmc.errors import ConfigError, RequestError
@@ -54,6 +55,7 @@ from llmc.runtime.types import (
 logger = logging.getLogger("llmc.scheduler")
 
 _new = object.__new__
+_SAMPLE = operator.attrgetter("sample")
 
 
 def decode_slice(seq: Sequence, start: int) -> ScheduledSequence:
@@ -319,7 +321,7 @@ class Scheduler:
         order. Returns the sequences that finished in this step (``finish_reason`` set).
         """
         seqs = batch.sequences
-        n_sampled = sum(1 for s in seqs if s.sample)
+        n_sampled = sum(map(_SAMPLE, seqs))
         if len(sampled_token_ids) != n_sampled:
             raise ValueError(
                 f"step {batch.step_id} sampled {n_sampled} sequences but "
@@ -331,6 +333,8 @@ class Scheduler:
         reuse = self.kv.enable_block_reuse
         running = SequenceStatus.RUNNING
         max_seq_len = self.config.max_seq_len
+        last_sp: Any = None
+        stop_ids: frozenset[int] = frozenset()
         for ss in seqs:
             seq = ss.seq
             token = next(tokens) if ss.sample else None
@@ -351,8 +355,11 @@ class Scheduler:
             out = seq.output_token_ids
             out.append(token)
             n_out = len(out)
+            if seq.sampling is not last_sp:  # consecutive rows often share one params object
+                last_sp = seq.sampling
+                stop_ids = self._stop_ids(last_sp)
             if (  # _stop_reason's conditions, inlined: most tokens end nothing
-                token not in self._stop_ids(seq.sampling)
+                token not in stop_ids
                 and n_out < seq.max_new_tokens
                 and len(seq.prompt_token_ids) + n_out < max_seq_len
             ):
