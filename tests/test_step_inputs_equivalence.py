@@ -24,7 +24,7 @@ from llmc.runtime.admission import GUARANTEED_NO_EVICT, MAX_UTILIZATION
 from llmc.runtime.cuda_graphs import _PAD_COLUMN, DecodeGraphs, graph_eligible
 from llmc.runtime.kv_cache import KVCacheManager
 from llmc.runtime.scheduler import Scheduler, SchedulerConfig
-from llmc.runtime.step_inputs import _flatten
+from llmc.runtime.step_inputs import DecodeRowCache, _flatten
 from llmc.runtime.types import FinishReason, SamplingParams, ScheduledBatch, Sequence
 
 TPB = 4
@@ -228,7 +228,10 @@ def engine(tiny_llama_dir):
     ("seed", "policy", "num_blocks"),
     [(0, MAX_UTILIZATION, 28), (1, GUARANTEED_NO_EVICT, 60), (2, MAX_UTILIZATION, 40)],
 )
-def test_staging_equals_reference_on_scheduler_batches(engine, seed, policy, num_blocks):
+@pytest.mark.parametrize("small_cache", [False, True])
+def test_staging_equals_reference_on_scheduler_batches(
+    engine, seed, policy, num_blocks, small_cache
+):
     spec, weights = engine
     rng = random.Random(seed)
     mbs, mnt = 12, 48
@@ -242,6 +245,8 @@ def test_staging_equals_reference_on_scheduler_batches(engine, seed, policy, num
         num_kv_blocks=num_blocks,
     )
     graphs = DecodeGraphs(runner, allow_cpu=True)
+    if small_cache:  # rows run out every few batches: the cache starts over
+        runner.inputs.row_cache = DecodeRowCache(mbs + 3, runner.max_blocks_per_seq)
     cfg = SchedulerConfig(
         max_num_tokens=mnt,
         max_batch_size=mbs,
@@ -299,3 +304,4 @@ def test_staging_equals_reference_on_scheduler_batches(engine, seed, policy, num
     assert stats["decode"] > 10 and stats["mixed"] > 10 and stats["graph"] > 10, stats
     assert stats["ahead"] > 10 and stats["cancelled"] > 0, stats
     assert stats["preempted"] > 0 or policy == GUARANTEED_NO_EVICT, stats
+    assert not small_cache or next(rid) > 2 * (mbs + 3)  # more sequences than rows, twice
