@@ -68,17 +68,6 @@ def ceilings() -> dict[str, float]:
     return {"copy_GBps": 2 * n / copy_ms / 1e6, "matmul_TFLOPs": 2 * m**3 / mm_ms / 1e9}
 
 
-def paged_kv(batch: int, ctx: int, nkv: int, hd: int, bs: int):
-    from llmc.runtime.backend import AttentionMetadata
-
-    nb_seq = math.ceil(ctx / bs)
-    nblocks = batch * nb_seq
-    perm = torch.randperm(nblocks, device=DEV).to(torch.int32).view(batch, nb_seq)
-    kc = torch.randn(nblocks, bs, nkv, hd, device=DEV).to(BF16)
-    vc = torch.randn(nblocks, bs, nkv, hd, device=DEV).to(BF16)
-    return kc, vc, perm, AttentionMetadata
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from llmc.cuda.cuda_backend import CudaBackend
 

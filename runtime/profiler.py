@@ -21,7 +21,7 @@ import json
 import re
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -432,18 +432,3 @@ def write_chrome_trace(path: str | Path, trace: dict[str, Any]) -> Path:
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(json.dumps(trace))
     return p
-
-
-@dataclass(frozen=True)
-class ProfileData:
-    """Everything a profile run measured, ready for the report and recommendations."""
-
-    phases: list[BreakdownRow]
-    ops: list[BreakdownRow]
-    op_families: list[BreakdownRow]
-    kernel_source: str
-    """'wall-clock op hooks (CPU)', 'torch.profiler CUDA kernels', or why none."""
-    memory: dict[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
