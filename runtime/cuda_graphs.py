@@ -76,7 +76,7 @@ def graph_eligible(batch: ScheduledBatch) -> bool:
         return False
     params = list(map(_PARAMS, rows))
     for p in dict(zip(map(id, params), params, strict=True)).values():  # distinct objects
-        if p.logprobs is not None or smp.uses_penalties(p):
+        if p.logprobs is not None or p.uses_penalties:
             return False
     return True
 

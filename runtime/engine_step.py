@@ -60,13 +60,11 @@ class InFlight:
 
 
 def token_counts(batch: ScheduledBatch) -> tuple[int, int]:
-    """(tokens, decode tokens) of ``batch`` in one pass (ScheduledBatch's properties, inlined)."""
+    """(tokens, decode tokens) of ``batch`` in one pass."""
     total = decode = 0
     for s in batch.sequences:
-        n = s.num_new_tokens
-        total += n
-        if n == 1 and s.start_position >= len(s.seq.prompt_token_ids):
-            decode += 1
+        total += s.num_new_tokens
+        decode += s.is_decode
     return total, decode
 
 
@@ -83,9 +81,7 @@ def ahead_ok(batch: ScheduledBatch, max_seq_len: int) -> bool:
     for ss in batch.sequences:
         seq = ss.seq
         p = seq.sampling
-        if p.logprobs is not None or p.repetition_penalty != 1.0:
-            return False
-        if p.presence_penalty or p.frequency_penalty:
+        if p.logprobs is not None or p.uses_penalties:
             return False
         if ss.sample:
             n_out = len(seq.output_token_ids) + 1  # with this step's token

@@ -74,10 +74,6 @@ def _seed64(seed: int) -> int:
     return _to_int64(seed)
 
 
-def uses_penalties(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-
-
 _CONST_COLUMNS = ("top_k", *FLOAT_COLUMNS)
 """Columns that depend on the SamplingParams only (not on the request id or the step)."""
 
@@ -137,12 +133,12 @@ def penalty_tensors(
     Built on the device from one flat index list (one extra host→device copy, only on
     steps where a row uses a penalty).
     """
-    if not any(uses_penalties(s.sampling) for s in seqs):
+    if not any(s.sampling.uses_penalties for s in seqs):
         return None
     out_idx: list[int] = []
     prompt_idx: list[int] = []
     for row, seq in enumerate(seqs):
-        if not uses_penalties(seq.sampling):
+        if not seq.sampling.uses_penalties:
             continue
         base = row * vocab_size
         out_idx.extend(base + t for t in seq.output_token_ids)

@@ -93,7 +93,7 @@ class DecodeRowCache:
         const = smp._const_row(p)
         self.top_k[r] = const[0]
         self.floats[r] = const[1:]
-        self.plain[r] = p.logprobs is None and not smp.uses_penalties(p)
+        self.plain[r] = p.logprobs is None and not p.uses_penalties
 
     def rows(self, seqs: list[Any], lists: list[Any], have: np.ndarray) -> np.ndarray:
         """The rows [b] int64 of ``seqs`` (whose block_tables are ``lists``, of lengths
@@ -372,7 +372,7 @@ class StepInputBuilder:
             num_decode = sum(1 for s in order if s.num_new_tokens == 1)
             max_query = max(s.num_new_tokens for s in order)
             if src_rows is not None and any(
-                s.seq.sampling.logprobs is not None or smp.uses_penalties(s.seq.sampling)
+                s.seq.sampling.logprobs is not None or s.seq.sampling.uses_penalties
                 for s in sampled
             ):
                 raise EngineError(

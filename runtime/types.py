@@ -75,6 +75,15 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def uses_penalties(self) -> bool:
+        """Any repetition / presence / frequency penalty (they need the token history)."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"

@@ -107,7 +107,7 @@ def ref_prepare_stage(self, batch, src_rows=None):
             tables[i, : len(blocks)] = blocks
     sampled = [s for s in seqs if s.sample]
     if src_rows is not None and any(
-        s.seq.sampling.logprobs is not None or smp.uses_penalties(s.seq.sampling) for s in sampled
+        s.seq.sampling.logprobs is not None or s.seq.sampling.uses_penalties for s in sampled
     ):
         raise EngineError(
             f"step {batch.step_id}: async scheduling does not serve penalties or logprobs"
