@@ -101,6 +101,13 @@ for r in $ROWS; do
     profile) profile_run ;;
     2048) bench llama8b_2048_128 "$L8" 200 --num_requests "$N_2048" --isl 2048 --osl 128 ;;
     long) bench llama8b_128_2048 "$L8" 200 --num_requests "$N_LONG" --isl 128 --osl 2048 ;;
+    b1mb256) bench llama8b_b1_mb256 "$L8" 90 --num_requests "$N_B1" --isl 128 --osl 512 \
+            --concurrency 1 --warmup 1 --max_batch_size 256 ;;
+    b1prof) log "profile batch 1 (per-kernel table in profile_b1.json)"
+        timeout 120 $LLMC profile --engine_dir "$L8" --num_requests 2 --isl 128 --osl 256 \
+            --concurrency 1 --warmup 1 --json "$RES/profile_b1.json" \
+            > "$RES/profile_b1.txt" 2>&1 || { log "profile b1 FAILED"; status=1; }
+        pack ;;
     b1sync) bench llama8b_b1_sync "$L8" 90 --num_requests "$N_B1" --isl 128 --osl 512 \
             --concurrency 1 --warmup 1 --no_async_scheduling ;;
     nographs) bench llama8b_b1_nographs "$L8" 60 --num_requests 2 --isl 128 --osl 512 \

@@ -32,6 +32,7 @@ ROWS = (
     ("llama8b_128_128_nographs", "Llama-3-8B 128/128, --no_cuda_graphs"),
     ("llama8b_b1_nographs", "Llama-3-8B batch 1, --no_cuda_graphs"),
     ("llama8b_b1_sync", "Llama-3-8B batch 1, --no_async_scheduling"),
+    ("llama8b_b1_mb256", "Llama-3-8B batch 1, --max_batch_size 256"),
 )
 
 
