@@ -55,10 +55,11 @@ if [ "${SKIP_TESTS:-0}" != "1" ]; then
     grep -E "^(FAILED|ERROR)|passed|failed|agreement" "$OUT/pytest.log" | tail -15
 fi
 
-build() {  # profile, dir
-    log "build $1"
-    timeout 300 $LLMC build --profile "$1" --output_dir "$2" --target sm_90 --dtype bfloat16 \
-        --force >> "$OUT/bench.log" 2>&1 || { log "build $1 FAILED"; status=1; }
+build() {  # profile, dir, extra build flags...
+    local prof=$1 dir=$2; shift 2
+    log "build $prof $*"
+    timeout 300 $LLMC build --profile "$prof" --output_dir "$dir" --target sm_90 --dtype bfloat16 \
+        --force "$@" >> "$OUT/bench.log" 2>&1 || { log "build $prof FAILED"; status=1; }
 }
 pack() {  # summary table + every result so far into $OUT (a killed call still returns them)
     $PY "$REPO/scripts/device_e2e.py" "$RES" ${TRACE_ARG:-} > "$OUT/summary.md" 2>&1
@@ -107,6 +108,19 @@ for r in $ROWS; do
         timeout 120 $LLMC profile --engine_dir "$L8" --num_requests 2 --isl 128 --osl 256 \
             --concurrency 1 --warmup 1 --json "$RES/profile_b1.json" \
             > "$RES/profile_b1.txt" 2>&1 || { log "profile b1 FAILED"; status=1; }
+        pack ;;
+    128mb1024) build llama3-8b "$ENG/llama3-8b-mb1024" --max_batch_size 1024
+        bench llama8b_128_128_mb1024 "$ENG/llama3-8b-mb1024" 200 --num_requests "$N_128" \
+            --isl 128 --osl 128 ;;
+    prof2048) log "profile 2048/128 (kernel families in profile_2048.json)"
+        timeout 150 $LLMC profile --engine_dir "$L8" --num_requests 300 --isl 2048 --osl 128 \
+            --warmup 2 --json "$RES/profile_2048.json" > "$RES/profile_2048.txt" 2>&1 \
+            || { log "profile 2048 FAILED"; status=1; }
+        pack ;;
+    profsmol) log "profile SmolLM2 shape 128/128 (profile_smol.json)"
+        timeout 150 $LLMC profile --engine_dir "$SM" --num_requests 2048 --isl 128 --osl 128 \
+            --warmup 2 --json "$RES/profile_smol.json" > "$RES/profile_smol.txt" 2>&1 \
+            || { log "profile smol FAILED"; status=1; }
         pack ;;
     b1sync) bench llama8b_b1_sync "$L8" 90 --num_requests "$N_B1" --isl 128 --osl 512 \
             --concurrency 1 --warmup 1 --no_async_scheduling ;;

@@ -33,6 +33,7 @@ ROWS = (
     ("llama8b_b1_nographs", "Llama-3-8B batch 1, --no_cuda_graphs"),
     ("llama8b_b1_sync", "Llama-3-8B batch 1, --no_async_scheduling"),
     ("llama8b_b1_mb256", "Llama-3-8B batch 1, --max_batch_size 256"),
+    ("llama8b_128_128_mb1024", "Llama-3-8B 128/128 offline, max_batch_size 1024"),
 )
 
 
