@@ -101,13 +101,13 @@ __device__ __forceinline__ float load_cg(const float* p) {
 
 // Online-softmax attention of this thread's streams over keys [kbeg, kend).  POW2: the
 // block size is 1 << bs_shift (index by shift and mask instead of a division per key).
-template <bool POW2>
+template <bool POW2, int NWARPS = NW>
 __device__ __forceinline__ void attend_keys(
     const scalar_t* __restrict__ k_cache, const scalar_t* __restrict__ v_cache,
     const int* __restrict__ bt, int block_size, int bs_shift, int kvh, int sub, int stream,
     int kbeg, int kend, const float (&qf)[G][DPL], float (&m)[G], float (&l)[G],
     float (&acc)[G][DPL]) {
-    constexpr int lpk = LPK, dpl = DPL, ns = NW * KG;
+    constexpr int lpk = LPK, dpl = DPL, ns = NWARPS * KG;
     constexpr int words = dpl * (int)sizeof(scalar_t) / 4;
     const long long row_stride = (long long)NKV * HD;
     for (int base = kbeg; base < kend; base += ns * U) {
@@ -166,6 +166,29 @@ __device__ __forceinline__ void attend_keys(
                 for (int u = 0; u < U; ++u) a = fmaf(p[u], word_elem(vw[u], d), a);
                 acc[g][d] = a;
             }
+        }
+    }
+}
+
+// Merge the softmax states of the streams of one warp (lanes with the same `sub`).
+__device__ __forceinline__ void merge_warp_streams(float (&m)[G], float (&l)[G],
+                                                   float (&acc)[G][DPL]) {
+#pragma unroll
+    for (int o = 16; o >= LPK; o >>= 1) {
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            const float mo = __shfl_xor_sync(0xffffffffu, m[g], o);
+            const float lo = __shfl_xor_sync(0xffffffffu, l[g], o);
+            const float mn = fmaxf(m[g], mo);
+            const float fa = mn == LLMC_NEG_INF ? 0.f : exp2f(m[g] - mn);
+            const float fb = mn == LLMC_NEG_INF ? 0.f : exp2f(mo - mn);
+            l[g] = l[g] * fa + lo * fb;
+#pragma unroll
+            for (int d = 0; d < DPL; ++d) {
+                const float ao = __shfl_xor_sync(0xffffffffu, acc[g][d], o);
+                acc[g][d] = acc[g][d] * fa + ao * fb;
+            }
+            m[g] = mn;
         }
     }
 }
@@ -232,25 +255,7 @@ paged_attention_kernel(const scalar_t* __restrict__ q, const scalar_t* __restric
         attend_keys<false>(k_cache, v_cache, bt, block_size, bs_shift, kvh, sub, stream, kbeg,
                            kend, qf, m, l, acc);
 
-    // Merge the streams of this warp (lanes with the same `sub`).
-#pragma unroll
-    for (int o = 16; o >= lpk; o >>= 1) {
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-            const float mo = __shfl_xor_sync(0xffffffffu, m[g], o);
-            const float lo = __shfl_xor_sync(0xffffffffu, l[g], o);
-            const float mn = fmaxf(m[g], mo);
-            const float fa = mn == LLMC_NEG_INF ? 0.f : exp2f(m[g] - mn);
-            const float fb = mn == LLMC_NEG_INF ? 0.f : exp2f(mo - mn);
-            l[g] = l[g] * fa + lo * fb;
-#pragma unroll
-            for (int d = 0; d < dpl; ++d) {
-                const float ao = __shfl_xor_sync(0xffffffffu, acc[g][d], o);
-                acc[g][d] = acc[g][d] * fa + ao * fb;
-            }
-            m[g] = mn;
-        }
-    }
+    merge_warp_streams(m, l, acc);
 
     __shared__ float sm_ml[NW][G][2];
     __shared__ float sm_acc[NW][G][HD];
@@ -324,3 +329,151 @@ paged_attention_kernel(const scalar_t* __restrict__ q, const scalar_t* __restric
         out[((long long)t * NQ + h) * HD + d] = from_float(L > 0.f ? A / L : 0.f);
     }
 }
+
+// ---------------------------------------------------------------------------------------
+// Small decode batches (sm_90+): a cluster of CSPLIT CTAs per (token, kv head) splits the
+// context, and the partials are merged through distributed shared memory: no partials in
+// global memory, no fence, no atomic counter, no second kernel.  At batch 1 the split
+// kernel above spends most of its ~12 us on those round trips (the keys themselves are
+// ~1 MB per layer).  Each sequence uses ceil(kv_len / min_keys) of the CSPLIT CTAs (at
+// least 1); the others contribute an empty state.  Decode rows only (token i = sequence i).
+// Launch: grid (tokens, NKV, CSPLIT), block CNW * 32; cluster (1, 1, CSPLIT) is fixed.
+#define CSPLIT 8
+#define CNW 8
+
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    unsigned a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+// A float of CTA `rank`'s shared memory at the address `a` has in this CTA's.
+__device__ __forceinline__ float ld_cluster(unsigned a, unsigned rank) {
+    unsigned ra;
+    float v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(a), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(ra) : "memory");
+    return v;
+}
+__device__ __forceinline__ void cluster_sync_all() {
+    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+extern "C" __global__ void __cluster_dims__(1, 1, CSPLIT) __launch_bounds__(CNW * 32, 2)
+paged_attention_cluster_kernel(const scalar_t* __restrict__ q,
+                               const scalar_t* __restrict__ k_cache,
+                               const scalar_t* __restrict__ v_cache,
+                               const int* __restrict__ block_tables, int max_blocks_per_seq,
+                               int block_size, const int* __restrict__ seq_lens,
+                               scalar_t* __restrict__ out, float scale_log2, int min_keys,
+                               int bs_shift) {
+    constexpr int lpk = LPK, dpl = DPL, kg = KG;
+    constexpr int dv = vec_width_for(dpl);
+    const int t = blockIdx.x;
+    const int kvh = blockIdx.y;
+    const int split = blockIdx.z;  // == the CTA's rank in its cluster
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int sub = lane % lpk, grp = lane / lpk;
+    const int stream = warp * kg + grp;
+
+    const int sl = seq_lens[t];
+    const int kv_len = sl > 0 ? sl : 0;  // graph padding rows (seq_len <= 0) write zeros
+    const int nsplit = max(1, min(CSPLIT, (kv_len + min_keys - 1) / max(1, min_keys)));
+    const int chunk = (kv_len + nsplit - 1) / nsplit;
+    const int kbeg = split < nsplit ? split * chunk : 0;
+    const int kend = split < nsplit ? min(kv_len, kbeg + chunk) : 0;
+    const int* bt = block_tables + (long long)t * max_blocks_per_seq;
+
+    float qf[G][dpl];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+#pragma unroll
+        for (int d = 0; d < dpl; d += dv)
+            load_vec<dv>(q + ((long long)t * NQ + kvh * G + g) * HD + sub * dpl + d, qf[g] + d);
+#pragma unroll
+        for (int d = 0; d < dpl; ++d) qf[g][d] *= scale_log2;
+    }
+    float m[G], l[G], acc[G][dpl];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        m[g] = LLMC_NEG_INF;
+        l[g] = 0.f;
+#pragma unroll
+        for (int d = 0; d < dpl; ++d) acc[g][d] = 0.f;
+    }
+    if (bs_shift >= 0)
+        attend_keys<true, CNW>(k_cache, v_cache, bt, block_size, bs_shift, kvh, sub, stream,
+                               kbeg, kend, qf, m, l, acc);
+    else
+        attend_keys<false, CNW>(k_cache, v_cache, bt, block_size, bs_shift, kvh, sub, stream,
+                                kbeg, kend, qf, m, l, acc);
+    merge_warp_streams(m, l, acc);
+
+    // This CTA's state (max, sum, unnormalised acc) per head, from its warps' states.
+    __shared__ float sm_ml[CNW][G][2];
+    __shared__ float sm_acc[CNW][G][HD];
+    __shared__ float cta_ml[G][2];
+    __shared__ float cta_acc[G][HD];
+    if (grp == 0) {
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            if (sub == 0) {
+                sm_ml[warp][g][0] = m[g];
+                sm_ml[warp][g][1] = l[g];
+            }
+#pragma unroll
+            for (int d = 0; d < dpl; ++d) sm_acc[warp][g][sub * dpl + d] = acc[g][d];
+        }
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < G * HD; idx += blockDim.x) {
+        const int g = idx / HD, d = idx % HD;
+        float M = LLMC_NEG_INF;
+#pragma unroll
+        for (int w = 0; w < CNW; ++w) M = fmaxf(M, sm_ml[w][g][0]);
+        float L = 0.f, A = 0.f;
+        if (M != LLMC_NEG_INF) {
+#pragma unroll
+            for (int w = 0; w < CNW; ++w) {
+                const float f = exp2f(sm_ml[w][g][0] - M);
+                L += sm_ml[w][g][1] * f;
+                A += sm_acc[w][g][d] * f;
+            }
+        }
+        cta_acc[g][d] = A;
+        if (d == 0) {
+            cta_ml[g][0] = M;
+            cta_ml[g][1] = L;
+        }
+    }
+    cluster_sync_all();  // every CTA's state is written and visible to the cluster
+
+    // CTA `split` finishes its share of the G * HD outputs from all CSPLIT states.
+    constexpr int per = (G * HD + CSPLIT - 1) / CSPLIT;
+    const int idx = split * per + (int)threadIdx.x;
+    if (threadIdx.x < per && idx < G * HD) {
+        const int g = idx / HD, d = idx % HD;
+        const unsigned a_m = smem_addr(&cta_ml[g][0]), a_l = smem_addr(&cta_ml[g][1]);
+        const unsigned a_acc = smem_addr(&cta_acc[g][d]);
+        float ms[CSPLIT];
+        float M = LLMC_NEG_INF;
+#pragma unroll
+        for (int r = 0; r < CSPLIT; ++r) {
+            ms[r] = ld_cluster(a_m, r);
+            M = fmaxf(M, ms[r]);
+        }
+        float L = 0.f, A = 0.f;
+        if (M != LLMC_NEG_INF) {
+#pragma unroll
+            for (int r = 0; r < CSPLIT; ++r) {
+                const float f = exp2f(ms[r] - M);
+                L += ld_cluster(a_l, r) * f;
+                A += ld_cluster(a_acc, r) * f;
+            }
+        }
+        out[((long long)t * NQ + kvh * G + g) * HD + d] = from_float(L > 0.f ? A / L : 0.f);
+    }
+    cluster_sync_all();  // no CTA leaves while another still reads its shared memory
+}
+#endif
