@@ -19,6 +19,11 @@ Kernel constants (dtype, head_dim, query / kv heads) are read from the tensors o
 call; kernels of each config come from the engine's ``kernels/`` cubins when present,
 else NVRTC (``llmc.cuda.kernels.KernelLibrary``). Matrix products are torch.mm/addmm.
 
+Small-step fusions (``norm_linear``, ``norm_gate_up_silu``, ``linear_residual_add``;
+cuda/gemv.cu) serve steps of at most ``fused_decode_max_tokens`` (<= 8) tokens: one CTA
+per SM, the activations staged in shared memory (chunks of ``GEMV_SMEM_BYTES``, set once
+per kernel as its dynamic shared-memory limit, before any graph capture uses it).
+
 Limits of the current kernels: contiguous tensors with 16-byte-aligned bases for the
 vector paths (unaligned views raise), q/k/v and cache of one dtype, cos/sin float32.
 """
@@ -32,7 +37,7 @@ import numpy as np
 import torch
 
 from llmc.cuda.kernels import KernelConfig, KernelLibrary
-from llmc.errors import UnsupportedError
+from llmc.errors import ConfigError, UnsupportedError
 from llmc.runtime.backend import AttentionMetadata, SamplingMetadata
 
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -40,6 +45,10 @@ LOG2E = 1.4426950408889634
 MAX_SPLITS = 32
 SPLIT_ROWS_PER_SEQ = 8  # partials budget: max_num_seqs * 8 (token, split) rows
 CTAS_PER_SM = 4  # resident decode-attention CTAs per SM (__launch_bounds__(128, 4))
+GEMV_MAX_TOKENS = 8  # gemv.cu kernels exist for M = 1..8 token rows
+GEMV_THREADS, GEMV_WARPS = 512, 16  # gemv.cu block: 16 warps, one weight unit per warp
+GEMV_SMEM_BYTES = 192 * 1024  # most float32 activations staged per CTA (M x KC columns)
+_GEMV_MODES = {"gemv_norm": 0, "gemv_norm_silu": 1, "gemv_add": 2}
 
 
 def _p(t: torch.Tensor) -> np.uint64:
@@ -61,8 +70,27 @@ def _need(t: torch.Tensor, name: str, dtype: torch.dtype | None = None) -> None:
         raise UnsupportedError(f"CudaBackend: {name} must be {dtype}, got {t.dtype}")
 
 
+def gemv_rows(m: int, mode: int) -> int:
+    """Weight rows per warp unit in gemv.cu (``gemv_rows<M, MODE>``)."""
+    if mode == 1:
+        return 2 if m <= 4 else 4
+    return 1 if m <= 2 else 2 if m <= 4 else 4
+
+
+def gemv_chunk(m: int, k: int, budget: int = GEMV_SMEM_BYTES) -> int:
+    """Columns staged in shared memory per chunk: all of K when M * K floats fit ``budget``
+    bytes, else the largest multiple of 256 that does."""
+    if m * k * 4 <= budget:
+        return k
+    return budget // (4 * m) // 256 * 256
+
+
 class CudaBackend:
-    """Backend on CuPy kernels. ``kernels_dir``: an engine's cubins (None = NVRTC)."""
+    """Backend on CuPy kernels. ``kernels_dir``: an engine's cubins (None = NVRTC).
+
+    ``fused_decode_max_tokens`` (0..8, default 8; 0 = off): the ModelRunner runs steps of
+    at most this many tokens through the fused gemv ops.
+    """
 
     name = "cuda"
 
@@ -71,8 +99,17 @@ class CudaBackend:
         device: torch.device | str = "cuda",
         kernels_dir: Any = None,
         max_num_seqs: int = 256,
+        fused_decode_max_tokens: int = GEMV_MAX_TOKENS,
     ) -> None:
         import cupy
+
+        n = fused_decode_max_tokens
+        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= GEMV_MAX_TOKENS:
+            raise ConfigError(
+                f"CudaBackend: fused_decode_max_tokens must be an integer in "
+                f"0..{GEMV_MAX_TOKENS}, got {n!r}"
+            )
+        self.fused_decode_max_tokens = n
 
         self.device = torch.device(device)
         if self.device.type != "cuda":
@@ -85,11 +122,17 @@ class CudaBackend:
         self._cp_device = cupy.cuda.Device(self.device.index)
         self._libs: dict[KernelConfig, KernelLibrary] = {}
         self._streams: dict[int, Any] = {}
-        self._sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
+        props = torch.cuda.get_device_properties(self.device)
+        self._sm_count = props.multi_processor_count
+        # gemv staging budget: what the device lends one block (227 KB on sm_90), less the
+        # kernels' 1 KB of static shared memory
+        optin = getattr(props, "shared_memory_per_block_optin", GEMV_SMEM_BYTES + 4096)
+        self._gemv_smem = min(GEMV_SMEM_BYTES, (optin - 4096) // 1024 * 1024)
         self._part_acc: torch.Tensor | None = None
         self._part_ml: torch.Tensor | None = None
         self._counters: torch.Tensor | None = None
         self._tokens: torch.Tensor | None = None
+        self._gemv_kernels: dict[tuple[torch.dtype, str], Any] = {}
         self.force_splits: int | None = None  # benchmark override of num_splits
         self.force_min_keys: int | None = None  # benchmark override of min_split_keys
 
@@ -103,13 +146,15 @@ class CudaBackend:
             lib = self._libs[cfg] = KernelLibrary(cfg, self.kernels_dir)
         return lib
 
-    def _launch(self, kernel: Any, grid: tuple, block: tuple, args: tuple) -> None:
+    def _launch(
+        self, kernel: Any, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0
+    ) -> None:
         ptr = torch.cuda.current_stream(self.device).cuda_stream
         stream = self._streams.get(ptr)
         if stream is None:
             stream = self._streams[ptr] = self._cp.cuda.ExternalStream(ptr, self.device.index)
         with self._cp_device, stream:
-            kernel(grid, block, args)
+            kernel(grid, block, args, shared_mem=shared_mem)
 
     def reserve(self, max_num_seqs: int, num_q_heads: int, head_dim: int, vocab_rows: int = 0):
         """Allocate the decode partials and token buffers (before any graph capture)."""
@@ -193,6 +238,141 @@ class CudaBackend:
         if bias is None:
             return torch.mm(x, weight.t(), out=out)
         return torch.addmm(bias, x, weight.t(), out=out)
+
+    # ---- small-step fusions (gemv.cu) ------------------------------------------------
+    def _gemv(
+        self,
+        family: str,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        n_out: int,
+        aligned: tuple[torch.Tensor, ...],
+        args: tuple,
+    ) -> None:
+        """Launch ``family``_m<M> for x [M, K] against weight [rows, K], ``n_out`` outputs;
+        ``args`` go between the pointer arguments and (N, K, KC)."""
+        m, k = x.shape
+        if m > GEMV_MAX_TOKENS:
+            raise UnsupportedError(
+                f"CudaBackend.{family}: {m} token rows; the fused gemv kernels take at most "
+                f"{GEMV_MAX_TOKENS} (use the unfused ops for larger steps)"
+            )
+        vec_ok = k % (16 // x.element_size()) == 0 and _aligned(*aligned)
+        name = f"{family}_m{m}" + ("" if vec_ok else "_scalar")
+        kern = self._gemv_kernels.get((x.dtype, name))
+        if kern is None:
+            kern = self._lib(x.dtype).get("gemv", name)
+            kern.max_dynamic_shared_size_bytes = self._gemv_smem
+            self._gemv_kernels[(x.dtype, name)] = kern
+        mode = _GEMV_MODES[family]
+        rows = gemv_rows(m, mode)
+        units = math.ceil(n_out / (rows // 2 if mode == 1 else rows))
+        kc = gemv_chunk(m, k, self._gemv_smem)
+        grid = (max(1, min(self._sm_count, math.ceil(units / GEMV_WARPS))),)
+        full = args + (_i(n_out), _i(k), _i(kc))
+        self._launch(kern, grid, (GEMV_THREADS,), full, shared_mem=m * kc * 4)
+
+    def _check_gemv(
+        self, op: str, x: torch.Tensor, weight: torch.Tensor, x_name: str
+    ) -> tuple[int, int, int]:
+        _need(x, x_name)
+        _need(weight, "weight", x.dtype)
+        if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
+            raise UnsupportedError(
+                f"CudaBackend.{op}: {x_name} {list(x.shape)} and weight {list(weight.shape)} "
+                f"do not chain ([M, K] x [N, K])"
+            )
+        if x.dtype not in _DTYPES:
+            raise UnsupportedError(f"CudaBackend.{op}: dtype {x.dtype} is not supported")
+        return x.shape[0], x.shape[1], weight.shape[0]
+
+    def _check_norm(self, op: str, norm_weight: torch.Tensor, x: torch.Tensor) -> None:
+        _need(norm_weight, "norm weight", x.dtype)
+        if tuple(norm_weight.shape) != (x.shape[1],):
+            raise UnsupportedError(
+                f"CudaBackend.{op}: norm weight {list(norm_weight.shape)} does not match the "
+                f"residual's {x.shape[1]} columns"
+            )
+
+    def _gemv_out(
+        self, op: str, out: torch.Tensor | None, shape: tuple[int, int], x: torch.Tensor
+    ) -> torch.Tensor:
+        if out is None:
+            return torch.empty(shape, dtype=x.dtype, device=self.device)
+        _need(out, "out", x.dtype)
+        if tuple(out.shape) != shape:
+            raise UnsupportedError(
+                f"CudaBackend.{op}: out has shape {list(out.shape)}, expected {list(shape)}"
+            )
+        return out
+
+    def norm_linear(
+        self,
+        residual: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """linear(rms_norm(residual, norm_weight), weight, bias) in one kernel (M <= 8)."""
+        m, _, n = self._check_gemv("norm_linear", residual, weight, "residual")
+        self._check_norm("norm_linear", norm_weight, residual)
+        if bias is not None:
+            _need(bias, "bias", residual.dtype)
+            if tuple(bias.shape) != (n,):
+                raise UnsupportedError(
+                    f"CudaBackend.norm_linear: bias {list(bias.shape)} does not match {n} rows"
+                )
+        out = self._gemv_out("norm_linear", out, (m, n), residual)
+        if m == 0:
+            return out
+        args = (
+            _p(residual), _p(norm_weight), np.float32(eps), _p(weight),
+            _p(bias) if bias is not None else np.uint64(0), _p(out),
+        )  # fmt: skip
+        self._gemv("gemv_norm", residual, weight, n, (residual, norm_weight, weight), args)
+        return out
+
+    def norm_gate_up_silu(
+        self,
+        residual: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        gate_up_weight: torch.Tensor,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """silu_and_mul(linear(rms_norm(residual), gate_up_weight)) in one kernel (M <= 8)."""
+        op = "norm_gate_up_silu"
+        m, _, n2 = self._check_gemv(op, residual, gate_up_weight, "residual")
+        self._check_norm(op, norm_weight, residual)
+        if n2 % 2:
+            raise UnsupportedError(
+                f"CudaBackend.{op}: gate_up weight has {n2} rows; expected gate | up (even)"
+            )
+        out = self._gemv_out(op, out, (m, n2 // 2), residual)
+        if m == 0:
+            return out
+        args = (_p(residual), _p(norm_weight), np.float32(eps), _p(gate_up_weight), _p(out))
+        aligned = (residual, norm_weight, gate_up_weight)
+        self._gemv("gemv_norm_silu", residual, gate_up_weight, n2 // 2, aligned, args)
+        return out
+
+    def linear_residual_add(
+        self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor
+    ) -> torch.Tensor:
+        """residual += linear(x, weight) in place (one kernel, M <= 8); returns residual."""
+        m, _, n = self._check_gemv("linear_residual_add", x, weight, "x")
+        _need(residual, "residual", x.dtype)
+        if tuple(residual.shape) != (m, n):
+            raise UnsupportedError(
+                f"CudaBackend.linear_residual_add: residual {list(residual.shape)}, expected "
+                f"{[m, n]}"
+            )
+        if m == 0:
+            return residual
+        self._gemv("gemv_add", x, weight, n, (x, weight), (_p(x), _p(weight), _p(residual)))
+        return residual
 
     def rope_and_cache_write(
         self,

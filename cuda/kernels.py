@@ -39,6 +39,7 @@ FAMILIES: dict[str, tuple[str, bool]] = {
     "decode_attention": ("decode_attention.cu", True),
     "prefill_attention": ("prefill_attention.cu", True),
     "sampling": ("sampling.cu", False),
+    "gemv": ("gemv.cu", False),
 }
 
 

@@ -16,6 +16,9 @@ Ops:
 - ``rope_and_cache_write`` NeoX RoPE of q and k (float32 math), k/v written to their slots.
 - ``paged_attention``    causal GQA attention over the paged cache, float32 softmax.
 - ``silu_and_mul``       silu(gate) * up.
+- ``norm_linear`` / ``norm_gate_up_silu`` / ``linear_residual_add``: the small-batch decode
+  fusions (cuda/gemv.cu), composed from the ops above, so by construction what the unfused
+  sequence computes (every intermediate rounded to the dtype).
 - ``philox_uniform``     Philox4x32-10 counter-based uniforms (bit-exact recipe below).
 - ``apply_penalties`` / ``apply_filters`` / ``sample``: the sampling pipeline.
 """
@@ -66,6 +69,34 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [T, 2I] = gate | up → silu(gate) * up [T, I] (in x.dtype)."""
     gate, up = x.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+def norm_linear(
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """linear(rms_norm(residual), weight, bias): residual [T, K] → [T, N] (the qkv path)."""
+    return linear(rms_norm(residual, norm_weight, eps), weight, bias)
+
+
+def norm_gate_up_silu(
+    residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_up_weight: torch.Tensor
+) -> torch.Tensor:
+    """silu_and_mul(linear(rms_norm(residual), gate_up_weight)): [T, K] → [T, I].
+
+    gate_up_weight [2I, K] holds the gate rows, then the up rows.
+    """
+    return silu_and_mul(linear(rms_norm(residual, norm_weight, eps), gate_up_weight))
+
+
+def linear_residual_add(
+    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor
+) -> torch.Tensor:
+    """residual += linear(x, weight) (in place, in residual's dtype); returns residual."""
+    return residual.add_(linear(x, weight))
 
 
 # ---------------------------------------------------------------------------------------

@@ -23,6 +23,12 @@ S = sequences sampled this step, H = hidden, V = vocab, nq/nkv = heads, hd = hea
   ``llmc.cuda.reference.philox_uniform(s, n, v)``; the token is the Gumbel-max
   ``argmax(log p_v - log(-log u_v))`` over the filtered distribution (top-k, top-p, min-p).
   Greedy rows (temperature 0) take argmax of the logits (after penalties), first index on ties.
+- Small-step fusions: a backend whose ``fused_decode_max_tokens`` attribute is > 0 (absent
+  = 0) also implements ``norm_linear``, ``norm_gate_up_silu`` and ``linear_residual_add``;
+  the ModelRunner runs steps of ``0 < T <= fused_decode_max_tokens`` tokens through them
+  (qkv, gate_up + SiLU, o_proj / down + residual add). Each computes exactly what its
+  unfused op sequence computes, every intermediate rounded to the activation dtype
+  (``llmc.cuda.reference``).
 """
 
 from __future__ import annotations
@@ -140,6 +146,39 @@ class Backend(Protocol):
 
     def silu_and_mul(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, 2I] (gate | up) → silu(gate) * up [T, I]."""
+        ...
+
+    # ---- small-step fusions (needed only when ``fused_decode_max_tokens`` > 0) ----------
+    # fused_decode_max_tokens: int  -- steps of at most this many tokens use the ops below
+
+    def norm_linear(
+        self,
+        residual: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """residual [T, K] → linear(rms_norm(residual, norm_weight), weight, bias) [T, N]."""
+        ...
+
+    def norm_gate_up_silu(
+        self,
+        residual: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        gate_up_weight: torch.Tensor,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """residual [T, K], gate_up_weight [2I, K] (gate rows | up rows) →
+        silu_and_mul(linear(rms_norm(residual, norm_weight), gate_up_weight)) [T, I]."""
+        ...
+
+    def linear_residual_add(
+        self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor
+    ) -> torch.Tensor:
+        """residual [T, N] += linear(x [T, K], weight [N, K]) in place; returns residual."""
         ...
 
     def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

@@ -8,6 +8,8 @@ Per ``step(batch)``:
 2. forward: embed → per layer [norm, qkv, rope + KV write, paged attention, o_proj,
    add+norm, gate_up, silu·mul, down, (add+norm fused with the next layer's norm)] →
    final add+norm → gather the sampled rows → lm_head (embed_tokens when tied) → logits.
+   Steps of at most ``backend.fused_decode_max_tokens`` tokens run fused small-batch ops
+   instead (norm+qkv, o_proj+add, norm+gate_up+SiLU, down+add; see ``_forward``).
    Every op writes into a view of the workspace arena (the memory plan's offsets).
 3. sample: ``backend.sample`` → ``sampled_ids``; ONE device→host copy returns the ids (and,
    when a row asked for them, the log-probabilities packed in the same copy).
@@ -184,7 +186,15 @@ class ModelRunner:
 
     # ---- forward -------------------------------------------------------------------
     def _forward(self, inp: StepInputs) -> torch.Tensor | None:
-        """Run the layers; returns logits [S, V] float32 (a workspace view) or None if S = 0."""
+        """Run the layers; returns logits [S, V] float32 (a workspace view) or None if S = 0.
+
+        Steps of ``0 < T <= backend.fused_decode_max_tokens`` tokens (attribute absent = 0)
+        run each layer as norm_linear (input norm + qkv), rope + KV write, attention,
+        linear_residual_add (o_proj, into residual in place), norm_gate_up_silu (post-attn
+        norm + gate_up + SiLU·mul), linear_residual_add (down) and end with rms_norm of the
+        residual; the unfused path defers each residual add into the next add+norm. Both
+        compute the same values (every intermediate rounded to the dtype).
+        """
         be, w, ws, spec = self.backend, self.weights, self.workspace, self.spec
         t, s = inp.num_tokens, inp.num_sampled
         eps = spec.rms_norm_eps
@@ -193,26 +203,37 @@ class ModelRunner:
         qkv, q, attn_out = ws["qkv"][:t], ws["q"][:t], ws["attn_out"][:t]
         proj_out, gate_up, act = ws["proj_out"][:t], ws["gate_up"][:t], ws["act"][:t]
         meta = inp.attn
+        fused = 0 < t <= getattr(be, "fused_decode_max_tokens", 0)
+
+        def attend(i: int) -> None:  # qkv → rope + KV write → attention → attn_out
+            k_cache, v_cache = self.kv_cache.layer(i)
+            qh = be.rope_and_cache_write(
+                qkv, meta.positions, self.cos, self.sin, k_cache, v_cache, meta.slot_mapping,
+                out=q,
+            )  # fmt: skip
+            be.attention(qh.view(t, nq, hd), k_cache, v_cache, meta, out=attn_out)
+
         be.embedding(inp.input_ids, w["embed_tokens"], out=residual)
         for i in range(spec.num_layers):
             p = f"layers.{i}."
-            k_cache, v_cache = self.kv_cache.layer(i)
+            if fused:
+                be.norm_linear(
+                    residual, w[p + "input_norm"], eps, w[p + "qkv_proj"],
+                    w.get(p + "qkv_bias"), out=qkv,
+                )  # fmt: skip
+                attend(i)
+                be.linear_residual_add(attn_out, w[p + "o_proj"], residual)
+                be.norm_gate_up_silu(
+                    residual, w[p + "post_attn_norm"], eps, w[p + "gate_up_proj"], out=act
+                )
+                be.linear_residual_add(act, w[p + "down_proj"], residual)
+                continue
             if i == 0:
                 be.rms_norm(residual, w[p + "input_norm"], eps, out=normed)
             else:  # the previous layer's MLP residual add, fused with this layer's norm
                 be.add_rms_norm(proj_out, residual, w[p + "input_norm"], eps, out=normed)
             be.linear(normed, w[p + "qkv_proj"], w.get(p + "qkv_bias"), out=qkv)
-            qh = be.rope_and_cache_write(
-                qkv,
-                meta.positions,
-                self.cos,
-                self.sin,
-                k_cache,
-                v_cache,
-                meta.slot_mapping,
-                out=q,
-            )
-            be.attention(qh.view(t, nq, hd), k_cache, v_cache, meta, out=attn_out)
+            attend(i)
             be.linear(attn_out, w[p + "o_proj"], out=proj_out)
             be.add_rms_norm(proj_out, residual, w[p + "post_attn_norm"], eps, out=normed)
             be.linear(normed, w[p + "gate_up_proj"], out=gate_up)
@@ -220,7 +241,10 @@ class ModelRunner:
             be.linear(act, w[p + "down_proj"], out=proj_out)
         if s == 0:
             return None
-        be.add_rms_norm(proj_out, residual, w["final_norm"], eps, out=normed)
+        if fused:  # the residual already holds every add
+            be.rms_norm(residual, w["final_norm"], eps, out=normed)
+        else:
+            be.add_rms_norm(proj_out, residual, w["final_norm"], eps, out=normed)
         last_hidden = ws["last_hidden"][:s]
         torch.index_select(normed, 0, inp.logits_indices, out=last_hidden)
         logits = ws["logits"][:s]

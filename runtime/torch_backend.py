@@ -6,6 +6,10 @@ Matrix products and the embedding gather write straight into ``out`` (``torch.mm
 ``torch.addmm`` / ``index_select`` with ``out=``); the other ops compute in float32
 temporaries that torch allocates internally and copy the result into ``out``. That is the
 accepted cost of a reference backend; the CUDA backend allocates nothing per step.
+
+``fused_decode_max_tokens`` (default 0: off) lets CPU tests run the ModelRunner's fused
+small-step op sequence (``norm_linear``, ``norm_gate_up_silu``, ``linear_residual_add``),
+whose reference functions compose the unfused ops, so both sequences give the same bits.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from llmc.cuda import reference as ref
+from llmc.errors import ConfigError
 from llmc.runtime.backend import AttentionMetadata, SamplingMetadata
 
 
@@ -28,8 +33,14 @@ class TorchBackend:
 
     name = "torch"
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, device: torch.device | str = "cpu", fused_decode_max_tokens: int = 0
+    ) -> None:
+        n = fused_decode_max_tokens
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ConfigError(f"fused_decode_max_tokens must be an integer >= 0, got {n!r}")
         self.device = torch.device(device)
+        self.fused_decode_max_tokens = n
 
     def embedding(
         self, ids: torch.Tensor, table: torch.Tensor, out: torch.Tensor | None = None
@@ -68,6 +79,32 @@ class TorchBackend:
         if bias is None:
             return torch.mm(x, weight.t(), out=out)
         return torch.addmm(bias, x, weight.t(), out=out)
+
+    def norm_linear(
+        self,
+        residual: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return _into(out, ref.norm_linear(residual, norm_weight, eps, weight, bias))
+
+    def norm_gate_up_silu(
+        self,
+        residual: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        gate_up_weight: torch.Tensor,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return _into(out, ref.norm_gate_up_silu(residual, norm_weight, eps, gate_up_weight))
+
+    def linear_residual_add(
+        self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor
+    ) -> torch.Tensor:
+        return ref.linear_residual_add(x, weight, residual)
 
     def rope_and_cache_write(
         self,

@@ -1,0 +1,389 @@
+// gemv.cu: fused small-batch (M = 1..8 token rows) decode GEMVs, memory-bound on the weights.
+//
+// Three kernels, each instantiated for M = 1..8 (extern "C" names end in _m1 .. _m8):
+//   gemv_norm_mM       out[m, n] = round(sum_k W[n, k] * xn[m, k] (+ bias[n]))
+//                      xn[m] = round(x[m] * rsqrt(mean(x[m]^2) + eps) * norm_w)   (qkv)
+//   gemv_norm_silu_mM  W = [2I, K] gate | up:  act[m, j] = round(round(silu(round(g))) *
+//                      round(u)), g = row j, u = row I + j (norm as above)         (gate_up)
+//   gemv_add_mM        residual[m, n] = round(residual[m, n] + round(sum_k W[n, k] x[m, k]))
+//                                                                          (o_proj, down)
+// The roundings are those of the unfused torch sequence (llmc.cuda.reference.norm_linear,
+// norm_gate_up_silu, linear_residual_add); accumulation is float32.
+//
+// Layout of the work: a CTA is 16 warps (512 threads, one CTA per SM, grid <= SM count;
+// the CTAs loop over the rows). A warp owns one *unit* of R weight rows (R = 1, 2 or 4 by
+// M; for gate_up R/2 gate rows + the matching R/2 up rows) and walks K with its 32 lanes,
+// lane l reading 16-byte weight vectors l, l + 32, ... of each row with
+// ld.global.nc.L1::no_allocate (streamed, not kept in L1); R * U = 8 vector loads are in
+// flight per thread per iteration, and each weight vector is used for all M rows. The M
+// activation rows (normalised for the norm kernels) are staged once per CTA in shared
+// memory as float32, in chunks of KC columns (KC = K unless M * K * 4 bytes exceeds the
+// shared-memory budget, then the CTA re-stages per chunk between two barriers). For
+// 16-bit dtypes a weight vector holds 8 columns; the smem row is split into two halves
+// (columns 4i..4i+3 of vector i in half 0, 4i+4..4i+7 in half 1) so each lane's two
+// 16-byte LDS are lane-consecutive (conflict-free). Each unit ends with one warp_sum per
+// (row, m) and R * M lanes writing one output each.
+// Before the prologue (norm scales, staging), each warp prefetches its first unit's rows
+// into L2, so the weight stream starts while the activations are being prepared.
+//
+// The *_scalar kernels (K not a multiple of the 16-byte vector, or a misaligned base) run
+// the same code with one element per "vector" (scalar loads): correct, slow. They are
+// separate kernels so that the vector kernels keep all 128 registers without spilling.
+//
+// Launch: grid min(SMs, ceil(units / 16)), block 512, dynamic smem M * KC * 4 bytes.
+//
+// History: v1 (this).
+#include "common.cuh"
+
+#define GEMV_THREADS 512
+#define GEMV_WARPS 16
+#define GEMV_LOADS 8  // 16-byte weight loads in flight per thread per iteration
+
+struct alignas(16) v4f {
+    float x, y, z, w;
+};
+
+// Weight rows per warp unit: at M >= 3 one weight vector feeds R rows of FMAs per smem
+// activation read (shared-memory bandwidth and issue slots stay below the HBM rate).
+template <int M, int MODE>
+__host__ __device__ constexpr int gemv_rows() {
+    return MODE == 1 ? (M <= 4 ? 2 : 4) : (M <= 2 ? 1 : (M <= 4 ? 2 : 4));
+}
+
+// One weight vector (VW elements) as raw 32-bit words.
+template <int VW>
+__device__ __forceinline__ v4u load_w(const scalar_t* p) {
+    v4u r;
+    if constexpr (VW * (int)sizeof(scalar_t) == 16) {
+        asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+            : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+            : "l"(p));
+    } else {
+#if LLMC_DTYPE == 0
+        r.x = __float_as_uint(*p);
+#else
+        r.x = (unsigned int)(*p);
+#endif
+        r.y = r.z = r.w = 0u;
+    }
+    return r;
+}
+
+// Elements of a weight vector handled per step: 4 (one 16-byte smem read per m) or 1.
+template <int VW>
+__host__ __device__ constexpr int piece_width() {
+    return VW >= 4 ? 4 : 1;
+}
+
+// Piece pc (elements pc * 4 .. pc * 4 + 3, or the one element) of a raw weight vector.
+template <int VW>
+__device__ __forceinline__ void unpack_w(const v4u& r, int pc, float* f) {
+    if constexpr (VW * (int)sizeof(scalar_t) == 16) {
+#if LLMC_DTYPE == 0
+        f[0] = __uint_as_float(r.x); f[1] = __uint_as_float(r.y);
+        f[2] = __uint_as_float(r.z); f[3] = __uint_as_float(r.w);
+#else
+        const unsigned int w0 = pc == 0 ? r.x : r.z, w1 = pc == 0 ? r.y : r.w;
+        f[0] = to_float((unsigned short)(w0 & 0xffffu));
+        f[1] = to_float((unsigned short)(w0 >> 16));
+        f[2] = to_float((unsigned short)(w1 & 0xffffu));
+        f[3] = to_float((unsigned short)(w1 >> 16));
+#endif
+    } else {
+#if LLMC_DTYPE == 0
+        f[0] = __uint_as_float(r.x);
+#else
+        f[0] = to_float((unsigned short)r.x);
+#endif
+    }
+}
+
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
+// Shared activations: float xs[M][KC]; for VW = 8 each row is two halves (see header).
+template <int VW>
+__device__ __forceinline__ void smem_store(float* xs, int m, int i, int KC, const float* f) {
+    if constexpr (VW == 8) {
+        v4f* x4 = reinterpret_cast<v4f*>(xs) + m * (KC / 4);
+        x4[i] = v4f{f[0], f[1], f[2], f[3]};
+        x4[KC / 8 + i] = v4f{f[4], f[5], f[6], f[7]};
+    } else if constexpr (VW == 4) {
+        reinterpret_cast<v4f*>(xs)[m * (KC / 4) + i] = v4f{f[0], f[1], f[2], f[3]};
+    } else {
+        xs[m * KC + i] = f[0];
+    }
+}
+
+// Piece pc of vector i of row m (piece_width<VW>() floats).
+template <int VW>
+__device__ __forceinline__ void smem_load(const float* xs, int m, int i, int pc, int KC,
+                                          float* f) {
+    if constexpr (VW >= 4) {
+        const v4f a = reinterpret_cast<const v4f*>(xs)[m * (KC / 4) + pc * (KC / 8) + i];
+        f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
+    } else {
+        f[0] = xs[m * KC + i];
+    }
+}
+
+struct GemvArgs {
+    const scalar_t* x;       // [M, K]: residual (norm kernels) or activation (add kernel)
+    const scalar_t* norm_w;  // [K] (norm kernels)
+    float eps;
+    const scalar_t* w;       // [rows, K]
+    const scalar_t* bias;    // [N] or nullptr
+    scalar_t* out;           // [M, N] out (norm), [M, I] act (silu), [M, N] residual (add)
+    int n_out;               // N, or I for gate_up
+    int K;
+    int KC;                  // staged columns per chunk
+};
+
+// Row of weight r of unit u (clamped in range; the caller guards stores).
+template <int MODE, int R>
+__device__ __forceinline__ int unit_row(int u, int r, int n_out) {
+    if constexpr (MODE == 1) {
+        constexpr int P = R / 2;
+        const int j = min(u * P + (r < P ? r : r - P), n_out - 1);
+        return r < P ? j : n_out + j;
+    } else {
+        return min(u * R + r, n_out - 1);
+    }
+}
+
+// Stage columns [k0, k0 + kc) of the M rows into shared memory (normalised for MODE 0/1).
+template <int M, int MODE, int VW>
+__device__ __forceinline__ void stage(const GemvArgs& a, float* xs, const float* scale, int k0,
+                                      int kc) {
+    const int nv = kc / VW;
+    for (int i = threadIdx.x; i < nv; i += GEMV_THREADS) {
+        float nw[VW];
+        if constexpr (MODE != 2) load_vec<VW>(a.norm_w + k0 + i * VW, nw);
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            float f[VW];
+            load_vec<VW>(a.x + (long long)m * a.K + k0 + i * VW, f);
+            if constexpr (MODE != 2) {
+#pragma unroll
+                for (int e = 0; e < VW; ++e) f[e] = to_float(from_float(f[e] * scale[m] * nw[e]));
+            }
+            smem_store<VW>(xs, m, i, a.KC, f);
+        }
+    }
+}
+
+// acc[r][m] += W[row r, chunk vector i] . xs[m, vector i] for one vector position, a
+// piece of 4 columns at a time (fewer live registers than the whole vector at once).
+template <int M, int R, int VW>
+__device__ __forceinline__ void fma_step(float (&acc)[R][M], const v4u (&raw)[R],
+                                         const float* xs, int i, int KC) {
+    constexpr int PW = piece_width<VW>();
+#pragma unroll
+    for (int pc = 0; pc < VW / PW; ++pc) {
+        float wf[R][PW];
+#pragma unroll
+        for (int r = 0; r < R; ++r) unpack_w<VW>(raw[r], pc, wf[r]);
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            float xv[PW];
+            smem_load<VW>(xs, m, i, pc, KC, xv);
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+#pragma unroll
+                for (int e = 0; e < PW; ++e) acc[r][m] = fmaf(wf[r][e], xv[e], acc[r][m]);
+            }
+        }
+    }
+}
+
+// One warp: the chunk's nv vectors of its R rows (weights from column k0).
+template <int M, int R, int VW>
+__device__ __forceinline__ void accumulate(float (&acc)[R][M], const scalar_t* const (&wrow)[R],
+                                           const float* xs, int k0, int nv, int KC, int lane) {
+    constexpr int U = GEMV_LOADS / R;
+    int i = lane;
+    for (; i + 32 * (U - 1) < nv; i += 32 * U) {
+        v4u raw[U][R];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+#pragma unroll
+            for (int r = 0; r < R; ++r) raw[u][r] = load_w<VW>(wrow[r] + k0 + (i + 32 * u) * VW);
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) fma_step<M, R, VW>(acc, raw[u], xs, i + 32 * u, KC);
+    }
+    for (; i < nv; i += 32) {
+        v4u raw[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) raw[r] = load_w<VW>(wrow[r] + k0 + i * VW);
+        fma_step<M, R, VW>(acc, raw, xs, i, KC);
+    }
+}
+
+__device__ __forceinline__ float silu(float g) { return g / (1.f + expf(-g)); }
+
+template <int M, int MODE, int VW>
+__device__ __forceinline__ void gemv_body(const GemvArgs& a) {
+    constexpr int R = gemv_rows<M, MODE>();
+    constexpr int P = MODE == 1 ? R / 2 : R;  // outputs per unit
+    static_assert(R * M <= 32, "one lane per (row, m) output");
+    extern __shared__ v4f gemv_smem[];
+    float* xs = reinterpret_cast<float*>(gemv_smem);
+    __shared__ float red[GEMV_WARPS][M];
+    __shared__ float scale[M];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int K = a.K, KC = a.KC, n_out = a.n_out;
+    const int units = (n_out + P - 1) / P;
+    const int total_warps = gridDim.x * GEMV_WARPS;
+    const int nchunks = (K + KC - 1) / KC;
+
+    {  // start the weight stream: this warp's first unit into L2
+        const int u = blockIdx.x * GEMV_WARPS + warp;
+        if (u < units) {
+            const long long bytes = (long long)K * sizeof(scalar_t);
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const char* row = reinterpret_cast<const char*>(
+                    a.w + (long long)unit_row<MODE, R>(u, r, n_out) * K);
+                for (long long off = lane * 128; off < bytes; off += 32 * 128) {
+                    prefetch_l2(row + off);
+                }
+            }
+        }
+    }
+
+    if constexpr (MODE != 2) {  // rms scale of each row, float32 sum of squares
+        float ss[M];
+#pragma unroll
+        for (int m = 0; m < M; ++m) ss[m] = 0.f;
+        for (int i = threadIdx.x; i < K / VW; i += GEMV_THREADS) {
+#pragma unroll
+            for (int m = 0; m < M; ++m) {
+                float f[VW];
+                load_vec<VW>(a.x + (long long)m * K + i * VW, f);
+#pragma unroll
+                for (int e = 0; e < VW; ++e) ss[m] += f[e] * f[e];
+            }
+        }
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            const float s = warp_sum(ss[m]);
+            if (lane == 0) red[warp][m] = s;
+        }
+        __syncthreads();
+        if (threadIdx.x < M) {
+            float t = 0.f;
+#pragma unroll
+            for (int w = 0; w < GEMV_WARPS; ++w) t += red[w][threadIdx.x];
+            scale[threadIdx.x] = rsqrtf(t / (float)K + a.eps);
+        }
+        __syncthreads();
+    }
+
+    if (nchunks == 1) {
+        stage<M, MODE, VW>(a, xs, scale, 0, K);
+        __syncthreads();
+    }
+    for (int base = blockIdx.x * GEMV_WARPS; base < units; base += total_warps) {
+        const int u = base + warp;
+        const bool active = u < units;
+        const int uc = active ? u : units - 1;
+        const scalar_t* wrow[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) wrow[r] = a.w + (long long)unit_row<MODE, R>(uc, r, n_out) * K;
+        float acc[R][M];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+#pragma unroll
+            for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
+        }
+        for (int c = 0; c < nchunks; ++c) {
+            const int k0 = c * KC, kc = min(KC, K - k0);
+            if (nchunks > 1) {
+                __syncthreads();  // every warp is done with the previous chunk
+                stage<M, MODE, VW>(a, xs, scale, k0, kc);
+                __syncthreads();
+            }
+            if (active) accumulate<M, R, VW>(acc, wrow, xs, k0, kc / VW, KC, lane);
+        }
+        if (!active) continue;
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+#pragma unroll
+            for (int m = 0; m < M; ++m) acc[r][m] = warp_sum(acc[r][m]);
+        }
+        // lane r * M + m (or p * M + m) writes output (r or p, m)
+        if constexpr (MODE == 1) {
+            float g = 0.f, up = 0.f;
+#pragma unroll
+            for (int p = 0; p < P; ++p) {
+#pragma unroll
+                for (int m = 0; m < M; ++m) {
+                    if (lane == p * M + m) {
+                        g = acc[p][m];
+                        up = acc[P + p][m];
+                    }
+                }
+            }
+            if (lane < P * M) {
+                const int p = lane / M, m = lane - p * M, j = u * P + p;
+                if (j < n_out) {
+                    const float gs = to_float(from_float(silu(to_float(from_float(g)))));
+                    a.out[(long long)m * n_out + j] = from_float(gs * to_float(from_float(up)));
+                }
+            }
+        } else {
+            float v = 0.f;
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+#pragma unroll
+                for (int m = 0; m < M; ++m) {
+                    if (lane == r * M + m) v = acc[r][m];
+                }
+            }
+            if (lane < R * M) {
+                const int r = lane / M, m = lane - r * M, n = u * R + r;
+                if (n < n_out) {
+                    scalar_t* o = a.out + (long long)m * n_out + n;
+                    if constexpr (MODE == 0) {
+                        if (a.bias != nullptr) v += to_float(a.bias[n]);
+                        *o = from_float(v);
+                    } else {
+                        *o = from_float(to_float(*o) + to_float(from_float(v)));
+                    }
+                }
+            }
+        }
+    }
+}
+
+// Kernels of one M and one vector width; SUFFIX "" = 16-byte vectors, _scalar = VW 1.
+#define GEMV_KERNELS(M, VW, SUFFIX)                                                           \
+    extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 1) gemv_norm_m##M##SUFFIX(     \
+        const scalar_t* __restrict__ x, const scalar_t* __restrict__ norm_w, float eps,        \
+        const scalar_t* __restrict__ w, const scalar_t* __restrict__ bias,                     \
+        scalar_t* __restrict__ out, int N, int K, int KC) {                                    \
+        gemv_body<M, 0, VW>(GemvArgs{x, norm_w, eps, w, bias, out, N, K, KC});                 \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 1) gemv_norm_silu_m##M##SUFFIX( \
+        const scalar_t* __restrict__ x, const scalar_t* __restrict__ norm_w, float eps,        \
+        const scalar_t* __restrict__ w, scalar_t* __restrict__ out, int I, int K, int KC) {    \
+        gemv_body<M, 1, VW>(GemvArgs{x, norm_w, eps, w, nullptr, out, I, K, KC});              \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 1) gemv_add_m##M##SUFFIX(      \
+        const scalar_t* __restrict__ x, const scalar_t* __restrict__ w,                        \
+        scalar_t* __restrict__ residual, int N, int K, int KC) {                               \
+        gemv_body<M, 2, VW>(GemvArgs{x, nullptr, 0.f, w, nullptr, residual, N, K, KC});        \
+    }
+
+#define GEMV_INSTANTIATE(M) GEMV_KERNELS(M, VEC, ) GEMV_KERNELS(M, 1, _scalar)
+
+GEMV_INSTANTIATE(1)
+GEMV_INSTANTIATE(2)
+GEMV_INSTANTIATE(3)
+GEMV_INSTANTIATE(4)
+GEMV_INSTANTIATE(5)
+GEMV_INSTANTIATE(6)
+GEMV_INSTANTIATE(7)
+GEMV_INSTANTIATE(8)
