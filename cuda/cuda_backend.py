@@ -46,7 +46,7 @@ MAX_SPLITS = 32
 SPLIT_ROWS_PER_SEQ = 8  # partials budget: max_num_seqs * 8 (token, split) rows
 CTAS_PER_SM = 4  # resident decode-attention CTAs per SM (__launch_bounds__(128, 4))
 GEMV_MAX_TOKENS = 8  # gemv.cu kernels exist for M = 1..8 token rows
-GEMV_THREADS, GEMV_WARPS = 512, 16  # gemv.cu block: 16 warps, one weight unit per warp
+GEMV_THREADS = 512  # gemv.cu block: 16 warps, one weight unit (R rows) per warp at a time
 GEMV_SMEM_BYTES = 192 * 1024  # most float32 activations staged per CTA (M x KC columns)
 _GEMV_MODES = {"gemv_norm": 0, "gemv_norm_silu": 1, "gemv_add": 2}
 
@@ -83,6 +83,14 @@ def gemv_chunk(m: int, k: int, budget: int = GEMV_SMEM_BYTES) -> int:
     if m * k * 4 <= budget:
         return k
     return budget // (4 * m) // 256 * 256
+
+
+def gemv_grid(m: int, mode: int, n_out: int, sm_count: int) -> int:
+    """CTAs of a gemv.cu launch: one per SM, never more than the warp units (R rows each;
+    for gate_up, R / 2 outputs) so that every CTA has work."""
+    rows = gemv_rows(m, mode)
+    units = math.ceil(n_out / (rows // 2 if mode == 1 else rows))
+    return max(1, min(sm_count, units))
 
 
 class CudaBackend:
@@ -264,13 +272,10 @@ class CudaBackend:
             kern = self._lib(x.dtype).get("gemv", name)
             kern.max_dynamic_shared_size_bytes = self._gemv_smem
             self._gemv_kernels[(x.dtype, name)] = kern
-        mode = _GEMV_MODES[family]
-        rows = gemv_rows(m, mode)
-        units = math.ceil(n_out / (rows // 2 if mode == 1 else rows))
+        grid = gemv_grid(m, _GEMV_MODES[family], n_out, self._sm_count)
         kc = gemv_chunk(m, k, self._gemv_smem)
-        grid = (max(1, min(self._sm_count, math.ceil(units / GEMV_WARPS))),)
         full = args + (_i(n_out), _i(k), _i(kc))
-        self._launch(kern, grid, (GEMV_THREADS,), full, shared_mem=m * kc * 4)
+        self._launch(kern, (grid,), (GEMV_THREADS,), full, shared_mem=m * kc * 4)
 
     def _check_gemv(
         self, op: str, x: torch.Tensor, weight: torch.Tensor, x_name: str

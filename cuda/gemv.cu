@@ -23,14 +23,16 @@
 // (columns 4i..4i+3 of vector i in half 0, 4i+4..4i+7 in half 1) so each lane's two
 // 16-byte LDS are lane-consecutive (conflict-free). Each unit ends with one warp_sum per
 // (row, m) and R * M lanes writing one output each.
-// Before the prologue (norm scales, staging), each warp prefetches its first unit's rows
-// into L2, so the weight stream starts while the activations are being prepared.
+// Units go round-robin over the CTAs first (unit = round * 16 * grid + warp * grid + CTA),
+// so a last, partial round spreads over every SM. Before the prologue (norm scales,
+// staging), each warp prefetches the first two iterations of its first unit into L2, so
+// the weight stream starts while the activations are being prepared.
 //
 // The *_scalar kernels (K not a multiple of the 16-byte vector, or a misaligned base) run
 // the same code with one element per "vector" (scalar loads): correct, slow. They are
 // separate kernels so that the vector kernels keep all 128 registers without spilling.
 //
-// Launch: grid min(SMs, ceil(units / 16)), block 512, dynamic smem M * KC * 4 bytes.
+// Launch: grid min(SMs, units), block 512, dynamic smem M * KC * 4 bytes.
 //
 // History: v1 (this).
 #include "common.cuh"
@@ -238,10 +240,12 @@ __device__ __forceinline__ void gemv_body(const GemvArgs& a) {
     const int total_warps = gridDim.x * GEMV_WARPS;
     const int nchunks = (K + KC - 1) / KC;
 
-    {  // start the weight stream: this warp's first unit into L2
-        const int u = blockIdx.x * GEMV_WARPS + warp;
+    {  // start the weight stream: the first two iterations of this warp's first unit, into L2
+        const int u = warp * gridDim.x + blockIdx.x;
+        constexpr int kStart = 2 * (GEMV_LOADS / R) * 32 * VW * (int)sizeof(scalar_t);
+        const long long row_bytes = (long long)K * sizeof(scalar_t);
+        const long long bytes = row_bytes < kStart ? row_bytes : kStart;
         if (u < units) {
-            const long long bytes = (long long)K * sizeof(scalar_t);
 #pragma unroll
             for (int r = 0; r < R; ++r) {
                 const char* row = reinterpret_cast<const char*>(
@@ -285,8 +289,9 @@ __device__ __forceinline__ void gemv_body(const GemvArgs& a) {
         stage<M, MODE, VW>(a, xs, scale, 0, K);
         __syncthreads();
     }
-    for (int base = blockIdx.x * GEMV_WARPS; base < units; base += total_warps) {
-        const int u = base + warp;
+    // round-robin over the CTAs first, so that a partial round spreads over every SM
+    for (int base = 0; base < units; base += total_warps) {
+        const int u = base + warp * gridDim.x + blockIdx.x;
         const bool active = u < units;
         const int uc = active ? u : units - 1;
         const scalar_t* wrow[R];

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from llmc.cuda import reference as ref
-from llmc.cuda.cuda_backend import GEMV_WARPS, gemv_rows
+from llmc.cuda.cuda_backend import gemv_grid
 from llmc.cuda.kernels import CUDA_DIR
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not on PATH")
@@ -113,8 +113,7 @@ def run_emulated(
         init = torch.randn(m, n, generator=g).to(dtype)
     else:
         init = torch.full((m, n), float("nan"), dtype=dtype)
-    units = math.ceil(n / (gemv_rows(m, mode) // (2 if mode == 1 else 1)))
-    grid = min(grid, math.ceil(units / GEMV_WARPS))
+    grid = gemv_grid(m, mode, n, sm_count=grid)
     blob = b"".join(
         t.contiguous().view(torch.uint8).numpy().tobytes() for t in (x, norm_w, w, b, init)
     )
@@ -132,9 +131,9 @@ def run_emulated(
     return out, want
 
 
-# (op, M, K, N, KC, grid, vector kernels): K % 8 == 0 unless scalar
+# (op, M, K, N, KC, SMs, vector kernels): K % 8 == 0 unless scalar
 CASES = [
-    ("norm", 1, 1000, 77, 1000, 2, True),  # one chunk, 2 CTAs x 16 warps loop over 77 units
+    ("norm", 1, 1000, 77, 1000, 2, True),  # one chunk; 2 CTAs x 16 warps, 77 units: 3 rounds
     ("norm", 3, 1000, 77, 256, 3, True),  # chunks 256 x 3 + 232
     ("norm", 8, 1000, 77, 256, 1, True),  # R = 4: 20 units (last one partial) on one CTA
     ("silu", 1, 1000, 37, 1000, 1, True),
@@ -146,6 +145,7 @@ CASES = [
     ("norm", 8, 999, 21, 512, 2, False),  # scalar kernels, chunked, K odd
     ("silu", 3, 999, 21, 999, 1, False),
     ("add", 6, 512, 40, 512, 1, False),  # scalar kernels on an aligned shape
+    ("add", 1, 64, 5, 64, 4, True),  # fewer units than warps: 4 CTAs, 5 units
 ]
 
 
