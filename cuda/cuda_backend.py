@@ -133,9 +133,9 @@ class CudaBackend:
         props = torch.cuda.get_device_properties(self.device)
         self._sm_count = props.multi_processor_count
         # gemv staging budget: what the device lends one block (227 KB on sm_90), less the
-        # kernels' 1 KB of static shared memory
-        optin = getattr(props, "shared_memory_per_block_optin", GEMV_SMEM_BYTES + 4096)
-        self._gemv_smem = min(GEMV_SMEM_BYTES, (optin - 4096) // 1024 * 1024)
+        # kernels' < 5 KB of static shared memory
+        optin = getattr(props, "shared_memory_per_block_optin", GEMV_SMEM_BYTES + 8192)
+        self._gemv_smem = min(GEMV_SMEM_BYTES, (optin - 8192) // 1024 * 1024)
         self._part_acc: torch.Tensor | None = None
         self._part_ml: torch.Tensor | None = None
         self._counters: torch.Tensor | None = None

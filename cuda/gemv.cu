@@ -24,7 +24,9 @@
 // 16-byte LDS are lane-consecutive (conflict-free). Each unit ends with one warp_sum per
 // (row, m) and R * M lanes writing one output each.
 // Units go round-robin over the CTAs first (unit = round * 16 * grid + warp * grid + CTA),
-// so a last, partial round spreads over every SM. Before the prologue (norm scales,
+// so a last, partial round spreads over every SM. When the units fill at most half of the
+// grid's warps (e.g. N = 4096 at R = 4), two warps share each unit, each over half of K,
+// and add their sums through shared memory after a 64-thread named barrier. Before the prologue (norm scales,
 // staging), each warp prefetches the first two iterations of its first unit into L2, so
 // the weight stream starts while the activations are being prepared.
 //
@@ -102,6 +104,11 @@ __device__ __forceinline__ void unpack_w(const v4u& r, int pc, float* f) {
 
 __device__ __forceinline__ void prefetch_l2(const void* p) {
     asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
+// Barrier of the two warps (64 threads) that share a unit; ids 1..8 (0 is __syncthreads).
+__device__ __forceinline__ void pair_barrier(int id) {
+    asm volatile("bar.sync %0, 64;" ::"r"(id) : "memory");
 }
 
 // Shared activations: float xs[M][KC]; for VW = 8 each row is two halves (see header).
@@ -199,13 +206,14 @@ __device__ __forceinline__ void fma_step(float (&acc)[R][M], const v4u (&raw)[R]
     }
 }
 
-// One warp: the chunk's nv vectors of its R rows (weights from column k0).
+// One warp: chunk vectors [i0, i1) of its R rows (the chunk starts at column k0).
 template <int M, int R, int VW>
 __device__ __forceinline__ void accumulate(float (&acc)[R][M], const scalar_t* const (&wrow)[R],
-                                           const float* xs, int k0, int nv, int KC, int lane) {
+                                           const float* xs, int k0, int i0, int i1, int KC,
+                                           int lane) {
     constexpr int U = GEMV_LOADS / R;
-    int i = lane;
-    for (; i + 32 * (U - 1) < nv; i += 32 * U) {
+    int i = i0 + lane;
+    for (; i + 32 * (U - 1) < i1; i += 32 * U) {
         v4u raw[U][R];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
@@ -215,7 +223,7 @@ __device__ __forceinline__ void accumulate(float (&acc)[R][M], const scalar_t* c
 #pragma unroll
         for (int u = 0; u < U; ++u) fma_step<M, R, VW>(acc, raw[u], xs, i + 32 * u, KC);
     }
-    for (; i < nv; i += 32) {
+    for (; i < i1; i += 32) {
         v4u raw[R];
 #pragma unroll
         for (int r = 0; r < R; ++r) raw[r] = load_w<VW>(wrow[r] + k0 + i * VW);
@@ -237,19 +245,28 @@ __device__ __forceinline__ void gemv_body(const GemvArgs& a) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int K = a.K, KC = a.KC, n_out = a.n_out;
     const int units = (n_out + P - 1) / P;
-    const int total_warps = gridDim.x * GEMV_WARPS;
     const int nchunks = (K + KC - 1) / KC;
+    // Few units (at most half the warps): two warps per unit, each over half of K, their
+    // sums added through shared memory. slot = the unit's place in the CTA's round.
+    const int split = units * 2 <= (int)gridDim.x * GEMV_WARPS ? 2 : 1;
+    const int slots = GEMV_WARPS / split;
+    const int slot = warp % slots, half = warp / slots;
+    const int kv = K / VW;
+    const int kvh = split == 1 ? kv : (kv + 63) / 64 * 32;  // vectors per half, 32-multiple
+    const int hv0 = half * kvh, hv1 = min(kv, hv0 + kvh);   // this warp's vectors of a row
+    __shared__ float part[2][GEMV_WARPS / 2][2][32];        // [round & 1][slot][value][lane]
 
     {  // start the weight stream: the first two iterations of this warp's first unit, into L2
-        const int u = warp * gridDim.x + blockIdx.x;
+        const int u = slot * gridDim.x + blockIdx.x;
         constexpr int kStart = 2 * (GEMV_LOADS / R) * 32 * VW * (int)sizeof(scalar_t);
-        const long long row_bytes = (long long)K * sizeof(scalar_t);
-        const long long bytes = row_bytes < kStart ? row_bytes : kStart;
+        const long long h0 = (long long)hv0 * VW * sizeof(scalar_t);
+        const long long h1 = (long long)hv1 * VW * sizeof(scalar_t);
+        const long long bytes = h1 - h0 < kStart ? h1 - h0 : kStart;
         if (u < units) {
 #pragma unroll
             for (int r = 0; r < R; ++r) {
                 const char* row = reinterpret_cast<const char*>(
-                    a.w + (long long)unit_row<MODE, R>(u, r, n_out) * K);
+                    a.w + (long long)unit_row<MODE, R>(u, r, n_out) * K) + h0;
                 for (long long off = lane * 128; off < bytes; off += 32 * 128) {
                     prefetch_l2(row + off);
                 }
@@ -290,8 +307,9 @@ __device__ __forceinline__ void gemv_body(const GemvArgs& a) {
         __syncthreads();
     }
     // round-robin over the CTAs first, so that a partial round spreads over every SM
-    for (int base = 0; base < units; base += total_warps) {
-        const int u = base + warp * gridDim.x + blockIdx.x;
+    int rnd = 0;
+    for (int base = 0; base < units; base += gridDim.x * slots, ++rnd) {
+        const int u = base + slot * gridDim.x + blockIdx.x;
         const bool active = u < units;
         const int uc = active ? u : units - 1;
         const scalar_t* wrow[R];
@@ -310,7 +328,10 @@ __device__ __forceinline__ void gemv_body(const GemvArgs& a) {
                 stage<M, MODE, VW>(a, xs, scale, k0, kc);
                 __syncthreads();
             }
-            if (active) accumulate<M, R, VW>(acc, wrow, xs, k0, kc / VW, KC, lane);
+            const int c0 = k0 / VW;  // this warp's vectors within the chunk
+            const int i0 = (hv0 > c0 ? hv0 : c0) - c0;
+            const int i1 = (hv1 < c0 + kc / VW ? hv1 : c0 + kc / VW) - c0;
+            if (active && i0 < i1) accumulate<M, R, VW>(acc, wrow, xs, k0, i0, i1, KC, lane);
         }
         if (!active) continue;
 #pragma unroll
@@ -318,45 +339,41 @@ __device__ __forceinline__ void gemv_body(const GemvArgs& a) {
 #pragma unroll
             for (int m = 0; m < M; ++m) acc[r][m] = warp_sum(acc[r][m]);
         }
-        // lane r * M + m (or p * M + m) writes output (r or p, m)
-        if constexpr (MODE == 1) {
-            float g = 0.f, up = 0.f;
+        // lane r * M + m (gate_up: p * M + m) owns output (r or p, m): v0 (and up in v1)
+        float v0 = 0.f, v1 = 0.f;
 #pragma unroll
-            for (int p = 0; p < P; ++p) {
+        for (int r = 0; r < P; ++r) {
 #pragma unroll
-                for (int m = 0; m < M; ++m) {
-                    if (lane == p * M + m) {
-                        g = acc[p][m];
-                        up = acc[P + p][m];
-                    }
+            for (int m = 0; m < M; ++m) {
+                if (lane == r * M + m) {
+                    v0 = acc[r][m];
+                    if constexpr (MODE == 1) v1 = acc[P + r][m];
                 }
             }
-            if (lane < P * M) {
-                const int p = lane / M, m = lane - p * M, j = u * P + p;
-                if (j < n_out) {
-                    const float gs = to_float(from_float(silu(to_float(from_float(g)))));
-                    a.out[(long long)m * n_out + j] = from_float(gs * to_float(from_float(up)));
-                }
+        }
+        if (split == 2) {  // add the other half of K (double-buffered by round parity)
+            float* pv = part[rnd & 1][slot][0];
+            if (half == 1) {
+                pv[lane] = v0;
+                pv[32 + lane] = v1;
             }
-        } else {
-            float v = 0.f;
-#pragma unroll
-            for (int r = 0; r < R; ++r) {
-#pragma unroll
-                for (int m = 0; m < M; ++m) {
-                    if (lane == r * M + m) v = acc[r][m];
-                }
-            }
-            if (lane < R * M) {
-                const int r = lane / M, m = lane - r * M, n = u * R + r;
-                if (n < n_out) {
-                    scalar_t* o = a.out + (long long)m * n_out + n;
-                    if constexpr (MODE == 0) {
-                        if (a.bias != nullptr) v += to_float(a.bias[n]);
-                        *o = from_float(v);
-                    } else {
-                        *o = from_float(to_float(*o) + to_float(from_float(v)));
-                    }
+            pair_barrier(1 + slot);
+            if (half == 1) continue;
+            v0 += pv[lane];
+            v1 += pv[32 + lane];
+        }
+        if (lane < P * M) {
+            const int p = lane / M, m = lane - p * M, n = u * P + p;
+            if (n < n_out) {
+                scalar_t* o = a.out + (long long)m * n_out + n;
+                if constexpr (MODE == 0) {
+                    if (a.bias != nullptr) v0 += to_float(a.bias[n]);
+                    *o = from_float(v0);
+                } else if constexpr (MODE == 1) {
+                    const float gs = to_float(from_float(silu(to_float(from_float(v0)))));
+                    *o = from_float(gs * to_float(from_float(v1)));
+                } else {
+                    *o = from_float(to_float(*o) + to_float(from_float(v0)));
                 }
             }
         }

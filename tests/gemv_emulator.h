@@ -35,7 +35,12 @@ static std::vector<std::barrier<>*> emu_warp_barriers;
 static float emu_shfl_buf[32][32];
 static float* emu_smem = nullptr;
 
+static std::barrier<>* emu_named_barriers[16];
+
 inline void __syncthreads() { emu_cta_barrier->arrive_and_wait(); }
+
+// bar.sync id, 64 (the only named barrier gemv.cu uses: two warps)
+inline void emu_named_barrier(int id) { emu_named_barriers[id]->arrive_and_wait(); }
 
 inline float __shfl_xor_sync(unsigned, float v, int o) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -95,6 +100,7 @@ void emu_launch(int grid, int block, size_t smem_bytes, F kernel) {
         emu_cta_barrier = &cta;
         std::vector<std::barrier<>*> warps;
         for (int w = 0; w < block / 32; ++w) warps.push_back(new std::barrier<>(32));
+        for (int i = 0; i < 16; ++i) emu_named_barriers[i] = new std::barrier<>(64);
         emu_warp_barriers = warps;
         std::vector<std::thread> threads;
         for (int t = 0; t < block; ++t) {
@@ -106,6 +112,7 @@ void emu_launch(int grid, int block, size_t smem_bytes, F kernel) {
         }
         for (auto& th : threads) th.join();
         for (auto* w : warps) delete w;
+        for (int i = 0; i < 16; ++i) delete emu_named_barriers[i];
     }
 }
 

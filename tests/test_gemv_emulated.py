@@ -44,8 +44,11 @@ def host_source(dtype_code: int) -> str:
         r'asm\("ld\.global\.nc.*?\);', "r = *reinterpret_cast<const v4u*>(p);", gemv, flags=re.S
     )
     gemv, n_pf = re.subn(r'asm volatile\("prefetch.*?\);', "(void)p;", gemv, flags=re.S)
+    gemv, n_bar = re.subn(
+        r'asm volatile\("bar\.sync.*?\);', "emu_named_barrier(id);", gemv, flags=re.S
+    )
     gemv = gemv.replace("extern __shared__ v4f gemv_smem[];", "v4f* gemv_smem = (v4f*)emu_smem;")
-    assert n_ld == 1 and n_pf == 1 and "asm" not in gemv and "asm" not in common
+    assert n_ld == 1 and n_pf == 1 and n_bar == 1 and "asm" not in gemv and "asm" not in common
     return (
         f'#define LLMC_DTYPE {dtype_code}\n#include "gemv_emulator.h"\n{common}\n{gemv}\n'
         '#define GEMV_EMULATOR_MAIN\n#include "gemv_emulator.h"\n'
@@ -146,6 +149,11 @@ CASES = [
     ("silu", 3, 999, 21, 999, 1, False),
     ("add", 6, 512, 40, 512, 1, False),  # scalar kernels on an aligned shape
     ("add", 1, 64, 5, 64, 4, True),  # fewer units than warps: 4 CTAs, 5 units
+    # few units: two warps per unit (K halves), with and without chunks
+    ("add", 5, 1000, 37, 256, 8, True),
+    ("norm", 2, 1000, 30, 1000, 4, True),
+    ("silu", 8, 1000, 9, 1000, 8, True),
+    ("norm", 3, 999, 10, 256, 8, False),
 ]
 
 
