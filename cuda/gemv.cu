@@ -25,10 +25,10 @@
 // (row, m) and R * M lanes writing one output each.
 // Units go round-robin over the CTAs first (unit = round * 16 * grid + warp * grid + CTA),
 // so a last, partial round spreads over every SM. When the units fill at most half of the
-// grid's warps (e.g. N = 4096 at R = 4), two warps share each unit, each over half of K,
-// and add their sums through shared memory after a 64-thread named barrier. Before the prologue (norm scales,
-// staging), each warp prefetches the first two iterations of its first unit into L2, so
-// the weight stream starts while the activations are being prepared.
+// grid's warps (e.g. N = 4096 at R = 4), two warps share each unit, each over half of every
+// chunk, and add their sums through shared memory after a 64-thread named barrier. Before
+// the prologue (norm scales, staging), each warp prefetches the first two iterations of its
+// first unit into L2, so the weight stream starts while the activations are prepared.
 //
 // The *_scalar kernels (K not a multiple of the 16-byte vector, or a misaligned base) run
 // the same code with one element per "vector" (scalar loads): correct, slow. They are
@@ -231,6 +231,14 @@ __device__ __forceinline__ void accumulate(float (&acc)[R][M], const scalar_t* c
     }
 }
 
+// Vectors [i0, i1) of a chunk of nv that warp half `half` of `split` (1 or 2) handles; the
+// first half takes a multiple of 32 (every lane the same number of vectors).
+__device__ __forceinline__ void split_range(int split, int half, int nv, int& i0, int& i1) {
+    const int h = split == 1 ? nv : (nv + 63) / 64 * 32;
+    i0 = half * h;
+    i1 = min(nv, i0 + h);
+}
+
 __device__ __forceinline__ float silu(float g) { return g / (1.f + expf(-g)); }
 
 template <int M, int MODE, int VW>
@@ -246,18 +254,17 @@ __device__ __forceinline__ void gemv_body(const GemvArgs& a) {
     const int K = a.K, KC = a.KC, n_out = a.n_out;
     const int units = (n_out + P - 1) / P;
     const int nchunks = (K + KC - 1) / KC;
-    // Few units (at most half the warps): two warps per unit, each over half of K, their
-    // sums added through shared memory. slot = the unit's place in the CTA's round.
+    // Few units (at most half the warps): two warps per unit, each over half of every chunk,
+    // their sums added through shared memory. slot = the unit's place in the CTA's round.
     const int split = units * 2 <= (int)gridDim.x * GEMV_WARPS ? 2 : 1;
     const int slots = GEMV_WARPS / split;
     const int slot = warp % slots, half = warp / slots;
-    const int kv = K / VW;
-    const int kvh = split == 1 ? kv : (kv + 63) / 64 * 32;  // vectors per half, 32-multiple
-    const int hv0 = half * kvh, hv1 = min(kv, hv0 + kvh);   // this warp's vectors of a row
-    __shared__ float part[2][GEMV_WARPS / 2][2][32];        // [round & 1][slot][value][lane]
+    __shared__ float part[2][GEMV_WARPS / 2][2][32];  // [round & 1][slot][value][lane]
 
     {  // start the weight stream: the first two iterations of this warp's first unit, into L2
         const int u = slot * gridDim.x + blockIdx.x;
+        int hv0, hv1;
+        split_range(split, half, min(KC, K) / VW, hv0, hv1);
         constexpr int kStart = 2 * (GEMV_LOADS / R) * 32 * VW * (int)sizeof(scalar_t);
         const long long h0 = (long long)hv0 * VW * sizeof(scalar_t);
         const long long h1 = (long long)hv1 * VW * sizeof(scalar_t);
@@ -328,9 +335,8 @@ __device__ __forceinline__ void gemv_body(const GemvArgs& a) {
                 stage<M, MODE, VW>(a, xs, scale, k0, kc);
                 __syncthreads();
             }
-            const int c0 = k0 / VW;  // this warp's vectors within the chunk
-            const int i0 = (hv0 > c0 ? hv0 : c0) - c0;
-            const int i1 = (hv1 < c0 + kc / VW ? hv1 : c0 + kc / VW) - c0;
+            int i0, i1;  // this warp's vectors of the chunk
+            split_range(split, half, kc / VW, i0, i1);
             if (active && i0 < i1) accumulate<M, R, VW>(acc, wrow, xs, k0, i0, i1, KC, lane);
         }
         if (!active) continue;

@@ -149,7 +149,7 @@ CASES = [
     ("silu", 3, 999, 21, 999, 1, False),
     ("add", 6, 512, 40, 512, 1, False),  # scalar kernels on an aligned shape
     ("add", 1, 64, 5, 64, 4, True),  # fewer units than warps: 4 CTAs, 5 units
-    # few units: two warps per unit (K halves), with and without chunks
+    # few units: two warps per unit (each over half of every chunk), with and without chunks
     ("add", 5, 1000, 37, 256, 8, True),
     ("norm", 2, 1000, 30, 1000, 4, True),
     ("silu", 8, 1000, 9, 1000, 8, True),
