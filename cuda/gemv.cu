@@ -239,6 +239,25 @@ __device__ __forceinline__ void split_range(int split, int half, int nv, int& i0
     i1 = min(nv, i0 + h);
 }
 
+// L2 prefetch of the first two iterations of this warp's share of unit u's rows in the
+// chunk of kc columns at k0 (issued before a prologue or a chunk's staging, so the weight
+// stream does not stop while the activations are being prepared).
+template <int MODE, int R, int VW>
+__device__ __forceinline__ void prefetch_start(const GemvArgs& a, int u, int k0, int kc, int split,
+                                               int half, int lane) {
+    constexpr long long kStart = 2 * (GEMV_LOADS / R) * 32 * VW * (long long)sizeof(scalar_t);
+    int i0, i1;
+    split_range(split, half, kc / VW, i0, i1);
+    const long long len = (long long)(i1 - i0) * VW * sizeof(scalar_t);
+    const long long bytes = len < kStart ? len : kStart;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const char* p = reinterpret_cast<const char*>(
+            a.w + (long long)unit_row<MODE, R>(u, r, a.n_out) * a.K + k0 + (long long)i0 * VW);
+        for (long long off = lane * 128; off < bytes; off += 32 * 128) prefetch_l2(p + off);
+    }
+}
+
 __device__ __forceinline__ float silu(float g) { return g / (1.f + expf(-g)); }
 
 template <int M, int MODE, int VW>
@@ -261,24 +280,9 @@ __device__ __forceinline__ void gemv_body(const GemvArgs& a) {
     const int slot = warp % slots, half = warp / slots;
     __shared__ float part[2][GEMV_WARPS / 2][2][32];  // [round & 1][slot][value][lane]
 
-    {  // start the weight stream: the first two iterations of this warp's first unit, into L2
+    {  // start the weight stream while the activations are being prepared
         const int u = slot * gridDim.x + blockIdx.x;
-        int hv0, hv1;
-        split_range(split, half, min(KC, K) / VW, hv0, hv1);
-        constexpr int kStart = 2 * (GEMV_LOADS / R) * 32 * VW * (int)sizeof(scalar_t);
-        const long long h0 = (long long)hv0 * VW * sizeof(scalar_t);
-        const long long h1 = (long long)hv1 * VW * sizeof(scalar_t);
-        const long long bytes = h1 - h0 < kStart ? h1 - h0 : kStart;
-        if (u < units) {
-#pragma unroll
-            for (int r = 0; r < R; ++r) {
-                const char* row = reinterpret_cast<const char*>(
-                    a.w + (long long)unit_row<MODE, R>(u, r, n_out) * K) + h0;
-                for (long long off = lane * 128; off < bytes; off += 32 * 128) {
-                    prefetch_l2(row + off);
-                }
-            }
-        }
+        if (u < units) prefetch_start<MODE, R, VW>(a, u, 0, min(KC, K), split, half, lane);
     }
 
     if constexpr (MODE != 2) {  // rms scale of each row, float32 sum of squares
@@ -331,6 +335,7 @@ __device__ __forceinline__ void gemv_body(const GemvArgs& a) {
         for (int c = 0; c < nchunks; ++c) {
             const int k0 = c * KC, kc = min(KC, K - k0);
             if (nchunks > 1) {
+                if (active) prefetch_start<MODE, R, VW>(a, uc, k0, kc, split, half, lane);
                 __syncthreads();  // every warp is done with the previous chunk
                 stage<M, MODE, VW>(a, xs, scale, k0, kc);
                 __syncthreads();
