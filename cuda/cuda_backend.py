@@ -45,6 +45,8 @@ LOG2E = 1.4426950408889634
 MAX_SPLITS = 32
 SPLIT_ROWS_PER_SEQ = 8  # partials budget: max_num_seqs * 8 (token, split) rows
 CTAS_PER_SM = 4  # resident decode-attention CTAs per SM (__launch_bounds__(128, 4))
+CLUSTER_SPLITS = 8  # paged_attention_cluster_kernel: CTAs per (token, kv head) (CSPLIT)
+CLUSTER_THREADS = 256  # its block (CNW * 32); __launch_bounds__(256, 2): 2 CTAs per SM
 GEMV_MAX_TOKENS = 8  # gemv.cu kernels exist for M = 1..8 token rows
 GEMV_THREADS = 512  # gemv.cu block: 16 warps, one weight unit (R rows) per warp at a time
 GEMV_SMEM_BYTES = 192 * 1024  # most float32 activations staged per CTA (M x KC columns)
@@ -141,6 +143,8 @@ class CudaBackend:
         self._counters: torch.Tensor | None = None
         self._tokens: torch.Tensor | None = None
         self._gemv_kernels: dict[tuple[torch.dtype, str], Any] = {}
+        # small decode batches: split over a thread-block cluster (sm_90+; see attention)
+        self.cluster_decode = torch.cuda.get_device_capability(self.device)[0] >= 9
         self.force_splits: int | None = None  # benchmark override of num_splits
         self.force_min_keys: int | None = None  # benchmark override of min_split_keys
 
@@ -423,6 +427,12 @@ class CudaBackend:
         # tiny batches: latency, one 32-key step per CTA; else amortise the partials merge
         return 32 if num_decode * num_kv_heads < self._sm_count else 128
 
+    def cluster_decode_ok(self, num_decode: int, num_kv_heads: int) -> bool:
+        """Whether decode rows run ``paged_attention_cluster_kernel``: on sm_90+, when the
+        batch's clusters (one per (token, kv head), CLUSTER_SPLITS CTAs each) fit one wave."""
+        ctas = num_decode * num_kv_heads * CLUSTER_SPLITS
+        return self.cluster_decode and 0 < ctas <= 2 * self._sm_count
+
     def num_splits(self, num_decode: int, num_kv_heads: int, max_seq_len: int) -> int:
         """Most flash-decoding splits per sequence (grid z) of a decode launch.
 
@@ -472,7 +482,16 @@ class CudaBackend:
         paged = lib.get("decode_attention", "paged_attention_kernel")
         common = (_p(q), _p(k_cache), _p(v_cache), _p(meta.block_tables), _i(mbps), _i(bs))
         bs_shift = bs.bit_length() - 1 if bs & (bs - 1) == 0 else -1
-        if nd > 0:
+        if nd > 0 and self.cluster_decode_ok(nd, nkv):
+            # small batch: the splits of a (token, kv head) merge in distributed shared memory
+            k = lib.get("decode_attention", "paged_attention_cluster_kernel")
+            args = (
+                _p(q), _p(k_cache), _p(v_cache), _p(meta.block_tables), _i(mbps), _i(bs),
+                _p(meta.seq_lens), _p(out), np.float32(scale),
+                _i(self.min_split_keys(nd, nkv)), _i(bs_shift),
+            )  # fmt: skip
+            self._launch(k, (nd, nkv, CLUSTER_SPLITS), (CLUSTER_THREADS,), args)
+        elif nd > 0:
             splits = self.num_splits(nd, nkv, meta.max_seq_len)
             args = common + (
                 _p(meta.seq_lens), _p(meta.cu_seqlens_q), _i(b), _i(0), _i(1), _p(out),
