@@ -111,14 +111,14 @@ class CudaBackend:
         max_num_seqs: int = 256,
         fused_decode_max_tokens: int = GEMV_MAX_TOKENS,
     ) -> None:
-        import cupy
-
         n = fused_decode_max_tokens
         if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= GEMV_MAX_TOKENS:
             raise ConfigError(
                 f"CudaBackend: fused_decode_max_tokens must be an integer in "
                 f"0..{GEMV_MAX_TOKENS}, got {n!r}"
             )
+        import cupy
+
         self.fused_decode_max_tokens = n
 
         self.device = torch.device(device)
@@ -283,7 +283,8 @@ class CudaBackend:
 
     def _check_gemv(
         self, op: str, x: torch.Tensor, weight: torch.Tensor, x_name: str
-    ) -> tuple[int, int, int]:
+    ) -> tuple[int, int]:
+        """(M, N) of x [M, K] against weight [N, K]; both contiguous CUDA, one dtype."""
         _need(x, x_name)
         _need(weight, "weight", x.dtype)
         if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
@@ -291,29 +292,15 @@ class CudaBackend:
                 f"CudaBackend.{op}: {x_name} {list(x.shape)} and weight {list(weight.shape)} "
                 f"do not chain ([M, K] x [N, K])"
             )
-        if x.dtype not in _DTYPES:
-            raise UnsupportedError(f"CudaBackend.{op}: dtype {x.dtype} is not supported")
-        return x.shape[0], x.shape[1], weight.shape[0]
+        return x.shape[0], weight.shape[0]
 
-    def _check_norm(self, op: str, norm_weight: torch.Tensor, x: torch.Tensor) -> None:
-        _need(norm_weight, "norm weight", x.dtype)
-        if tuple(norm_weight.shape) != (x.shape[1],):
+    def _check(self, op: str, name: str, t: torch.Tensor, shape: tuple, dtype) -> torch.Tensor:
+        _need(t, name, dtype)
+        if tuple(t.shape) != shape:
             raise UnsupportedError(
-                f"CudaBackend.{op}: norm weight {list(norm_weight.shape)} does not match the "
-                f"residual's {x.shape[1]} columns"
+                f"CudaBackend.{op}: {name} has shape {list(t.shape)}, expected {list(shape)}"
             )
-
-    def _gemv_out(
-        self, op: str, out: torch.Tensor | None, shape: tuple[int, int], x: torch.Tensor
-    ) -> torch.Tensor:
-        if out is None:
-            return torch.empty(shape, dtype=x.dtype, device=self.device)
-        _need(out, "out", x.dtype)
-        if tuple(out.shape) != shape:
-            raise UnsupportedError(
-                f"CudaBackend.{op}: out has shape {list(out.shape)}, expected {list(shape)}"
-            )
-        return out
+        return t
 
     def norm_linear(
         self,
@@ -325,15 +312,14 @@ class CudaBackend:
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """linear(rms_norm(residual, norm_weight), weight, bias) in one kernel (M <= 8)."""
-        m, _, n = self._check_gemv("norm_linear", residual, weight, "residual")
-        self._check_norm("norm_linear", norm_weight, residual)
+        op, dt = "norm_linear", residual.dtype
+        m, n = self._check_gemv(op, residual, weight, "residual")
+        self._check(op, "norm weight", norm_weight, (residual.shape[1],), dt)
         if bias is not None:
-            _need(bias, "bias", residual.dtype)
-            if tuple(bias.shape) != (n,):
-                raise UnsupportedError(
-                    f"CudaBackend.norm_linear: bias {list(bias.shape)} does not match {n} rows"
-                )
-        out = self._gemv_out("norm_linear", out, (m, n), residual)
+            self._check(op, "bias", bias, (n,), dt)
+        if out is None:
+            out = torch.empty(m, n, dtype=dt, device=self.device)
+        self._check(op, "out", out, (m, n), dt)
         if m == 0:
             return out
         args = (
@@ -352,32 +338,28 @@ class CudaBackend:
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """silu_and_mul(linear(rms_norm(residual), gate_up_weight)) in one kernel (M <= 8)."""
-        op = "norm_gate_up_silu"
-        m, _, n2 = self._check_gemv(op, residual, gate_up_weight, "residual")
-        self._check_norm(op, norm_weight, residual)
+        op, dt, w = "norm_gate_up_silu", residual.dtype, gate_up_weight
+        m, n2 = self._check_gemv(op, residual, w, "residual")
+        self._check(op, "norm weight", norm_weight, (residual.shape[1],), dt)
         if n2 % 2:
             raise UnsupportedError(
                 f"CudaBackend.{op}: gate_up weight has {n2} rows; expected gate | up (even)"
             )
-        out = self._gemv_out(op, out, (m, n2 // 2), residual)
+        if out is None:
+            out = torch.empty(m, n2 // 2, dtype=dt, device=self.device)
+        self._check(op, "out", out, (m, n2 // 2), dt)
         if m == 0:
             return out
-        args = (_p(residual), _p(norm_weight), np.float32(eps), _p(gate_up_weight), _p(out))
-        aligned = (residual, norm_weight, gate_up_weight)
-        self._gemv("gemv_norm_silu", residual, gate_up_weight, n2 // 2, aligned, args)
+        args = (_p(residual), _p(norm_weight), np.float32(eps), _p(w), _p(out))
+        self._gemv("gemv_norm_silu", residual, w, n2 // 2, (residual, norm_weight, w), args)
         return out
 
     def linear_residual_add(
         self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor
     ) -> torch.Tensor:
         """residual += linear(x, weight) in place (one kernel, M <= 8); returns residual."""
-        m, _, n = self._check_gemv("linear_residual_add", x, weight, "x")
-        _need(residual, "residual", x.dtype)
-        if tuple(residual.shape) != (m, n):
-            raise UnsupportedError(
-                f"CudaBackend.linear_residual_add: residual {list(residual.shape)}, expected "
-                f"{[m, n]}"
-            )
+        m, n = self._check_gemv("linear_residual_add", x, weight, "x")
+        self._check("linear_residual_add", "residual", residual, (m, n), x.dtype)
         if m == 0:
             return residual
         self._gemv("gemv_add", x, weight, n, (x, weight), (_p(x), _p(weight), _p(residual)))
