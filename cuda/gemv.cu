@@ -21,8 +21,9 @@
 // shared-memory budget, then the CTA re-stages per chunk between two barriers). For
 // 16-bit dtypes a weight vector holds 8 columns; the smem row is split into two halves
 // (columns 4i..4i+3 of vector i in half 0, 4i+4..4i+7 in half 1) so each lane's two
-// 16-byte LDS are lane-consecutive (conflict-free). Each unit ends with one warp_sum per
-// (row, m) and R * M lanes writing one output each.
+// 16-byte LDS are lane-consecutive (conflict-free). Each unit ends with a warp reduction
+// (one reduce-scatter of the R * M sums when R * M >= 8, else a warp_sum each) and R * M
+// lanes writing one output each.
 // Units go round-robin over the CTAs first (unit = round * 16 * grid + warp * grid + CTA),
 // so a last, partial round spreads over every SM. When the units fill at most half of the
 // grid's warps (e.g. N = 4096 at R = 4), two warps share each unit, each over half of every
@@ -36,7 +37,7 @@
 //
 // Launch: grid min(SMs, units), block 512, dynamic smem M * KC * 4 bytes.
 //
-// History: v1 (this).
+// History: v1 (this; not yet measured on the H200).
 #include "common.cuh"
 
 #define GEMV_THREADS 512
@@ -231,6 +232,33 @@ __device__ __forceinline__ void accumulate(float (&acc)[R][M], const scalar_t* c
     }
 }
 
+// Warp sums of the R * M values acc[r][m], value j = r * M + m landing in lane j: recursive
+// halving, each step a lane keeps the half of its values its side of the butterfly owns and
+// adds its partner's copy of them (31 shuffles in all; values beyond R * M are zero).
+template <int R, int M>
+__device__ __forceinline__ float warp_reduce_scatter(const float (&acc)[R][M], int lane) {
+    float v[32];
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+        const int jj = j < R * M ? j : 0;  // in-bounds index even where the value is unused
+        v[j] = j < R * M ? acc[jj / M][jj % M] : 0.f;
+    }
+#pragma unroll
+    for (int step = 4; step >= 0; --step) {
+        const int o = 1 << step;
+        const bool upper = (lane & o) != 0;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {  // j < o (a constant once both loops are unrolled)
+            if (j < o) {
+                const float send = upper ? v[j] : v[j + o];
+                const float keep = upper ? v[j + o] : v[j];
+                v[j] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+            }
+        }
+    }
+    return v[0];
+}
+
 // Vectors [i0, i1) of a chunk of nv that warp half `half` of `split` (1 or 2) handles; the
 // first half takes a multiple of 32 (every lane the same number of vectors).
 __device__ __forceinline__ void split_range(int split, int half, int nv, int& i0, int& i1) {
@@ -345,20 +373,25 @@ __device__ __forceinline__ void gemv_body(const GemvArgs& a) {
             if (active && i0 < i1) accumulate<M, R, VW>(acc, wrow, xs, k0, i0, i1, KC, lane);
         }
         if (!active) continue;
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-#pragma unroll
-            for (int m = 0; m < M; ++m) acc[r][m] = warp_sum(acc[r][m]);
-        }
         // lane r * M + m (gate_up: p * M + m) owns output (r or p, m): v0 (and up in v1)
         float v0 = 0.f, v1 = 0.f;
+        if constexpr (R * M >= 8) {  // one reduce-scatter: 31 shuffles instead of 5 * R * M
+            v0 = warp_reduce_scatter<R, M>(acc, lane);
+            if constexpr (MODE == 1) v1 = __shfl_down_sync(0xffffffffu, v0, P * M);
+        } else {
 #pragma unroll
-        for (int r = 0; r < P; ++r) {
+            for (int r = 0; r < R; ++r) {
 #pragma unroll
-            for (int m = 0; m < M; ++m) {
-                if (lane == r * M + m) {
-                    v0 = acc[r][m];
-                    if constexpr (MODE == 1) v1 = acc[P + r][m];
+                for (int m = 0; m < M; ++m) acc[r][m] = warp_sum(acc[r][m]);
+            }
+#pragma unroll
+            for (int r = 0; r < P; ++r) {
+#pragma unroll
+                for (int m = 0; m < M; ++m) {
+                    if (lane == r * M + m) {
+                        v0 = acc[r][m];
+                        if constexpr (MODE == 1) v1 = acc[P + r][m];
+                    }
                 }
             }
         }

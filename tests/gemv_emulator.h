@@ -51,6 +51,15 @@ inline float __shfl_xor_sync(unsigned, float v, int o) {
     return r;
 }
 
+inline float __shfl_down_sync(unsigned, float v, int d) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    emu_shfl_buf[warp][lane] = v;
+    emu_warp_barriers[warp]->arrive_and_wait();
+    const float r = lane + d < 32 ? emu_shfl_buf[warp][lane + d] : v;
+    emu_warp_barriers[warp]->arrive_and_wait();
+    return r;
+}
+
 inline float __uint_as_float(unsigned int u) {
     float f;
     std::memcpy(&f, &u, 4);
