@@ -48,6 +48,10 @@ CTAS_PER_SM = 4  # resident decode-attention CTAs per SM (__launch_bounds__(128,
 CLUSTER_SPLITS = 8  # paged_attention_cluster_kernel: CTAs per (token, kv head) (CSPLIT)
 CLUSTER_THREADS = 256  # its block (CNW * 32); __launch_bounds__(256, 2): 2 CTAs per SM
 GEMV_MAX_TOKENS = 8  # gemv.cu kernels exist for M = 1..8 token rows
+# Default small-step threshold. Measured on the H200 (8B shapes, graph replays, 2026-11-30):
+# the four fused GEMVs of a layer beat cuBLAS + our norm/SiLU kernels up to M = 4 and lose
+# at M = 8 (0.167 vs 0.134 ms for the GEMMs alone), so steps of 5..8 tokens stay unfused.
+FUSED_DECODE_DEFAULT = 4
 GEMV_THREADS = 512  # gemv.cu block: 16 warps, one weight unit (R rows) per warp at a time
 GEMV_SMEM_BYTES = 192 * 1024  # most float32 activations staged per CTA (M x KC columns)
 _GEMV_MODES = {"gemv_norm": 0, "gemv_norm_silu": 1, "gemv_add": 2}
@@ -98,7 +102,7 @@ def gemv_grid(m: int, mode: int, n_out: int, sm_count: int) -> int:
 class CudaBackend:
     """Backend on CuPy kernels. ``kernels_dir``: an engine's cubins (None = NVRTC).
 
-    ``fused_decode_max_tokens`` (0..8, default 8; 0 = off): the ModelRunner runs steps of
+    ``fused_decode_max_tokens`` (0..8, default 4; 0 = off): the ModelRunner runs steps of
     at most this many tokens through the fused gemv ops.
     """
 
@@ -109,7 +113,7 @@ class CudaBackend:
         device: torch.device | str = "cuda",
         kernels_dir: Any = None,
         max_num_seqs: int = 256,
-        fused_decode_max_tokens: int = GEMV_MAX_TOKENS,
+        fused_decode_max_tokens: int = FUSED_DECODE_DEFAULT,
     ) -> None:
         n = fused_decode_max_tokens
         if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= GEMV_MAX_TOKENS:

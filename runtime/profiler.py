@@ -36,6 +36,9 @@ BACKEND_OPS = (
     "rope_and_cache_write",
     "attention",
     "silu_and_mul",
+    "norm_linear",
+    "norm_gate_up_silu",
+    "linear_residual_add",
     "sample",
 )
 
@@ -92,7 +95,11 @@ def phase_breakdown(steps: Sequence[StepRecord]) -> list[BreakdownRow]:
 
 _FAMILIES: tuple[tuple[str, str], ...] = (
     ("attention", r"attn|attention|flash|fmha|paged|sdpa|softmax_kv|decode_kernel"),
-    ("matmul", r"gemm|cutlass|cublas|nvjet|xmma|matmul|linear|\bmm\b|addmm|sm\d+_.*tn|s\d+gemm"),
+    (
+        "matmul",
+        r"gemm|gemv|gate_up_silu|cutlass|cublas|nvjet|xmma|matmul|linear|\bmm\b|addmm"
+        r"|sm\d+_.*tn|s\d+gemm",
+    ),
     ("norm", r"rms|norm"),
     ("rope / kv write", r"rope|rotary|cache_write|reshape_and_cache|slot"),
     ("activation", r"silu|gelu|act_and_mul|swiglu|and_mul"),
@@ -184,6 +191,12 @@ def _op_cost(
         x, w = args[0], args[1]
         flops = 2.0 * x.shape[0] * w.shape[0] * w.shape[1]
         return flops, float(nbytes(x) + nbytes(w) + nbytes(result))
+    if name in ("norm_linear", "norm_gate_up_silu", "linear_residual_add") and len(args) >= 2:
+        # fused small-batch GEMVs: (residual, norm_w, eps, weight, ...) or (x, weight, residual)
+        x, w = (args[0], args[1]) if name == "linear_residual_add" else (args[0], args[3])
+        flops = 2.0 * x.shape[0] * w.shape[0] * w.shape[1]
+        out = args[2] if name == "linear_residual_add" else result
+        return flops, float(nbytes(x) + nbytes(w) + nbytes(out))
     if name in ("rms_norm", "silu_and_mul", "embedding") and args:
         out = result[0] if isinstance(result, tuple) else result
         return None, float(nbytes(args[0]) + nbytes(out))

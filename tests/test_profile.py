@@ -46,6 +46,16 @@ def test_phase_and_op_breakdown() -> None:
     assert kernel_family("sm90_xmma_gemm_bf16bf16_bf16f32") == "matmul"
     assert kernel_family("paged_attention_decode_kernel") == "attention"
     assert kernel_family("rmsnorm_kernel") == "norm"
+    # fused small-batch GEMVs count as matmuls (kernels and the CPU op names)
+    for name in (
+        "gemv_norm_m1",
+        "gemv_norm_silu_m4",
+        "gemv_add_m2_scalar",
+        "norm_linear",
+        "norm_gate_up_silu",
+        "linear_residual_add",
+    ):
+        assert kernel_family(name) == "matmul", name
 
 
 def test_op_timer_hooks_and_restores() -> None:
