@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from llmc.cuda import cuda_backend as cb
+from llmc.cuda import gemv_ops as go
 from llmc.cuda.kernels import CUDA_DIR
 from llmc.errors import ConfigError, UnsupportedError
 
@@ -53,10 +54,10 @@ def _need(t, name, dtype=None):  # cuda_backend._need without the is_cuda requir
 
 @pytest.fixture
 def be(monkeypatch):
-    monkeypatch.setattr(cb, "_need", _need)
+    monkeypatch.setattr(go, "_need", _need)
     b = object.__new__(cb.CudaBackend)
     b.device = torch.device("cpu")
-    b._sm_count, b._gemv_smem, b._gemv_kernels = 132, cb.GEMV_SMEM_BYTES, {}
+    b._sm_count, b._gemv_smem, b._gemv_kernels = 132, go.GEMV_SMEM_BYTES, {}
     b.fused_decode_max_tokens = 8
     b._lib = lambda dtype: FakeLib()
     b.launches = []
@@ -79,7 +80,7 @@ def check_args(launch, family: str):
     for a, ty in zip(args, types, strict=True):
         want = np.uint64 if "*" in ty else NP_TYPE[ty]
         assert type(a) is want, (family, ty, type(a))
-    assert block == (cb.GEMV_THREADS,)
+    assert block == (go.GEMV_THREADS,)
     return kern, grid, args, smem
 
 
@@ -103,9 +104,9 @@ def test_launches_match_the_kernel_signatures(be, m):
     act, resid = aligned(m, i), aligned(m, k)
     assert be.linear_residual_add(act, aligned(k, i), resid) is resid
     kern, grid, args, smem = check_args(be.launches[-1], "gemv_add")
-    kc = cb.gemv_chunk(m, i)
+    kc = go.gemv_chunk(m, i)
     assert kern.name == f"gemv_add_m{m}" and args[-3:] == (k, i, kc) and smem == m * kc * 4
-    assert smem <= cb.GEMV_SMEM_BYTES and (kc == i or kc % 256 == 0)
+    assert smem <= go.GEMV_SMEM_BYTES and (kc == i or kc % 256 == 0)
 
 
 def test_scalar_kernels_for_odd_k_or_misaligned_bases(be):
@@ -124,11 +125,11 @@ def test_scalar_kernels_for_odd_k_or_misaligned_bases(be):
 
 
 def test_grid_and_chunks():
-    assert cb.gemv_grid(1, 0, 6144, 132) == 132
-    assert cb.gemv_grid(8, 2, 5, 132) == 2  # R = 4: 2 units
-    assert cb.gemv_grid(8, 1, 9, 132) == 5  # gate_up at M = 8: 2 outputs per unit
-    assert cb.gemv_chunk(8, 4096) == 4096
-    assert cb.gemv_chunk(8, 14336) == 6144 and cb.gemv_chunk(2, 14336) == 14336
+    assert go.gemv_grid(1, 0, 6144, 132) == 132
+    assert go.gemv_grid(8, 2, 5, 132) == 2  # R = 4: 2 units
+    assert go.gemv_grid(8, 1, 9, 132) == 5  # gate_up at M = 8: 2 outputs per unit
+    assert go.gemv_chunk(8, 4096) == 4096
+    assert go.gemv_chunk(8, 14336) == 6144 and go.gemv_chunk(2, 14336) == 14336
 
 
 def test_input_errors(be):

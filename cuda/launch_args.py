@@ -1,0 +1,31 @@
+"""Kernel-argument helpers shared by the CudaBackend's op modules.
+
+CuPy RawKernels take device pointers as ``np.uint64`` and ints as ``np.int32``; the vector
+paths need 16-byte-aligned bases; every operand must be a contiguous CUDA tensor.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from llmc.errors import UnsupportedError
+
+
+def ptr(t: torch.Tensor) -> np.uint64:
+    return np.uint64(t.data_ptr())
+
+
+def i32(v: int) -> np.int32:
+    return np.int32(v)
+
+
+def aligned(*ts: torch.Tensor) -> bool:
+    return all(t.data_ptr() % 16 == 0 for t in ts)
+
+
+def need(t: torch.Tensor, name: str, dtype: torch.dtype | None = None) -> None:
+    if not t.is_cuda or not t.is_contiguous():
+        raise UnsupportedError(f"CudaBackend: {name} must be a contiguous CUDA tensor")
+    if dtype is not None and t.dtype != dtype:
+        raise UnsupportedError(f"CudaBackend: {name} must be {dtype}, got {t.dtype}")
