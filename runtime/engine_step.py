@@ -5,7 +5,8 @@ what is decided about, and made from, a single step:
 
 - ``InFlight``: a launched step and what its StepRecord needs.
 - ``ahead_ok``: the async-scheduling rule, whether the step after a batch may be launched
-  before that batch's sampled ids reach the host.
+  before that batch's sampled ids reach the host; ``ahead_src_rows``: which of the earlier
+  step's sampled ids feeds each row of the step launched ahead.
 - ``emit_step_responses``: a computed step's sampled tokens → each request's Responses
   (token ids, detokenized text deltas, stop tokens and stop strings, final responses).
 - ``step_record``: a computed step's StepRecord (runtime/records.py).
@@ -37,6 +38,7 @@ from llmc.runtime.types import (
     FinishReason,
     Request,
     ScheduledBatch,
+    ScheduledSequence,
     Sequence,
     SequenceStatus,
 )
@@ -60,12 +62,31 @@ class InFlight:
 
 
 def token_counts(batch: ScheduledBatch) -> tuple[int, int]:
-    """(tokens, decode tokens) of ``batch`` in one pass."""
+    """(tokens, decode tokens) of ``batch`` in one pass (``ScheduledSequence.is_decode``,
+    inlined: this runs once per row per step)."""
     total = decode = 0
     for s in batch.sequences:
-        total += s.num_new_tokens
-        decode += s.is_decode
+        n = s.num_new_tokens
+        total += n
+        if n == 1 and s.start_position >= len(s.seq.prompt_token_ids):
+            decode += 1
     return total, decode
+
+
+def ahead_src_rows(prev: ScheduledBatch, ahead: ScheduledBatch) -> list[int]:
+    """For each row of ``ahead`` (scheduled before ``prev``'s ids reached the host), the row
+    of ``prev``'s sampled ids that is its input token. Every ``ahead`` sequence is sampled
+    in ``prev`` (``Scheduler.schedule_ahead`` guarantees it)."""
+    sampled = [ss.seq for ss in prev.sequences if ss.sample]
+    rows = ahead.sequences
+    if len(sampled) == len(rows) and all(map(_same_seq, rows, sampled)):
+        return list(range(len(rows)))  # the common case: same sequences, same order
+    index = {id(seq): i for i, seq in enumerate(sampled)}
+    return [index[id(ss.seq)] for ss in rows]
+
+
+def _same_seq(ss: ScheduledSequence, seq: Sequence) -> bool:
+    return ss.seq is seq
 
 
 def ahead_ok(batch: ScheduledBatch, max_seq_len: int) -> bool:
@@ -78,11 +99,14 @@ def ahead_ok(batch: ScheduledBatch, max_seq_len: int) -> bool:
     launch waits for the device) or a request's last token by length (a client that
     replaces a finished request, as a closed loop does, would otherwise wait for the
     speculative step before its prompt is scheduled)."""
+    checked = None  # rows of one request share a params object: test it once per run
     for ss in batch.sequences:
         seq = ss.seq
         p = seq.sampling
-        if p.logprobs is not None or p.uses_penalties:
-            return False
+        if p is not checked:
+            if p.logprobs is not None or p.uses_penalties:
+                return False
+            checked = p
         if ss.sample:
             n_out = len(seq.output_token_ids) + 1  # with this step's token
             if n_out == 1 or n_out >= seq.max_new_tokens:

@@ -33,6 +33,7 @@ from llmc.runtime.detokenizer import IncrementalDetokenizer
 from llmc.runtime.engine_step import (
     InFlight,
     ahead_ok,
+    ahead_src_rows,
     emit_step_responses,
     request_output,
     step_record,
@@ -325,10 +326,7 @@ class Executor:
                 ahead = self.scheduler.schedule_ahead(cur.batch)
                 used = self.scheduler.kv.num_used_blocks
             if ahead:
-                rows = {
-                    id(ss.seq): i for i, ss in enumerate(s for s in cur.batch.sequences if s.sample)
-                }
-                src = [rows[id(ss.seq)] for ss in ahead.sequences]
+                src = ahead_src_rows(cur.batch, ahead)
                 t1 = _now()
                 pending = self.runner.launch(ahead, src)
                 self._inflight = InFlight(ahead, pending, t0, t1 - t0, used)

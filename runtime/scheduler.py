@@ -58,6 +58,10 @@ _new = object.__new__
 _SAMPLE = operator.attrgetter("sample")
 
 
+def _same_seq(ss: ScheduledSequence, seq: Sequence) -> bool:
+    return ss.seq is seq
+
+
 def decode_slice(seq: Sequence, start: int) -> ScheduledSequence:
     """``ScheduledSequence(seq, start, 1, True)`` built without the frozen dataclass's
     per-field ``object.__setattr__`` (half the cost; one per decode row per step)."""
@@ -277,27 +281,34 @@ class Scheduler:
         running = self._running
         if not running or (self._waiting and len(running) < cfg.max_batch_size):
             return None
-        sampled = {id(ss.seq): ss for ss in prev.sequences if ss.sample}
-        rows: list[tuple[Sequence, int]] = []
+        prev_rows = [ss for ss in prev.sequences if ss.sample]
+        # the common case: prev sampled exactly the running sequences, in the same order
+        if len(prev_rows) == len(running) and all(map(_same_seq, prev_rows, running)):
+            pairs = zip(running, prev_rows, strict=True)
+        else:
+            sampled = {id(ss.seq): ss for ss in prev_rows}
+            pairs = ((seq, sampled.get(id(seq))) for seq in running)
+        max_seq_len = cfg.max_seq_len
+        picked: list[ScheduledSequence] = []
+        grow: list[tuple[Sequence, int]] = []  # rows whose next token starts a new block
         need = 0
-        for seq in running:
-            ss = sampled.get(id(seq))
+        for seq, ss in pairs:
             if ss is None or seq.num_computed_tokens != ss.start_position:
                 return None
             n_out = len(seq.output_token_ids) + 1  # with prev's token
-            if n_out >= seq.max_new_tokens or seq.num_prompt_tokens + n_out >= cfg.max_seq_len:
+            if n_out >= seq.max_new_tokens or len(seq.prompt_token_ids) + n_out >= max_seq_len:
                 continue
-            if ss.start_position + ss.num_new_tokens >= len(seq.block_table) * tpb:
-                need += kv.num_blocks_needed(seq, ss.num_new_tokens + 1)  # a new block
-            rows.append((seq, ss.num_new_tokens))
-        if not rows or len(rows) > cfg.max_num_tokens or need > kv.num_free_blocks:
-            return None
-        picked = []
-        for seq, n_prev in rows:
-            start = seq.num_computed_tokens + n_prev
-            if start >= len(seq.block_table) * tpb and not kv.append_slots(seq, n_prev + 1):
-                raise RuntimeError(f"request {seq.request_id}: block count was wrong (bug)")
+            n_prev = ss.num_new_tokens
+            start = ss.start_position + n_prev
+            if start >= len(seq.block_table) * tpb:
+                need += kv.num_blocks_needed(seq, n_prev + 1)  # a new block
+                grow.append((seq, n_prev))
             picked.append(decode_slice(seq, start))
+        if not picked or len(picked) > cfg.max_num_tokens or need > kv.num_free_blocks:
+            return None
+        for seq, n_prev in grow:
+            if not kv.append_slots(seq, n_prev + 1):
+                raise RuntimeError(f"request {seq.request_id}: block count was wrong (bug)")
         self._step += 1
         self._num_tokens += len(picked)
         return ScheduledBatch(step_id=self._step - 1, sequences=tuple(picked))

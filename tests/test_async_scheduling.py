@@ -270,3 +270,30 @@ def test_async_never_delays_the_first_token_on_a_simulated_device(blocking_launc
     assert ttft_s >= 0.008 and ttft_a >= 0.008  # the simulated prefill really ran
     assert ttft_a <= ttft_s + 0.0015, (ttft_a, ttft_s)
     assert itl_a <= itl_s + 0.0015, (itl_a, itl_s)
+
+
+def test_ahead_src_rows_maps_each_ahead_row_to_its_input_row() -> None:
+    """Same sequences in the same order → identity; otherwise each row finds its sequence's
+    sampled row (prefill chunks that sample nothing are not rows)."""
+    from llmc.runtime.engine_step import ahead_src_rows
+    from llmc.runtime.types import SamplingParams, ScheduledBatch, ScheduledSequence, Sequence
+
+    sp = SamplingParams(max_new_tokens=4)
+    a, b, c = (Sequence(i, [1, 2, 3], sp, 4, 0.0) for i in range(3))
+    prev = ScheduledBatch(
+        0,
+        (
+            ScheduledSequence(a, 3, 1, True),
+            ScheduledSequence(b, 3, 1, True),
+            ScheduledSequence(c, 0, 2, False),  # a prompt's first chunk: no sampled row
+        ),
+    )
+    same = ScheduledBatch(1, (ScheduledSequence(a, 4, 1, True), ScheduledSequence(b, 4, 1, True)))
+    assert ahead_src_rows(prev, same) == [0, 1]
+    swapped = ScheduledBatch(1, (ScheduledSequence(b, 4, 1, True),))
+    assert ahead_src_rows(prev, swapped) == [1]
+    prev2 = ScheduledBatch(0, (ScheduledSequence(c, 2, 1, True), ScheduledSequence(a, 3, 1, True)))
+    reordered = ScheduledBatch(
+        1, (ScheduledSequence(a, 4, 1, True), ScheduledSequence(c, 3, 1, True))
+    )
+    assert ahead_src_rows(prev2, reordered) == [1, 0]
