@@ -11,6 +11,11 @@
 #    $OUT/results.tgz (the device tool returns at most 8 files).
 # Sizes are env-overridable (N_128=3000 N_PEER=512 ...); the defaults fit the 10 minutes
 # and say where a row runs fewer requests than issue 6 asks.
+# ROWS picks rows (default: b1 128 peer smol profile 2048 long nographs); also available:
+# b1sync (--no_async_scheduling), b1mb256 (--max_batch_size 256), b1prof (batch-1
+# per-kernel profile), 128mb1024 (a second 8B engine built with max_batch_size 1024),
+# prof2048 and profsmol (kernel-family profiles). SKIP_TESTS=1 skips step 2; PYTEST_ARGS
+# (absolute paths: Python runs outside the checkout) replaces its test files.
 set -u
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$REPO/bench-out}
