@@ -307,12 +307,17 @@ def decode_short(be: Any, rows: list, mem_row: Callable) -> None:
         q = torch.randn(batch, nq, hd, device=DEV).to(BF16)
         ao = torch.empty(batch, nq * hd, device=DEV, dtype=BF16)
         kv_bytes = int(lens.sum()) * nkv * hd * 2 * 2 + 2 * q.nbytes
+        cluster = be.cluster_decode_ok(batch, nkv)  # small batch: the cluster kernel
         for plan in (None, (1, None), (2, 1), (4, 64), (8, 32)):
+            if plan is not None and cluster:
+                continue  # split plans are for paged_attention_kernel only
             be.force_splits, be.force_min_keys = plan if plan else (None, None)
             ms = graph_ms(
                 lambda q=q, kc=kc, vc=vc, meta=meta, ao=ao: be.attention(q, kc, vc, meta, ao)
             )
-            if plan is None:
+            if plan is None and cluster:
+                label = f"auto: cluster kernel, min_keys={be.min_split_keys(batch, nkv)}"
+            elif plan is None:
                 s, mk = be.num_splits(batch, nkv, 8192), be.min_split_keys(batch, nkv)
                 label = f"auto: splits<={s}, min_keys={mk}"
             else:
