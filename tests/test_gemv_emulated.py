@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from llmc.cuda import reference as ref
-from llmc.cuda.cuda_backend import gemv_grid
+from llmc.cuda.gemv_ops import gemv_grid
 from llmc.cuda.kernels import CUDA_DIR
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not on PATH")
