@@ -112,9 +112,13 @@ class Request:
     metadata: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(eq=False)
 class Sequence:
-    """The scheduler's state of one request. Mutated only by Scheduler and KVCacheManager."""
+    """The scheduler's state of one request. Mutated only by Scheduler and KVCacheManager.
+
+    Equality is identity (``eq=False``): one object per request, and ``list.remove`` on the
+    running list must not compare every field of other sequences (with the generated
+    ``__eq__`` a finish deep in a 1,024-row running list cost ~0.25 ms)."""
 
     request_id: int
     prompt_token_ids: list[int]

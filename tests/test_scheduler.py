@@ -437,3 +437,14 @@ def test_schedule_ahead_changes_nothing_when_blocks_run_out() -> None:
     tables = [list(a.block_table), list(b.block_table)]
     assert s.schedule_ahead(batch) is None  # positions 4 need a second block each: none free
     assert [a.block_table, b.block_table] == tables
+
+
+def test_sequences_compare_by_identity() -> None:
+    """One Sequence per request: equal fields do not make two requests equal, so removing a
+    finished sequence from the running list never compares the fields of the others."""
+    a, b = mkseq(7, 5), mkseq(7, 5)
+    assert a != b and a == a
+    assert len({a, b}) == 2
+    running = [b, a]
+    running.remove(a)
+    assert running == [b] and running[0] is b
