@@ -57,6 +57,7 @@ from llmc.cli.options import (
 )
 from llmc.cli.report_render import fmt, kv_section, pct, throughput_section
 from llmc.errors import UsageError
+from llmc.runtime.gpu_idle import GpuIdle, gpu_idle
 from llmc.runtime.metrics import request_flops
 from llmc.runtime.profiler import (
     BreakdownRow,
@@ -326,6 +327,7 @@ def profile_command(
     )
     peak = peak_memory(outcome.runtime.device)
     recs = recommend(outcome.result.aggregates, tuning_inputs(result, outcome))
+    idle = gpu_idle(events, steps) if timers.kernels is not None else None
     result["profile"] = {
         "op_source": timers.source,
         "phases": [r.__dict__ for r in phase_breakdown(steps)],
@@ -333,6 +335,7 @@ def profile_command(
         "ops": [r.__dict__ for r in ops],
         "peak_memory": peak,
         "recommendations": [r.to_dict() for r in recs],
+        "gpu_idle": idle.to_dict() if idle is not None else None,
     }
     if trace:
         meta = {"engine_dir": engine, "op_source": timers.source}
@@ -356,6 +359,8 @@ def profile_command(
     con.print(
         _breakdown_table(fam_title, families) if events else f"[dim]{fam_title}: no events[/dim]"
     )
+    if idle is not None:
+        con.print(gpu_idle_line(idle))
     if kernels and events:
         con.print(_breakdown_table("Time per op / kernel", ops, limit=60))
     con.print(memory_table(result, peak))
@@ -364,6 +369,17 @@ def profile_command(
     con.print(recommendations_table(recs))
     if kernels and outcome.runtime.device == "cuda":
         _kernel_bench(log)
+
+
+def gpu_idle_line(idle: GpuIdle) -> str:
+    """One line: how long the GPU waited between kernels (host-bound when large)."""
+    text = f"GPU idle between kernels: {pct(idle.idle_share)} of the run"
+    if idle.decode_idle_share is not None:
+        text += f", {pct(idle.decode_idle_share)} of the decode-only stretch"
+    return text + (
+        " (time the GPU waits for the host: scheduling, input preparation, launches; "
+        "CUDA graphs and async scheduling keep it small)"
+    )
 
 
 def _kernel_bench(log: Console) -> None:

@@ -67,7 +67,7 @@ build() {  # profile, dir, extra build flags...
         --force "$@" >> "$OUT/bench.log" 2>&1 || { log "build $prof FAILED"; status=1; }
 }
 pack() {  # summary table + every result so far into $OUT (a killed call still returns them)
-    $PY "$REPO/scripts/device_e2e.py" "$RES" ${TRACE_ARG:-} > "$OUT/summary.md" 2>&1
+    $PY "$REPO/scripts/device_e2e.py" "$RES" > "$OUT/summary.md" 2>&1
     cp "$RES/summary.json" "$OUT/" 2>/dev/null
     tar czf "$OUT/results.tgz" --exclude=trace_decode.json -C "$(dirname "$RES")" results
 }
@@ -91,7 +91,6 @@ profile_run() {
         --osl 256 --warmup 2 --json "$RES/profile_decode.json" --trace "$RES/trace_decode.json" \
         > "$RES/profile_decode.txt" 2>&1 || { log "profile FAILED"; tail -5 "$RES/profile_decode.txt"; status=1; }
     cp "$RES/profile_decode.txt" "$OUT/profile_decode.txt"
-    TRACE_ARG="--trace $RES/trace_decode.json"
     pack
 }
 ROWS=${ROWS:-b1 128 peer smol profile 2048 long nographs}

@@ -1,8 +1,8 @@
 """Summary of ``scripts/bench_h200.sh``: one table from the ``llmc bench`` / ``llmc profile``
 JSON results, each number beside its roofline and the peer from the same run, and the GPU
-idle share between steps from the profile's Chrome trace.
+idle share between kernels from the decode-heavy ``llmc profile`` result.
 
-Usage: python -m ... (or python scripts/device_e2e.py) RESULTS_DIR [--trace TRACE.json]
+Usage: python scripts/device_e2e.py RESULTS_DIR
 Prints the table (Markdown) on stdout and writes RESULTS_DIR/summary.json.
 
 Rooflines (per row, from the result's own engine and ceilings):
@@ -11,8 +11,8 @@ Rooflines (per row, from the result's own engine and ceilings):
   counted, attention left out);
 - decode bandwidth (batch 1): copy_bandwidth / weight_bytes tokens/s (every weight read
   once per step), and its time per output token.
-GPU idle: within the measured window of the trace (first to last GPU event), the share of
-time covered by no kernel or copy; also restricted to decode-only steps.
+GPU idle: ``profile.gpu_idle`` of profile_decode.json (first to last GPU event, the share of
+time covered by no kernel or copy; also over the decode-only steps).
 """
 
 from __future__ import annotations
@@ -66,35 +66,17 @@ def rooflines(res: dict[str, Any]) -> dict[str, float | None]:
     return {"compute_tok_s": compute, "batch1_decode_tok_s": decode_bw}
 
 
-def gpu_idle(trace_path: Path) -> dict[str, Any]:
-    ev = json.loads(trace_path.read_text())["traceEvents"]
-    ks = sorted((e["ts"], e["ts"] + e["dur"]) for e in ev if e.get("pid") == 2 and e["ph"] == "X")
-    steps = [e for e in ev if e.get("cat") == "step"]
-    if not ks:
-        return {"error": "no GPU events in the trace"}
-    merged: list[list[float]] = []
-    for a, b in ks:
-        if merged and a <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], b)
-        else:
-            merged.append([a, b])
-
-    def busy_in(lo: float, hi: float) -> float:
-        return sum(max(0.0, min(b, hi) - max(a, lo)) for a, b in merged if b > lo and a < hi)
-
-    lo, hi = merged[0][0], merged[-1][1]
-    out = {"window_ms": (hi - lo) / 1e3, "idle_share": 1 - busy_in(lo, hi) / (hi - lo)}
-    dec = [s for s in steps if s["args"].get("prefill_tokens") == 0]
-    if len(dec) > 2:
-        # decode-only stretch: from the first to the last decode-only step of the run
-        d_lo, d_hi = dec[0]["ts"], dec[-1]["ts"] + dec[-1]["dur"]
-        d_lo, d_hi = max(d_lo, lo), min(d_hi, hi)
-        if d_hi > d_lo:
-            out["decode_window_ms"] = (d_hi - d_lo) / 1e3
-            out["decode_idle_share"] = 1 - busy_in(d_lo, d_hi) / (d_hi - d_lo)
-        durs = sorted(s["dur"] for s in dec)
-        out["decode_step_median_ms"] = durs[len(durs) // 2] / 1e3
-    return out
+def gpu_idle(results: Path) -> dict[str, Any] | None:
+    """``profile.gpu_idle`` of the decode-heavy profile (``llmc profile`` computes it from
+    its kernel events: ``llmc.runtime.gpu_idle``), in milliseconds and shares."""
+    p = results / "profile_decode.json"
+    if not p.exists():
+        return None
+    idle = (json.loads(p.read_text()).get("profile") or {}).get("gpu_idle")
+    if not idle:
+        return {"error": "profile_decode.json has no profile.gpu_idle (a CPU run or an older llmc)"}
+    ms = {k.replace("_s", "_ms"): v * 1e3 for k, v in idle.items() if k.endswith("window_s") and v}
+    return {**ms, **{k: v for k, v in idle.items() if k.endswith("share")}}
 
 
 def row(name: str, label: str, res: dict[str, Any]) -> dict[str, Any]:
@@ -134,7 +116,6 @@ def row(name: str, label: str, res: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     d = Path(argv[0])
-    trace = Path(argv[argv.index("--trace") + 1]) if "--trace" in argv else None
     rows = []
     for name, label in ROWS:
         p = d / f"{name}.json"
@@ -144,8 +125,9 @@ def main(argv: list[str]) -> int:
             except (KeyError, TypeError, ValueError) as e:
                 rows.append({"row": name, "label": label, "error": repr(e)})
     summary: dict[str, Any] = {"rows": rows}
-    if trace is not None and trace.exists():
-        summary["gpu_idle"] = gpu_idle(trace)
+    idle = gpu_idle(d)
+    if idle is not None:
+        summary["gpu_idle"] = idle
     (d / "summary.json").write_text(json.dumps(summary, indent=1))
     head = (
         "| row | req | out tok/s | roofline | % roof | TTFT p50 ms | TPOT p50 ms | peer tok/s "
@@ -166,7 +148,7 @@ def main(argv: list[str]) -> int:
             f"| {r['preemptions']} | {_f(r['mean_batch'], '.0f')} | {r['cuda_graphs']} |"
         )
     if "gpu_idle" in summary:
-        print("GPU idle (profile trace):", json.dumps(summary["gpu_idle"]))
+        print("GPU idle (llmc profile, decode-heavy run):", json.dumps(summary["gpu_idle"]))
     return 0
 
 

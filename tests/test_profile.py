@@ -184,3 +184,37 @@ def test_profile_json_on_stdout_is_the_only_output(engine) -> None:
     assert res.exit_code == 0, res.stderr
     data = json.loads(res.stdout)  # nothing but the JSON document
     assert data["profile"]["recommendations"] and data["schema"] == "llmc.bench"
+
+
+def test_gpu_idle_merges_overlaps_and_measures_the_decode_stretch() -> None:
+    from llmc.runtime.gpu_idle import gpu_idle
+
+    # steps: a prefill step [0, 10), then three decode-only steps [10, 14), [14, 18), [18, 22)
+    steps = [StepRecord(0, 0.0, 10.0, 64, 64, 0, 1, 4, 10)] + [
+        StepRecord(i, 10.0 + 4 * (i - 1), 14.0 + 4 * (i - 1), 2, 0, 2, 2, 4, 10) for i in (1, 2, 3)
+    ]
+    kernels = [
+        OpEvent("prefill_gemm", 0.0, 8.0),
+        OpEvent("overlapping", 6.0, 9.0),  # merged with the one above: busy [0, 9)
+        OpEvent("decode_a", 10.0, 13.0),
+        OpEvent("decode_b", 14.0, 17.0),
+        OpEvent("decode_c", 18.0, 22.0),
+        OpEvent("empty", 5.0, 5.0),  # zero length: ignored
+    ]
+    idle = gpu_idle(kernels, steps)
+    assert idle is not None
+    assert idle.window_s == pytest.approx(22.0)
+    assert idle.idle_share == pytest.approx(1 - (9 + 3 + 3 + 4) / 22)
+    assert idle.decode_window_s == pytest.approx(12.0)  # first to last decode-only step
+    assert idle.decode_idle_share == pytest.approx(1 - 10 / 12)
+    assert gpu_idle([], steps) is None
+    assert gpu_idle(kernels, steps[:3]).decode_idle_share is None  # < 3 decode-only steps
+
+
+def test_gpu_idle_line_names_both_shares() -> None:
+    from llmc.cli.profile_cmd import gpu_idle_line
+    from llmc.runtime.gpu_idle import GpuIdle
+
+    text = gpu_idle_line(GpuIdle(2.0, 0.025, 1.5, 0.008))
+    assert "2.5% of the run" in text and "0.8% of the decode-only stretch" in text
+    assert "decode-only" not in gpu_idle_line(GpuIdle(2.0, 0.025))
