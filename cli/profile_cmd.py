@@ -219,7 +219,9 @@ def _model_rates(rows: list[BreakdownRow], outcome: Any) -> list[BreakdownRow]:
     return with_model_rates(rows, matmul_flops=mm, weight_bytes_read=wb, attention_flops=attn)
 
 
-def tuning_inputs(result: dict[str, Any], outcome: Any) -> TuningInputs:
+def tuning_inputs(
+    result: dict[str, Any], outcome: Any, idle: GpuIdle | None = None
+) -> TuningInputs:
     e, rt = result["config"]["engine"], result["config"]["runtime"]
     w = result["config"]["workload"]
     arr = result["config"]["arrival"]
@@ -235,6 +237,8 @@ def tuning_inputs(result: dict[str, Any], outcome: Any) -> TuningInputs:
         max_prompt_tokens=w.get("max_isl") or 1, max_in_flight=max(1, int(in_flight or 1)),
         kv_bytes_per_token=e.get("kv_bytes_per_token"), workspace_bytes=e.get("workspace_bytes"),
         max_seq_len=rt.get("max_seq_len") or e.get("max_seq_len"),
+        gpu_decode_idle_share=idle.decode_idle_share if idle is not None else None,
+        cuda_graphs=rt.get("cuda_graphs"), async_scheduling=rt.get("async_scheduling"),
     )  # fmt: skip
 
 
@@ -326,8 +330,8 @@ def profile_command(
         _model_rates(op_breakdown(events, "family"), outcome),
     )
     peak = peak_memory(outcome.runtime.device)
-    recs = recommend(outcome.result.aggregates, tuning_inputs(result, outcome))
     idle = gpu_idle(events, steps) if timers.kernels is not None else None
+    recs = recommend(outcome.result.aggregates, tuning_inputs(result, outcome, idle))
     result["profile"] = {
         "op_source": timers.source,
         "phases": [r.__dict__ for r in phase_breakdown(steps)],

@@ -218,3 +218,28 @@ def test_gpu_idle_line_names_both_shares() -> None:
     text = gpu_idle_line(GpuIdle(2.0, 0.025, 1.5, 0.008))
     assert "2.5% of the run" in text and "0.8% of the decode-only stretch" in text
     assert "decode-only" not in gpu_idle_line(GpuIdle(2.0, 0.025))
+
+
+def test_host_overlap_advice_from_gpu_idle() -> None:
+    key = "cuda_graphs / async_scheduling"
+    agg = _agg(1000, 960, 100, 1000)
+
+    def advice(**kw):
+        recs = {r.setting: r for r in recommend(agg, _inputs(**kw))}
+        return recs.get(key)
+
+    assert advice() is None  # no kernel events (CPU): nothing said
+    both = dict(cuda_graphs=True, async_scheduling=True)
+    assert advice(gpu_decode_idle_share=0.01, **both).suggested == "keep"
+    assert (
+        advice(gpu_decode_idle_share=0.3, cuda_graphs=False, async_scheduling=True).suggested
+        == "--cuda_graphs"
+    )
+    assert (
+        advice(gpu_decode_idle_share=0.3, cuda_graphs=True, async_scheduling=False).suggested
+        == "--async_scheduling"
+    )
+    bound = advice(gpu_decode_idle_share=0.4, **both)
+    assert bound.suggested == "keep (host-bound)"
+    assert "960" in bound.reason and "max_batch_size" in bound.reason
+    assert "40.0%" in bound.observed
