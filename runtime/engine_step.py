@@ -79,14 +79,10 @@ def ahead_src_rows(prev: ScheduledBatch, ahead: ScheduledBatch) -> list[int]:
     in ``prev`` (``Scheduler.schedule_ahead`` guarantees it)."""
     sampled = [ss.seq for ss in prev.sequences if ss.sample]
     rows = ahead.sequences
-    if len(sampled) == len(rows) and all(map(_same_seq, rows, sampled)):
+    if len(sampled) == len(rows) and all(map(ScheduledSequence.is_row_of, rows, sampled)):
         return list(range(len(rows)))  # the common case: same sequences, same order
     index = {id(seq): i for i, seq in enumerate(sampled)}
     return [index[id(ss.seq)] for ss in rows]
-
-
-def _same_seq(ss: ScheduledSequence, seq: Sequence) -> bool:
-    return ss.seq is seq
 
 
 def ahead_ok(batch: ScheduledBatch, max_seq_len: int) -> bool:

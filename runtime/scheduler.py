@@ -58,10 +58,6 @@ _new = object.__new__
 _SAMPLE = operator.attrgetter("sample")
 
 
-def _same_seq(ss: ScheduledSequence, seq: Sequence) -> bool:
-    return ss.seq is seq
-
-
 def decode_slice(seq: Sequence, start: int) -> ScheduledSequence:
     """``ScheduledSequence(seq, start, 1, True)`` built without the frozen dataclass's
     per-field ``object.__setattr__`` (half the cost; one per decode row per step)."""
@@ -283,7 +279,9 @@ class Scheduler:
             return None
         prev_rows = [ss for ss in prev.sequences if ss.sample]
         # the common case: prev sampled exactly the running sequences, in the same order
-        if len(prev_rows) == len(running) and all(map(_same_seq, prev_rows, running)):
+        if len(prev_rows) == len(running) and all(
+            map(ScheduledSequence.is_row_of, prev_rows, running)
+        ):
             pairs = zip(running, prev_rows, strict=True)
         else:
             sampled = {id(ss.seq): ss for ss in prev_rows}

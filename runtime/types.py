@@ -176,6 +176,10 @@ class ScheduledSequence:
         """One new token past the prompt (a re-prefill of outputs after preemption is not)."""
         return self.num_new_tokens == 1 and self.start_position >= self.seq.num_prompt_tokens
 
+    def is_row_of(self, seq: Sequence) -> bool:
+        """Whether this row belongs to ``seq`` (identity; used with ``map`` over two lists)."""
+        return self.seq is seq
+
     def token_ids(self) -> list[int]:
         s = self.start_position
         return [self.seq.token_at(i) for i in range(s, s + self.num_new_tokens)]
