@@ -1,7 +1,7 @@
 """``llmc bench``: throughput and latency of an engine under a workload, with a peer.
 
 Flags → ``BenchSettings`` + ``RuntimeConfig`` (precedence: command line > the profile's
-``workload:`` section > defaults) → ``llmc.runtime.bench_run.run_bench`` → Rich report on
+``workload:`` section > defaults) → ``llmc.runtime.bench.driver.run_bench`` → Rich report on
 stdout, logs on stderr (a progress bar only when stderr is a terminal), ``--json FILE`` for
 the versioned result (``--json -``: the JSON on stdout instead of the report).
 Exit code: BenchFailure (9) when the failed share exceeds --max_failure_rate (default 0).
@@ -17,6 +17,7 @@ from typing import Annotated, Any
 
 import typer
 
+from llmc.base.errors import BenchFailure, ConfigError, UsageError, did_you_mean
 from llmc.cli.options import (
     PROFILE_OPTION,
     AsyncScheduling,
@@ -29,10 +30,9 @@ from llmc.cli.options import (
     print_json,
     profile_section,
 )
-from llmc.errors import BenchFailure, ConfigError, UsageError, did_you_mean
-from llmc.runtime.bench_run import BenchSettings, parse_percentiles
+from llmc.runtime.bench.driver import BenchSettings, parse_percentiles
+from llmc.runtime.bench.workload import ArrivalSpec, SyntheticSpec
 from llmc.runtime.engine_runtime import RuntimeConfig
-from llmc.runtime.workload import ArrivalSpec, SyntheticSpec
 
 WORKLOAD_KEYS = (
     "num_requests", "isl", "osl", "isl_stdev", "osl_stdev", "distribution", "dataset",
@@ -286,8 +286,8 @@ def bench_command(
     profile: Annotated[str | None, PROFILE_OPTION] = None,
 ) -> None:
     """Benchmark an engine: throughput, latency percentiles, KV cache; optionally vs a peer."""
-    from llmc.cli.report_render import render_bench
-    from llmc.runtime.bench_run import run_bench
+    from llmc.runtime.bench.driver import run_bench
+    from llmc.runtime.bench.report import render_bench
 
     cli = {k: v for k, v in locals().items() if k not in ("profile", "json_file")}
     s = collect(cli, profile, BENCH_DEFAULTS)

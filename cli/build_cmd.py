@@ -11,6 +11,7 @@ from typing import Annotated, Any
 
 import typer
 
+from llmc.base.errors import UsageError
 from llmc.cli.options import (
     JSON_OPTION,
     PROFILE_OPTION,
@@ -23,7 +24,6 @@ from llmc.cli.options import (
     print_json,
     progress_reporter,
 )
-from llmc.errors import UsageError
 
 
 def build_command(

@@ -13,8 +13,8 @@ from typing import Any
 import typer
 from rich.console import Console
 
+from llmc.base.errors import UsageError
 from llmc.cli.options import handle_errors, out_console
-from llmc.errors import UsageError
 
 SCHEMA = "llmc.bench"
 
@@ -37,7 +37,7 @@ def load_result(path: str | Path) -> dict[str, Any]:
 
 
 def compare(a_path: str, b_path: str | None, console: Console) -> None:
-    from llmc.cli.report_render import ratio_table
+    from llmc.runtime.bench.report import ratio_table
 
     a = load_result(a_path)
     if b_path is None:

@@ -12,8 +12,8 @@ from typing import Annotated
 
 import typer
 
+from llmc.base.errors import UsageError
 from llmc.cli.options import JSON_OPTION, err_console, handle_errors, option, print_json
-from llmc.errors import UsageError
 
 
 def import_command(

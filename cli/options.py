@@ -49,7 +49,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from llmc.errors import LlmcError, UsageError, did_you_mean
+from llmc.base.errors import LlmcError, UsageError, did_you_mean
 
 PROFILE_SECTIONS = ("description", "model", "build", "workload", "run", "profile")
 """Top-level keys a profile YAML may have; each command reads the section(s) it owns."""

@@ -19,6 +19,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from llmc.base.errors import UsageError
 from llmc.cli.bench_cmd import (
     Backend,
     BlockReuse,
@@ -55,11 +56,9 @@ from llmc.cli.options import (
     option,
     out_console,
 )
-from llmc.cli.report_render import fmt, kv_section, pct, throughput_section
-from llmc.errors import UsageError
-from llmc.runtime.gpu_idle import GpuIdle, gpu_idle
-from llmc.runtime.metrics import request_flops
-from llmc.runtime.profiler import (
+from llmc.runtime.bench.gpu_idle import GpuIdle, gpu_idle
+from llmc.runtime.bench.metrics import request_flops
+from llmc.runtime.bench.profiler import (
     BreakdownRow,
     KernelProfiler,
     OpTimer,
@@ -70,7 +69,8 @@ from llmc.runtime.profiler import (
     with_model_rates,
     write_chrome_trace,
 )
-from llmc.runtime.recommend import TuningInputs, recommend
+from llmc.runtime.bench.recommend import TuningInputs, recommend
+from llmc.runtime.bench.report import fmt, kv_section, pct, throughput_section
 from llmc.runtime.records import StepRecord
 
 PROFILE_DEFAULTS: dict[str, Any] = {"num_requests": 16, "isl": 64, "osl": 32, "warmup": 1}
@@ -304,7 +304,7 @@ def profile_command(
     profile: Annotated[str | None, PROFILE_OPTION] = None,
 ) -> None:
     """Profile an engine: phase and op/kernel breakdown, KV use over time, tuning advice."""
-    from llmc.runtime.bench_run import run_bench
+    from llmc.runtime.bench.driver import run_bench
 
     skip = ("profile", "json_file", "trace", "plot", "kernels")
     cli = {k: v for k, v in locals().items() if k not in skip}

@@ -24,6 +24,7 @@ from typing import Annotated, Any
 
 import typer
 
+from llmc.base.errors import LlmcError, RequestError, UsageError, did_you_mean
 from llmc.cli.options import (
     JSON_OPTION,
     PROFILE_OPTION,
@@ -38,7 +39,6 @@ from llmc.cli.options import (
     print_json,
     profile_section,
 )
-from llmc.errors import LlmcError, RequestError, UsageError, did_you_mean
 from llmc.runtime.engine_runtime import RuntimeConfig
 from llmc.runtime.types import Request, SamplingParams
 
@@ -131,7 +131,7 @@ def read_requests(settings: dict[str, Any]) -> list[tuple[str, Request | LlmcErr
 
 
 def _timings(rec: Any) -> dict[str, Any]:
-    from llmc.runtime.metrics import e2e, tpot, ttft
+    from llmc.runtime.bench.metrics import e2e, tpot, ttft
 
     total = e2e(rec)
     n = rec.num_output_tokens

@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from llmc.errors import ConfigError, UnsupportedError, did_you_mean
+from llmc.base.errors import ConfigError, UnsupportedError, did_you_mean
 
 DTYPES = ("float32", "float16", "bfloat16")
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -126,7 +126,7 @@ class BuildConfig:
         names = cls.field_names()
         for key in d:
             if key.replace("-", "_") not in names:
-                from llmc.errors import UsageError
+                from llmc.base.errors import UsageError
 
                 raise UsageError(
                     f"{source}: unknown build setting {key!r}" + did_you_mean(key, names)

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import llmc
+from llmc.base import version
+from llmc.base.errors import CheckpointError, ConfigError, UsageError
 from llmc.compiler.build_config import BuildConfig
 from llmc.compiler.engine_format import (
     KERNELS_DIR,
@@ -38,7 +39,6 @@ from llmc.compiler.engine_format import (
 from llmc.compiler.memory_plan import MemoryPlan, plan_memory
 from llmc.compiler.resolve import ResolvedBuild, detect_gpu, device_memory, resolve_build
 from llmc.compiler.spec import ModelSpec
-from llmc.errors import CheckpointError, ConfigError, UsageError
 
 PHASES = ("read", "plan", "convert", "compile", "write")
 TOKENIZER_FILES = (
@@ -243,8 +243,8 @@ def build(
             kernels = _compile_kernels(spec, resolved.dtype, resolved.target, tmp / KERNELS_DIR)
         with phase("write", str(out)):
             manifest = {
-                "format_version": llmc.ENGINE_FORMAT_VERSION,
-                "llmc_version": llmc.__version__,
+                "format_version": version.ENGINE_FORMAT_VERSION,
+                "llmc_version": version.__version__,
                 "created_unix": int(time.time()),
                 "architecture": spec.architecture,
                 "model": spec.to_dict(),

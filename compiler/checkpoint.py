@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
+from llmc.base.errors import CheckpointError, UnsupportedError
 from llmc.compiler import gguf_reader, hf_reader
 from llmc.compiler.spec import ModelSpec
 from llmc.compiler.weight_passes import validate_hf_tensors
-from llmc.errors import CheckpointError, UnsupportedError
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,9 @@ import math
 
 import torch
 
+from llmc.base.errors import ConfigError
 from llmc.compiler.spec import ModelSpec
 from llmc.compiler.weight_passes import TORCH_DTYPES
-from llmc.errors import ConfigError
 
 STD = 0.02
 _NORMS = ("input_norm", "post_attn_norm", "final_norm")

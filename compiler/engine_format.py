@@ -31,11 +31,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import llmc
+from llmc.base import version
+from llmc.base.errors import ConfigError, EngineError, LlmcError
 from llmc.compiler.memory_plan import MemoryPlan
 from llmc.compiler.resolve import ResolvedBuild
 from llmc.compiler.spec import ModelSpec
-from llmc.errors import ConfigError, EngineError, LlmcError
 
 if TYPE_CHECKING:
     import torch
@@ -82,7 +82,7 @@ def write_engine_files(
     if weights is not None:
         from safetensors.torch import save_file
 
-        meta = {"format": "pt", "llmc_version": llmc.__version__}
+        meta = {"format": "pt", "llmc_version": version.__version__}
         save_file({k: v.contiguous() for k, v in weights.items()}, tmp_dir / WEIGHTS, meta)
     (tmp_dir / PLAN).write_text(plan.to_json())
     for name, data in tokenizer_files.items():
@@ -243,10 +243,10 @@ def load_engine(
         )
     manifest = _read_json(d / MANIFEST, MANIFEST)
     fmt, ver = manifest.get("format_version"), manifest.get("llmc_version")
-    if fmt != llmc.ENGINE_FORMAT_VERSION or ver != llmc.__version__:
+    if fmt != version.ENGINE_FORMAT_VERSION or ver != version.__version__:
         raise EngineError(
-            f"engine {d} has format version {fmt!r} (llmc {ver}), this llmc {llmc.__version__} "
-            f"reads format version {llmc.ENGINE_FORMAT_VERSION}; rebuild it: "
+            f"engine {d} has format version {fmt!r} (llmc {ver}), this llmc {version.__version__} "
+            f"reads format version {version.ENGINE_FORMAT_VERSION}; rebuild it: "
             f"{rebuild_command(manifest, d)}"
         )
     files = manifest.get("files")

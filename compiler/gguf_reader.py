@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from llmc.errors import CheckpointError, UnsupportedError
+from llmc.base.errors import CheckpointError, UnsupportedError
 
 GGUF_MAGIC = b"GGUF"
 ROPE_FREQS = "rope_freqs.weight"  # llama3 RoPE scaling; folded into the config, not a weight

@@ -20,8 +20,8 @@ import json
 from functools import cache
 from typing import Any
 
+from llmc.base.errors import CheckpointError, UnsupportedError
 from llmc.compiler.gguf_reader import GGUFHeader
-from llmc.errors import CheckpointError, UnsupportedError
 
 _CONTROL, _USER_DEFINED = 3, 4
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from llmc.errors import CheckpointError, UnsupportedError
+from llmc.base.errors import CheckpointError, UnsupportedError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

@@ -15,7 +15,7 @@ Owns three things, all pure arithmetic (no torch, so ``llmc build --dry_run`` st
    workspace (or an absolute ``max_kv_tokens``). ``kv_cache_blocks`` is what the runtime
    calls at load time with the free memory it measures.
 
-Invariants (checked by tests/test_memory_plan.py): two buffers whose live ranges intersect
+Invariants (checked by tests/compiler/test_memory_plan.py): two buffers whose live ranges intersect
 never overlap in the arena; every offset is a multiple of ``alignment``; the packed arena is
 never larger than the naive one (every buffer in its own aligned slot).
 """
@@ -27,8 +27,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from llmc.base.errors import CapacityError, EngineError
 from llmc.compiler.spec import ModelSpec
-from llmc.errors import CapacityError, EngineError
 
 PLAN_FORMAT_VERSION = 1
 ALIGNMENT = 256
@@ -377,7 +377,7 @@ def kv_cache_blocks(
     request of ``max_seq_len`` tokens would not fit.
     """
     if not 0.0 < fraction <= 1.0:
-        from llmc.errors import ConfigError
+        from llmc.base.errors import ConfigError
 
         raise ConfigError(f"kv_cache_free_gpu_mem_fraction must be in (0, 1], got {fraction}")
     blocks = max(0, int(free_bytes * fraction)) // plan.kv_bytes_per_block

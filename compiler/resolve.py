@@ -18,9 +18,9 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from llmc.base.errors import ConfigError, EngineError
 from llmc.compiler.build_config import BuildConfig
 from llmc.compiler.spec import ModelSpec
-from llmc.errors import ConfigError, EngineError
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmc.errors import CheckpointError, ConfigError, UnsupportedError
+from llmc.base.errors import CheckpointError, ConfigError, UnsupportedError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 

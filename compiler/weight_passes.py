@@ -13,8 +13,8 @@ from collections.abc import Mapping
 
 import torch
 
+from llmc.base.errors import CheckpointError
 from llmc.compiler.spec import ModelSpec
-from llmc.errors import CheckpointError
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

@@ -155,7 +155,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
 
     # Decode attention: batch 64 x 4096 context, GQA 32/8, head_dim 128, bf16 KV
-    from llmc.runtime.backend import AttentionMetadata
+    from llmc.cuda.backend import AttentionMetadata
 
     batch, ctx = 64, 4096
     nb_seq = ctx // bs
@@ -243,7 +243,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             print("sdpa comparison skipped:", e)
 
     # Sampling: 64 rows x 128256 vocab (time only)
-    from llmc.runtime.backend import SamplingMetadata
+    from llmc.cuda.backend import SamplingMetadata
 
     s, v = 64, 128256
     logits = torch.randn(s, v, device=DEV) * 3
@@ -276,7 +276,7 @@ def decode_short(be: Any, rows: list, mem_row: Callable) -> None:
     """Decode attention at the end-to-end shapes: short contexts, max_seq_len 8192 at
     capture (as CUDA graphs see it); ``auto`` beside forced split plans (splits, min keys).
     Timed as CUDA-graph replays (as the runner runs decode steps)."""
-    from llmc.runtime.backend import AttentionMetadata
+    from llmc.cuda.backend import AttentionMetadata
 
     nq, nkv, hd, bs = 32, 8, 128, 32
     g = torch.Generator().manual_seed(1)

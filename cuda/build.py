@@ -16,8 +16,8 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from llmc.base.errors import UnsupportedError
 from llmc.cuda.kernels import FAMILIES, NVCC_FLAGS, KernelConfig, cubin_name, source
-from llmc.errors import UnsupportedError
 
 
 def families_for(cfg: KernelConfig) -> list[str]:

@@ -16,9 +16,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from llmc.base.errors import LlmcError
 from llmc.cuda.build import families_for, nvcc_compile
 from llmc.cuda.kernels import FAMILIES, KernelConfig, source
-from llmc.errors import LlmcError
 
 CHECK_CONFIGS = (
     KernelConfig("bfloat16", 128, 32, 8),

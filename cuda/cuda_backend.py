@@ -35,14 +35,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from llmc.base.errors import ConfigError, UnsupportedError
+from llmc.cuda.backend import AttentionMetadata, SamplingMetadata
 from llmc.cuda.gemv_ops import FUSED_DECODE_DEFAULT, GEMV_MAX_TOKENS, GEMV_SMEM_BYTES, GemvOps
 from llmc.cuda.kernels import KernelConfig, KernelLibrary
 from llmc.cuda.launch_args import aligned as _aligned
 from llmc.cuda.launch_args import i32 as _i
 from llmc.cuda.launch_args import need as _need
 from llmc.cuda.launch_args import ptr as _p
-from llmc.errors import ConfigError, UnsupportedError
-from llmc.runtime.backend import AttentionMetadata, SamplingMetadata
 
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 LOG2E = 1.4426950408889634

@@ -20,11 +20,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from llmc.base.errors import UnsupportedError
 from llmc.cuda.launch_args import aligned as _aligned
 from llmc.cuda.launch_args import i32 as _i
 from llmc.cuda.launch_args import need as _need
 from llmc.cuda.launch_args import ptr as _p
-from llmc.errors import UnsupportedError
 
 GEMV_MAX_TOKENS = 8  # gemv.cu kernels exist for M = 1..8 token rows
 # Default small-step threshold. Measured on the H200 (8B shapes, graph replays, 2026-11-30):

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llmc.errors import UnsupportedError
+from llmc.base.errors import UnsupportedError
 
 CUDA_DIR = Path(__file__).resolve().parent
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from llmc.errors import UnsupportedError
+from llmc.base.errors import UnsupportedError
 
 
 def ptr(t: torch.Tensor) -> np.uint64:

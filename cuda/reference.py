@@ -1,9 +1,9 @@
 """The torch reference of every kernel op of llmc: the ground truth the CUDA kernels match.
 
 Each function is plain torch, runs on any device, and is written for clarity first. The
-``TorchBackend`` (llmc.runtime.torch_backend) calls these; the CuPy kernels in this folder
+``TorchBackend`` (llmc.cuda.torch_backend) calls these; the CuPy kernels in this folder
 are tested against them (rel. error < 1e-5 fp32, < 1e-2 bf16/fp16). Conventions (KV layout,
-slots, RoPE form, GQA, sampling RNG) are those of ``llmc.runtime.backend``.
+slots, RoPE form, GQA, sampling RNG) are those of ``llmc.cuda.backend``.
 
 Shapes: T = tokens of the step, B = sequences, S = sampled rows, H = hidden, V = vocab,
 nq / nkv = query / kv heads, hd = head_dim, I = intermediate size.
@@ -29,7 +29,7 @@ import math
 
 import torch
 
-from llmc.runtime.backend import AttentionMetadata, SamplingMetadata
+from llmc.cuda.backend import AttentionMetadata, SamplingMetadata
 
 # ---------------------------------------------------------------------------------------
 # Dense ops

@@ -18,8 +18,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
-ENGINE_FORMAT_VERSION = 1
+from llmc.base.version import ENGINE_FORMAT_VERSION, __version__
 
 _LAZY: dict[str, tuple[str, str]] = {
     "LLM": ("llmc.api", "LLM"),

@@ -30,12 +30,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import llmc
+from llmc.base import version
+from llmc.base.errors import CheckpointError, ConfigError, EngineError, LlmcError
 from llmc.compiler.build_config import BuildConfig
-from llmc.errors import CheckpointError, ConfigError, EngineError, LlmcError
+from llmc.runtime.bench.metrics import e2e, tpot, ttft
 from llmc.runtime.engine_runtime import EngineRuntime, RuntimeConfig
 from llmc.runtime.executor import Executor
-from llmc.runtime.metrics import e2e, tpot, ttft
 from llmc.runtime.responses import RequestOutput, Response
 from llmc.runtime.types import Request, SamplingParams
 
@@ -122,8 +122,8 @@ def engine_cache_dir(checkpoint_dir: str | Path, build_config: BuildConfig) -> P
         "checkpoint": str(ckpt),
         "files": _fingerprint(ckpt),
         "build_config": settings,
-        "llmc_version": llmc.__version__,
-        "format_version": llmc.ENGINE_FORMAT_VERSION,
+        "llmc_version": version.__version__,
+        "format_version": version.ENGINE_FORMAT_VERSION,
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
     return cache_dir() / "engines" / f"{ckpt.name}-{digest}"
@@ -156,7 +156,7 @@ def _rebuild(checkpoint_dir: str | Path, build_config: BuildConfig | None) -> Pa
 
 
 def _error(code: int | None, message: str) -> LlmcError:
-    """The llmc.errors class with this exit code (LlmcError when none has it)."""
+    """The llmc.base.errors class with this exit code (LlmcError when none has it)."""
     stack: list[type[LlmcError]] = [LlmcError]
     while stack:
         cls = stack.pop()
@@ -359,7 +359,7 @@ class LLM:
 
         Waiting happens in a worker thread blocked on the executor's condition variable (no
         polling). Leaving the loop early cancels the request; a request that fails raises
-        its llmc.errors class.
+        its llmc.base.errors class.
         """
         ex = self.executor
         req = self._request(

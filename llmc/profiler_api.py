@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from llmc.errors import ConfigError
+from llmc.base.errors import ConfigError
 
 if TYPE_CHECKING:
     from llmc.api import LLM
@@ -72,7 +72,7 @@ class Profiler:
         if self.running:
             raise ConfigError("Profiler.start(): already started; call stop() first")
         llm = self._pick()
-        from llmc.runtime.profiler import KernelProfiler, OpTimer
+        from llmc.runtime.bench.profiler import KernelProfiler, OpTimer
 
         self._target, self._steps, self._requests, self._events = llm, [], [], []
         rt = llm.runtime
@@ -128,9 +128,9 @@ class Profiler:
         as ``llmc bench``), ``phases``, ``op_families``, ``ops``, ``peak_memory``,
         ``recommendations`` and the limits in use (``runtime``)."""
         self._need_data("summary")
-        from llmc.runtime.metrics import aggregate
-        from llmc.runtime.profiler import op_breakdown, peak_memory, phase_breakdown
-        from llmc.runtime.recommend import recommend
+        from llmc.runtime.bench.metrics import aggregate
+        from llmc.runtime.bench.profiler import op_breakdown, peak_memory, phase_breakdown
+        from llmc.runtime.bench.recommend import recommend
 
         assert self._target is not None and self._t0 is not None and self._t1 is not None
         llm = self._target
@@ -155,7 +155,7 @@ class Profiler:
         }
 
     def _tuning_inputs(self) -> Any:
-        from llmc.runtime.recommend import TuningInputs
+        from llmc.runtime.bench.recommend import TuningInputs
 
         assert self._target is not None
         rt, cfg = self._target.runtime, self._target.config
@@ -185,12 +185,12 @@ class Profiler:
         from rich.console import Console
 
         from llmc.cli.profile_cmd import _breakdown_table, over_time, recommendations_table
-        from llmc.cli.report_render import kv_section, latency_section, throughput_section
-        from llmc.runtime.recommend import Recommendation
+        from llmc.runtime.bench.recommend import Recommendation
+        from llmc.runtime.bench.report import kv_section, latency_section, throughput_section
 
         s = self.summary()
         con = console or Console()
-        from llmc.runtime.profiler import BreakdownRow
+        from llmc.runtime.bench.profiler import BreakdownRow
 
         rows = {k: [BreakdownRow(**r) for r in s[k]] for k in ("phases", "op_families")}
         con.print(throughput_section(s))
@@ -209,7 +209,7 @@ class Profiler:
         """Write the window as a Chrome/Perfetto trace (steps with nested ops, phases, KV
         utilization and running batch counters, GPU kernels); returns the path."""
         self._need_data("export_chrome_trace")
-        from llmc.runtime.profiler import chrome_trace, write_chrome_trace
+        from llmc.runtime.bench.profiler import chrome_trace, write_chrome_trace
 
         assert self._target is not None
         gpu = self._source.startswith("torch.profiler")

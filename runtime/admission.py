@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmc.errors import ConfigError, RequestError
+from llmc.base.errors import ConfigError, RequestError
 from llmc.runtime.kv_cache import KVCacheManager
 from llmc.runtime.types import Sequence, SequenceStatus
 

@@ -34,9 +34,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from llmc.errors import ConfigError, EngineError
+from llmc.base.errors import ConfigError, EngineError
+from llmc.cuda.backend import AttentionMetadata, SamplingMetadata
 from llmc.runtime import sampling as smp
-from llmc.runtime.backend import AttentionMetadata, SamplingMetadata
 from llmc.runtime.types import ScheduledBatch
 
 if TYPE_CHECKING:

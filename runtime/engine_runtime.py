@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llmc.errors import ConfigError, UnsupportedError, did_you_mean
+from llmc.base.errors import ConfigError, UnsupportedError, did_you_mean
 from llmc.runtime.kv_cache import KVCacheManager
 from llmc.runtime.scheduler import GUARANTEED_NO_EVICT, POLICIES, Scheduler, SchedulerConfig
 from llmc.runtime.tokenizer import Tokenizer
@@ -328,7 +328,7 @@ class EngineRuntime:
 
             kernels = engine.kernels_dir if engine is not None else None  # None: NVRTC
             return CudaBackend(device=device, kernels_dir=kernels, max_num_seqs=max_batch_size)
-        from llmc.runtime.torch_backend import TorchBackend
+        from llmc.cuda.torch_backend import TorchBackend
 
         return TorchBackend(device)
 

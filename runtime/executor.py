@@ -28,7 +28,7 @@ import time
 from collections.abc import Sequence as Seq
 from typing import Any, Protocol
 
-from llmc.errors import EngineError, LlmcError, RequestError
+from llmc.base.errors import EngineError, LlmcError, RequestError
 from llmc.runtime.detokenizer import IncrementalDetokenizer
 from llmc.runtime.engine_step import (
     InFlight,

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmc.errors import ConfigError
+from llmc.base.errors import ConfigError
 from llmc.runtime.block_hash import ROOT_HASH, BlockHash, block_hash
 from llmc.runtime.types import Sequence
 

@@ -2,7 +2,7 @@
 
 One allocation ``[num_layers, 2, num_blocks, tokens_per_block, nkv, hd]``; layer i's K and
 V are the contiguous views ``[num_blocks, tokens_per_block, nkv, hd]`` the Backend ops
-take (layout: ``llmc.runtime.backend``). Block ids handed out by the KVCacheManager index
+take (layout: ``llmc.cuda.backend``). Block ids handed out by the KVCacheManager index
 dimension 2 directly. The cache is zero-initialised so an unwritten slot is never NaN.
 """
 
@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from llmc.base.errors import CapacityError, ConfigError
 from llmc.compiler.spec import ModelSpec
-from llmc.errors import CapacityError, ConfigError
 
 
 @dataclass(frozen=True)

@@ -35,10 +35,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from llmc.base.errors import ConfigError, EngineError
 from llmc.compiler.spec import ModelSpec
-from llmc.errors import ConfigError, EngineError
+from llmc.cuda.backend import Backend
 from llmc.runtime import sampling as smp
-from llmc.runtime.backend import Backend
 from llmc.runtime.kv_tensors import KVCacheTensors, allocate_kv_cache
 from llmc.runtime.rope import cos_sin_tables
 from llmc.runtime.step_inputs import StepInputBuilder, StepInputs

@@ -1,7 +1,7 @@
 """Timing records the runtime writes and bench/profile read (they never re-time things).
 
 Times are ``time.perf_counter()`` seconds. The Executor fills one ``RequestRecord`` per
-request and one ``StepRecord`` per engine step; ``llmc.runtime.metrics`` aggregates them.
+request and one ``StepRecord`` per engine step; ``llmc.runtime.bench.metrics`` aggregates them.
 """
 
 from __future__ import annotations

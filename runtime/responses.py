@@ -30,7 +30,7 @@ class Response:
     finish_reason: FinishReason | None = None
     error: str | None = None
     error_code: int | None = None
-    """The exit code of the error's llmc.errors class (RequestError: 8)."""
+    """The exit code of the error's llmc.base.errors class (RequestError: 8)."""
     logprobs: list[Any] | None = None
     token_ids: list[int] | None = None
     """Final response only: every output token id."""

@@ -1,7 +1,7 @@
 """RoPE cos/sin tables from a ModelSpec, matching HF transformers bit for bit.
 
 The tables are ``[max_position, head_dim // 2]`` float32 (the half-tables; the rotate_half
-form duplicates them, see ``llmc.runtime.backend``). They are always computed on the CPU
+form duplicates them, see ``llmc.cuda.backend``). They are always computed on the CPU
 with the same float32 expressions as transformers' rotary embedding (default, ``linear``
 and ``llama3`` rope types) and then moved to the device, so every backend and device reads
 identical tables.
@@ -13,8 +13,8 @@ import math
 
 import torch
 
+from llmc.base.errors import UnsupportedError
 from llmc.compiler.spec import ModelSpec
-from llmc.errors import UnsupportedError
 
 
 def inv_freq(spec: ModelSpec) -> torch.Tensor:

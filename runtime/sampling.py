@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from llmc.cuda import reference as ref
-from llmc.runtime.backend import SamplingMetadata
+from llmc.cuda.backend import SamplingMetadata
 from llmc.runtime.types import SamplingParams, Sequence
 
 U64 = (1 << 64) - 1

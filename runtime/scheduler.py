@@ -33,7 +33,7 @@ import logging
 import operator
 from typing import Any
 
-from llmc.errors import ConfigError, RequestError
+from llmc.base.errors import ConfigError, RequestError
 from llmc.runtime.admission import (
     GUARANTEED_NO_EVICT,
     MAX_UTILIZATION,  # noqa: F401 (re-exported, like POLICIES)

@@ -26,10 +26,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from llmc.base.errors import ConfigError, EngineError, RequestError
 from llmc.compiler.spec import ModelSpec
-from llmc.errors import ConfigError, EngineError, RequestError
+from llmc.cuda.backend import AttentionMetadata, SamplingMetadata
 from llmc.runtime import sampling as smp
-from llmc.runtime.backend import AttentionMetadata, SamplingMetadata
 from llmc.runtime.types import ScheduledBatch, ScheduledSequence, Sequence
 from llmc.runtime.workspace import Staging, Workspace
 

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmc.errors import RequestError
+from llmc.base.errors import RequestError
 
 
 @dataclass(frozen=True)

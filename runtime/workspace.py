@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from llmc.base.errors import EngineError
 from llmc.compiler.memory_plan import OPS
 from llmc.compiler.spec import ModelSpec
-from llmc.errors import EngineError
 
 TORCH_DTYPES = {
     "float32": torch.float32,

@@ -2,7 +2,7 @@
 # `make bench-h200`: issue 6's rows on the lent H200, in ONE device call (< 10 minutes).
 #
 # 1. installs llmc from this checkout (no deps; typer/rich wheels from .whl/ when missing);
-# 2. runs the CUDA end-to-end tests (tests/test_cuda_e2e.py, pytest -m cuda) first;
+# 2. runs the CUDA end-to-end tests (tests/cuda/test_cuda_e2e.py, pytest -m cuda) first;
 # 3. builds dummy-weight bf16 sm_90 engines from profiles/llama3-8b.yaml and
 #    profiles/smollm2-135m-dummy.yaml;
 # 4. runs the rows through `llmc bench` (and one decode-heavy `llmc profile --trace`),
@@ -53,9 +53,9 @@ fi
 
 status=0
 if [ "${SKIP_TESTS:-0}" != "1" ]; then
-    log "pytest -m cuda tests/test_cuda_e2e.py"
+    log "pytest -m cuda tests/cuda/test_cuda_e2e.py"
     timeout ${TEST_TIMEOUT:-180} $PY -m pytest -m cuda -o addopts="" -q -s -p no:cacheprovider \
-        --rootdir "$REPO" -c "$REPO/pyproject.toml" ${PYTEST_ARGS:-$REPO/tests/test_cuda_e2e.py} \
+        --rootdir "$REPO" -c "$REPO/pyproject.toml" ${PYTEST_ARGS:-$REPO/tests/cuda/test_cuda_e2e.py} \
         > "$OUT/pytest.log" 2>&1 || status=1
     grep -E "^(FAILED|ERROR)|passed|failed|agreement" "$OUT/pytest.log" | tail -15
 fi

@@ -68,7 +68,7 @@ def rooflines(res: dict[str, Any]) -> dict[str, float | None]:
 
 def gpu_idle(results: Path) -> dict[str, Any] | None:
     """``profile.gpu_idle`` of the decode-heavy profile (``llmc profile`` computes it from
-    its kernel events: ``llmc.runtime.gpu_idle``), in milliseconds and shares."""
+    its kernel events: ``llmc.runtime.bench.gpu_idle``), in milliseconds and shares."""
     p = results / "profile_decode.json"
     if not p.exists():
         return None

@@ -31,7 +31,7 @@ def build_tiny_engine(checkpoint: Path, out: Path) -> Path:
 @pytest.fixture(autouse=True)
 def small_ceilings(tmp_path_factory, monkeypatch):
     """Ceilings measured with small buffers into a private cache (fast, still measured)."""
-    import llmc.runtime.ceilings as ceilings
+    import llmc.runtime.bench.ceilings as ceilings
 
     cache = tmp_path_factory.getbasetemp() / "llmc_cache"
     monkeypatch.setenv("LLMC_CACHE", str(cache))

@@ -18,8 +18,8 @@ from safetensors.torch import load_file
 
 from llmc.compiler.spec import ModelSpec
 from llmc.compiler.weight_passes import to_engine_weights
+from llmc.cuda.torch_backend import TorchBackend
 from llmc.runtime.model_runner import ModelRunner
-from llmc.runtime.torch_backend import TorchBackend
 from llmc.runtime.types import SamplingParams, ScheduledBatch, ScheduledSequence, Sequence
 
 

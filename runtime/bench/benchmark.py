@@ -1,0 +1,310 @@
+"""Drive an Executor with a workload and collect its records into a versioned BenchResult.
+
+``run_workload`` sends the requests in the arrival mode asked for and returns the
+Executor's own RequestRecords and StepRecords of the measured part (warm-up requests run
+first, to completion, and are excluded). Modes:
+
+- offline: every request is enqueued at once; the engine loop runs in this thread.
+- concurrency N: closed loop in this thread: N requests in flight, a finished one is
+  replaced before the next step.
+- request_rate R: the engine loop runs in the Executor's background thread while this
+  thread enqueues each request at its scheduled arrival time (so arrival times are real).
+
+Every request uses greedy sampling with ``ignore_eos`` and ``max_new_tokens`` = its output
+length, so output lengths are exact. The JSON schema (``SCHEMA``, ``SCHEMA_VERSION``) holds
+config, environment, ceilings, aggregates, achieved rates, per-request records and an
+optional peer run; bump the version when a field changes meaning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from llmc.runtime.bench.metrics import Aggregates, aggregate, e2e, tpot, ttft
+from llmc.runtime.bench.workload import ArrivalSpec, WorkloadRequest, arrival_offsets
+from llmc.runtime.records import RequestRecord, StepRecord
+from llmc.runtime.types import Request, SamplingParams
+
+SCHEMA = "llmc.bench"
+SCHEMA_VERSION = 1
+
+ProgressFn = Callable[[int, int], None]
+"""Called with (requests finished, requests measured)."""
+
+
+@dataclass
+class WorkloadRun:
+    """The measured part of one run: the Executor's records and the window."""
+
+    requests: list[RequestRecord]
+    steps: list[StepRecord]
+    task_ids: dict[int, str]
+    start: float
+    end: float
+
+
+def to_request(w: WorkloadRequest) -> Request:
+    sampling = SamplingParams(max_new_tokens=w.output_tokens, temperature=0.0, ignore_eos=True)
+    if w.prompt_token_ids is not None:
+        return Request(prompt_token_ids=list(w.prompt_token_ids), sampling=sampling)
+    return Request(prompt=w.prompt, sampling=sampling)
+
+
+def _drain(executor: Any, ids: set[int], timeout: float | None = None) -> list[int]:
+    """Final responses among ``ids`` (steps the engine in caller-thread mode)."""
+    done = []
+    for r in executor.await_responses(list(ids), timeout=timeout):
+        if r.is_final:
+            done.append(r.request_id)
+    return done
+
+
+def _run_closed(
+    executor: Any, reqs: Sequence[WorkloadRequest], limit: int, progress: ProgressFn | None
+) -> dict[int, str]:
+    """Keep ``limit`` requests in flight until all are done (offline: limit = all)."""
+    pending = list(reversed(reqs))
+    inflight: set[int] = set()
+    task_ids: dict[int, str] = {}
+    finished = 0
+    while pending or inflight:
+        while pending and len(inflight) < limit:
+            w = pending.pop()
+            rid = executor.enqueue_request(to_request(w))
+            task_ids[rid] = w.task_id
+            inflight.add(rid)
+        for rid in _drain(executor, inflight):
+            inflight.discard(rid)
+            finished += 1
+        if progress is not None:
+            progress(finished, len(reqs))
+    return task_ids
+
+
+def _run_open(
+    executor: Any,
+    reqs: Sequence[WorkloadRequest],
+    offsets: list[float],
+    progress: ProgressFn | None,
+) -> dict[int, str]:
+    """Enqueue each request at its arrival time while the background loop runs."""
+    task_ids: dict[int, str] = {}
+    inflight: set[int] = set()
+    finished = 0
+    executor.start()
+    try:
+        t0 = time.perf_counter()
+        for w, off in zip(reqs, offsets, strict=True):
+            while (wait := t0 + off - time.perf_counter()) > 0:
+                got = _drain(executor, inflight, timeout=wait) if inflight else []
+                if not inflight:
+                    time.sleep(wait)
+                inflight.difference_update(got)
+                finished += len(got)
+            rid = executor.enqueue_request(to_request(w))
+            task_ids[rid] = w.task_id
+            inflight.add(rid)
+        while inflight:
+            got = _drain(executor, inflight, timeout=1.0)
+            inflight.difference_update(got)
+            finished += len(got)
+            if progress is not None:
+                progress(finished, len(reqs))
+    finally:
+        executor.shutdown()
+    return task_ids
+
+
+def run_workload(
+    executor: Any,
+    requests: Sequence[WorkloadRequest],
+    arrival: ArrivalSpec,
+    *,
+    warmup: Sequence[WorkloadRequest] = (),
+    progress: ProgressFn | None = None,
+) -> WorkloadRun:
+    """Run warm-up requests (excluded), then the measured requests in ``arrival`` mode."""
+    if warmup:
+        _run_closed(executor, warmup, len(warmup), None)
+    first_step = len(executor.step_records)
+    first_req = {r.request_id for r in executor.request_records}
+    start = time.perf_counter()
+    if arrival.mode == "request_rate":
+        offsets = arrival_offsets(len(requests), arrival)
+        assert offsets is not None
+        task_ids = _run_open(executor, requests, offsets, progress)
+    else:
+        limit = arrival.concurrency if arrival.mode == "concurrency" else len(requests)
+        task_ids = _run_closed(executor, requests, max(1, int(limit or 1)), progress)
+    end = time.perf_counter()
+    recs = [r for r in executor.request_records if r.request_id not in first_req]
+    return WorkloadRun(recs, list(executor.step_records[first_step:]), task_ids, start, end)
+
+
+# ---- result -----------------------------------------------------------------------------
+
+
+def git_commit() -> str | None:
+    """Commit of the llmc checkout (with '-dirty' when it has changes), None outside git."""
+    here = Path(__file__).resolve().parent
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"],
+            cwd=here,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
+        if sha.returncode != 0:
+            return None
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=here,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
+        return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment(device: Any) -> dict[str, Any]:
+    """Device, versions and commit of this run."""
+    import importlib.metadata as md
+
+    import torch
+
+    from llmc.base.version import __version__ as llmc_version
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        name = torch.cuda.get_device_name(dev)
+    else:
+        name = f"{_cpu_name()} ({os.cpu_count()} cores)"
+
+    def version(pkg: str) -> str | None:
+        try:
+            return md.version(pkg)
+        except md.PackageNotFoundError:
+            return None
+
+    return {
+        "device": str(dev),
+        "device_name": name,
+        "llmc_version": llmc_version,
+        "git_commit": git_commit(),
+        "torch_version": torch.__version__,
+        "cuda_version": torch.version.cuda,
+        "transformers_version": version("transformers"),
+        "python_version": platform.python_version(),
+        "platform": platform.platform(),
+    }
+
+
+def request_rows(run: WorkloadRun) -> list[dict[str, Any]]:
+    """Per-request records as JSON rows, times in seconds after the run's start."""
+
+    def rel(t: float | None) -> float | None:
+        return None if t is None else round(t - run.start, 6)
+
+    rows = []
+    for r in sorted(run.requests, key=lambda r: r.request_id):
+        rows.append(
+            {
+                "request_id": r.request_id,
+                "task_id": run.task_ids.get(r.request_id),
+                "num_prompt_tokens": r.num_prompt_tokens,
+                "num_output_tokens": r.num_output_tokens,
+                "num_cached_tokens": r.num_cached_tokens,
+                "num_preemptions": r.num_preemptions,
+                "arrival_time": rel(r.arrival_time),
+                "scheduled_time": rel(r.scheduled_time),
+                "first_token_time": rel(r.first_token_time),
+                "finish_time": rel(r.finish_time),
+                "ttft": ttft(r),
+                "tpot": tpot(r),
+                "e2e": e2e(r),
+                "token_times": [rel(t) for t in r.token_times],
+                "finish_reason": r.finish_reason,
+                "error": r.error,
+            }
+        )
+    return rows
+
+
+@dataclass
+class BenchResult:
+    """One benchmark: what ran, where, and what it measured (``to_dict`` is the JSON)."""
+
+    config: dict[str, Any]
+    environment: dict[str, Any]
+    aggregates: Aggregates
+    requests: list[dict[str, Any]]
+    ceilings: dict[str, Any] | None = None
+    achieved: dict[str, Any] | None = None
+    peer: dict[str, Any] | None = None
+    """The peer's run: {name, config, aggregates, achieved, requests}."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    created_at: str = dataclasses.field(
+        default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds")
+    )
+
+    def ratios(self) -> dict[str, float | None]:
+        """llmc ÷ peer for each headline number (None where either is missing)."""
+        from llmc.runtime.bench.report import dig, headlines, ratio
+
+        if self.peer is None:
+            return {}
+        mine = {"aggregates": self.aggregates.to_dict()}
+        return {
+            h.label: ratio(dig(mine, h.path), dig(self.peer, h.path))
+            for h in headlines(list(self.aggregates.percentiles))
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "schema_version": SCHEMA_VERSION,
+            "created_at": self.created_at,
+            "config": self.config,
+            "environment": self.environment,
+            "ceilings": self.ceilings,
+            "aggregates": self.aggregates.to_dict(),
+            "achieved": self.achieved,
+            "peer": self.peer,
+            "ratios": self.ratios(),
+            "requests": self.requests,
+            **self.extra,
+        }
+
+
+def aggregate_run(
+    run: WorkloadRun, percentiles: Sequence[float], tokens_per_block: int | None
+) -> Aggregates:
+    return aggregate(
+        run.requests,
+        run.steps,
+        percentiles=percentiles,
+        tokens_per_block=tokens_per_block,
+        window=(run.start, run.end),
+    )

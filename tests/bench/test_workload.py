@@ -1,0 +1,106 @@
+"""Workload generation: lengths, determinism, dataset parsing, arrival schedules."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+
+from llmc.base.errors import ConfigError, UsageError
+from llmc.runtime.bench.workload import (
+    ArrivalSpec,
+    SyntheticSpec,
+    WorkloadRequest,
+    arrival_offsets,
+    load_dataset,
+    synthetic_workload,
+    write_dataset,
+)
+
+
+def test_exact_lengths_without_stdev() -> None:
+    w = synthetic_workload(SyntheticSpec(num_requests=5, isl=7, osl=3, seed=1), vocab_size=50)
+    assert [r.input_len for r in w] == [7] * 5 and [r.output_tokens for r in w] == [3] * 5
+    assert all(0 <= t < 50 for r in w for t in r.prompt_token_ids)
+    assert len({r.prompt_token_ids for r in w}) == 5  # random, not repeated
+
+
+@pytest.mark.parametrize("dist", ["normal", "uniform"])
+def test_length_distribution_moments(dist: str) -> None:
+    spec = SyntheticSpec(2000, isl=200, osl=100, isl_stdev=20, osl_stdev=10, distribution=dist)
+    w = synthetic_workload(spec, vocab_size=10)
+    isls = [r.input_len for r in w]
+    osls = [r.output_tokens for r in w]
+    assert statistics.mean(isls) == pytest.approx(200, abs=2)
+    assert statistics.pstdev(isls) == pytest.approx(20, rel=0.08)
+    assert statistics.pstdev(osls) == pytest.approx(10, rel=0.08)
+    if dist == "uniform":  # bounded by mean ± sqrt(3)·stdev
+        assert 165 <= min(isls) and max(isls) <= 235
+
+
+def test_seed_determinism_and_min_length() -> None:
+    spec = SyntheticSpec(50, isl=2, osl=2, isl_stdev=5, osl_stdev=5, seed=3)
+    a, b = synthetic_workload(spec, 100), synthetic_workload(spec, 100)
+    assert a == b
+    assert min(r.input_len for r in a) >= 1 and min(r.output_tokens for r in a) >= 1
+    c = synthetic_workload(SyntheticSpec(50, isl=2, osl=2, isl_stdev=5, seed=4), 100)
+    assert a != c
+
+
+def test_bad_specs() -> None:
+    with pytest.raises(ConfigError, match="isl"):
+        SyntheticSpec(isl=0)
+    with pytest.raises(ConfigError, match="distribution"):
+        SyntheticSpec(distribution="zipf")
+    with pytest.raises(ConfigError, match="osl_stdev"):
+        SyntheticSpec(osl_stdev=-1)
+    with pytest.raises(UsageError, match="exclusive"):
+        ArrivalSpec.from_flags(concurrency=2, request_rate=1.0)
+    with pytest.raises(ConfigError, match="request_rate"):
+        ArrivalSpec("request_rate", request_rate=0)
+    with pytest.raises(ConfigError, match="burstiness"):
+        ArrivalSpec.from_flags(None, 1.0, burstiness=0)
+
+
+def test_dataset_round_trip_and_errors(tmp_path) -> None:
+    reqs = [
+        WorkloadRequest("a", 4, prompt_token_ids=(1, 2, 3)),
+        WorkloadRequest("b", 2, prompt="hello"),
+    ]
+    path = tmp_path / "d.jsonl"
+    write_dataset(path, reqs)
+    assert load_dataset(path) == reqs
+    assert load_dataset(path, num_requests=1) == reqs[:1]
+
+    def bad(line: dict | str, match: str) -> None:
+        p = tmp_path / "bad.jsonl"
+        p.write_text("\n" + (line if isinstance(line, str) else json.dumps(line)) + "\n")
+        with pytest.raises(UsageError, match=match):
+            load_dataset(p, vocab_size=10)
+
+    bad("{not json", r"bad.jsonl:2: not valid JSON")
+    bad({"task_id": 1, "input_ids": [1], "output_tokens": 0}, "output_tokens")
+    bad({"task_id": 1, "output_tokens": 3}, "exactly one of")
+    bad({"input_ids": [1], "prompt": "x", "output_tokens": 3}, "exactly one of")
+    bad({"input_ids": [11], "output_tokens": 3}, "outside the vocabulary")
+    bad({"input_ids": [1], "output_tokens": 3, "logits": 1}, "unknown key")
+    with pytest.raises(UsageError, match="does not exist"):
+        load_dataset(tmp_path / "missing.jsonl")
+
+
+def test_arrivals() -> None:
+    assert arrival_offsets(3, ArrivalSpec()) is None
+    assert ArrivalSpec.from_flags(None, float("inf")).mode == "offline"
+    spec = ArrivalSpec.from_flags(None, 50.0, burstiness=1.0, seed=1)
+    t = arrival_offsets(4000, spec)
+    assert t[0] == 0.0 and all(b >= a for a, b in zip(t, t[1:], strict=False))
+    gaps = [b - a for a, b in zip(t, t[1:], strict=False)]
+    assert statistics.mean(gaps) == pytest.approx(1 / 50, rel=0.06)
+    # Poisson: coefficient of variation 1; burstiness 0.25 gives CV 2
+    assert statistics.pstdev(gaps) / statistics.mean(gaps) == pytest.approx(1.0, rel=0.1)
+    bursty = arrival_offsets(4000, ArrivalSpec.from_flags(None, 50.0, burstiness=0.25))
+    g2 = [b - a for a, b in zip(bursty, bursty[1:], strict=False)]
+    assert statistics.mean(g2) == pytest.approx(1 / 50, rel=0.1)
+    assert statistics.pstdev(g2) / statistics.mean(g2) == pytest.approx(2.0, rel=0.15)
+    assert arrival_offsets(10, spec) == arrival_offsets(10, spec)

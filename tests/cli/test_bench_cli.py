@@ -1,0 +1,158 @@
+"""`llmc bench` / `llmc compare` on a tiny engine: JSON fields, failures, ratios, flags."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from _bench_helpers import build_tiny_engine, small_ceilings  # noqa: F401
+from typer.testing import CliRunner
+
+from llmc.base.errors import BenchFailure, UsageError
+from llmc.cli.main import app
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_dir, tmp_path_factory) -> Path:
+    return build_tiny_engine(tiny_llama_dir, tmp_path_factory.mktemp("bench") / "eng")
+
+
+def bench(engine: Path, *args: str) -> tuple[int, str, str]:
+    res = runner.invoke(
+        app, ["bench", "--engine_dir", str(engine), "--device", "cpu", "--seed", "1", *args]
+    )
+    return res.exit_code, res.stdout, res.stderr
+
+
+AGG_FIELDS = (
+    "num_requests num_completed num_failed failures duration_s total_prompt_tokens "
+    "total_output_tokens request_throughput output_tokens_per_s total_tokens_per_s ttft tpot "
+    "itl e2e per_user_tokens_per_s num_steps busy_time_s kv_blocks_total kv_capacity_tokens "
+    "kv_peak_blocks_used kv_peak_utilization kv_mean_utilization num_preemptions "
+    "prefix_hit_rate mean_batch_size peak_batch_size mean_tokens_per_step "
+    "peak_tokens_per_step percentiles"
+).split()
+
+
+def test_bench_writes_json_with_every_field(engine, tmp_path) -> None:
+    out = tmp_path / "a.json"
+    code, stdout, stderr = bench(
+        engine, "--num_requests", "6", "--isl", "12", "--osl", "5", "--isl_stdev", "3",
+        "--warmup", "1", "--percentiles", "50,90,99.9", "--json", str(out),
+    )  # fmt: skip
+    assert code == 0, stderr
+    for section in ("Engine and build config", "Workload", "Throughput", "Latency", "KV cache"):
+        assert section in stdout
+    assert "loading engine" in stderr and "loading engine" not in stdout
+    r = json.loads(out.read_text())
+    assert (r["schema"], r["schema_version"]) == ("llmc.bench", 1)
+    for key in ("config", "environment", "ceilings", "aggregates", "achieved", "requests"):
+        assert r[key] is not None, key
+    assert r["peer"] is None and r["ratios"] == {}
+    a = r["aggregates"]
+    assert set(AGG_FIELDS) <= set(a)
+    # every number a completed offline run must have is measured, not missing
+    for k in AGG_FIELDS:
+        if k not in ("failures", "prefix_hit_rate"):
+            assert a[k] is not None, k
+    assert a["num_requests"] == 6 and a["num_completed"] == 6 and a["num_failed"] == 0
+    assert a["total_output_tokens"] == 30  # ignore_eos: exact lengths
+    assert set(a["ttft"]["percentiles"]) == {"p50", "p90", "p99.9"}
+    assert a["tpot"]["count"] == 6 and a["itl"]["count"] == 6 * 4
+    assert a["kv_capacity_tokens"] == a["kv_blocks_total"] * 16
+    assert a["peak_tokens_per_step"] <= 64 and a["peak_batch_size"] <= 8
+    env = r["environment"]
+    assert env["torch_version"] and env["llmc_version"] and env["device_name"]
+    assert r["ceilings"]["copy_bandwidth_gb_s"] > 0 and r["ceilings"]["source"]
+    assert r["achieved"]["weight_read_gb_s"] > 0 and r["achieved"]["mfu"] > 0
+    assert r["config"]["workload"]["warmup"] == 1 and r["config"]["engine"]["num_layers"] == 2
+    rows = r["requests"]
+    assert len(rows) == 6 and all(row["num_output_tokens"] == 5 for row in rows)
+    for row in rows:
+        assert len(row["token_times"]) == 5 and row["ttft"] > 0 and row["error"] is None
+        assert row["arrival_time"] <= row["first_token_time"] <= row["finish_time"]
+
+
+def test_impossible_requests_fail_the_bench(engine, tmp_path) -> None:
+    data = tmp_path / "d.jsonl"
+    lines = [
+        {"task_id": "ok1", "input_ids": [5, 6, 7], "output_tokens": 3},
+        {"task_id": "too_long", "input_ids": [5] * 100, "output_tokens": 3},  # > max_input_len
+        {"task_id": "ok2", "input_ids": [9, 10], "output_tokens": 4},
+    ]
+    data.write_text("\n".join(json.dumps(x) for x in lines))
+    out = tmp_path / "f.json"
+    code, stdout, stderr = bench(
+        engine, "--dataset", str(data), "--warmup", "0", "--json", str(out)
+    )
+    assert code == BenchFailure.exit_code
+    assert "1 of 3 requests failed" in stderr and "max_input_len" in stderr
+    assert "Failed requests (1)" in stdout
+    a = json.loads(out.read_text())["aggregates"]
+    assert a["num_completed"] == 2 and a["num_failed"] == 1
+    assert "100 tokens" in a["failures"][0]["reason"]
+    # the rest were served and measured; a failure rate within the limit passes
+    code, _, _ = bench(engine, "--dataset", str(data), "--warmup", "0", "--max_failure_rate", "0.5")
+    assert code == 0
+
+
+def test_compare_prints_ratios(engine, tmp_path) -> None:
+    paths = []
+    for name, conc in (("fast", "8"), ("slow", "1")):
+        p = tmp_path / f"{name}.json"
+        code, _, err = bench(engine, "--num_requests", "4", "--isl", "8", "--osl", "4",
+                             "--concurrency", conc, "--json", str(p))  # fmt: skip
+        assert code == 0, err
+        paths.append(p)
+    res = runner.invoke(app, ["compare", str(paths[0]), str(paths[1])])
+    assert res.exit_code == 0, res.stderr
+    a, b = (json.loads(p.read_text())["aggregates"] for p in paths)
+    ratio = a["output_tokens_per_s"] / b["output_tokens_per_s"]
+    assert "fast ÷ slow" in res.stdout and f"{ratio:.2f}×" in res.stdout
+    assert "Output tokens/s" in res.stdout and "TTFT p99" in res.stdout
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    res = runner.invoke(app, ["compare", str(paths[0]), str(bad)])
+    assert res.exit_code == UsageError.exit_code and "not an llmc bench result" in res.stderr
+    res = runner.invoke(app, ["compare", str(paths[0])])
+    assert res.exit_code == UsageError.exit_code and "no peer run" in res.stderr
+
+
+def test_json_stdout_and_flag_errors(engine, tmp_path) -> None:
+    code, stdout, _ = bench(engine, "--num_requests", "2", "--isl", "4", "--osl", "2",
+                            "--request_rate", "200", "--json", "-")  # fmt: skip
+    assert code == 0
+    r = json.loads(stdout)  # nothing but the JSON on stdout
+    assert r["config"]["arrival"]["mode"] == "request_rate"
+    code, _, err = bench(engine, "--concurrency", "2", "--request_rate", "3")
+    assert code == UsageError.exit_code and "exclusive" in err
+    code, _, err = bench(engine, "--percentiles", "50,abc")
+    assert code == UsageError.exit_code and "'abc'" in err
+    prof = tmp_path / "p.yaml"
+    prof.write_text("workload:\n  num_requets: 3\n")
+    code, _, err = bench(engine, "--profile", str(prof))
+    assert code == UsageError.exit_code and "did you mean 'num_requests'" in err
+    code, _, err = bench(engine, "--max_batch_size", "64")
+    assert code != 0 and "max_batch_size" in err
+
+
+def test_peer_hf_same_run(engine, tmp_path) -> None:
+    out = tmp_path / "peer.json"
+    args = ["--num_requests", "4", "--isl", "8", "--osl", "4", "--peer", "hf"]
+    code, stdout, stderr = bench(engine, *args, "--peer_batch_size", "2", "--json", str(out))
+    assert code == 0, stderr
+    assert "peer (hf)" in stdout and "llmc ÷ peer" in stdout
+    r = json.loads(out.read_text())
+    p = r["peer"]
+    assert p["config"]["batch_size"] == 2 and p["config"]["cache_implementation"] == "dynamic"
+    assert p["aggregates"]["num_completed"] == 4 and p["aggregates"]["total_output_tokens"] == 16
+    assert all(len(row["token_times"]) == 4 for row in p["requests"])
+    llmc_tps = r["aggregates"]["output_tokens_per_s"]
+    assert r["ratios"]["Output tokens/s"] == pytest.approx(
+        llmc_tps / p["aggregates"]["output_tokens_per_s"]
+    )
+    res = runner.invoke(app, ["compare", str(out)])  # one file: llmc vs its peer
+    assert res.exit_code == 0 and "llmc ÷ peer" in res.stdout

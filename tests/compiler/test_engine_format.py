@@ -1,0 +1,149 @@
+"""load_engine refuses every broken engine with an EngineError naming the problem."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+import llmc
+from llmc.base.errors import EngineError
+from llmc.compiler import builder
+from llmc.compiler.build_config import BuildConfig
+from llmc.compiler.engine_format import load_engine, rebuild_command
+from llmc.compiler.memory_plan import MemoryPlan
+
+
+@pytest.fixture(scope="module")
+def engine_dir(tiny_llama_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("engines") / "tiny"
+    builder.build(
+        BuildConfig(
+            checkpoint_dir=str(tiny_llama_dir),
+            output_dir=str(out),
+            dtype="float32",
+            max_seq_len=256,
+            max_num_tokens=128,
+            max_batch_size=8,
+            target="cpu",
+        )
+    )
+    return out
+
+
+@pytest.fixture
+def engine_copy(engine_dir, tmp_path):
+    dst = tmp_path / "engine"
+    shutil.copytree(engine_dir, dst)
+    return dst
+
+
+def _edit_manifest(d, **changes):
+    m = json.loads((d / "manifest.json").read_text())
+    for key, value in changes.items():
+        section, _, field = key.partition("__")
+        if field:
+            m[section][field] = value
+        else:
+            m[section] = value
+    (d / "manifest.json").write_text(json.dumps(m))
+
+
+def test_loads_a_good_engine(engine_dir):
+    e = load_engine(engine_dir, target="cpu")
+    assert e.build.max_seq_len == 256 and e.build.max_num_tokens == 128
+    assert e.build.load_format == "auto" and e.build.dummy_seed is None
+    assert isinstance(e.plan, MemoryPlan) and e.plan.max_num_tokens == 128
+    assert e.kernels_dir == engine_dir / "kernels" and e.kernel_files == ()
+    assert set(e.load_weights("cpu")) == set(e.spec.tensor_shapes())
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(EngineError, match="does not exist.*llmc build"):
+        load_engine(tmp_path / "nope")
+
+
+@pytest.mark.parametrize("name", ["weights.safetensors", "plan.json", "tokenizer.json"])
+def test_missing_file_is_named(engine_copy, name):
+    (engine_copy / name).unlink()
+    with pytest.raises(EngineError, match=f"{name} is missing"):
+        load_engine(engine_copy)
+
+
+def test_missing_manifest(engine_copy):
+    (engine_copy / "manifest.json").unlink()
+    with pytest.raises(EngineError, match="manifest.json.*missing"):
+        load_engine(engine_copy)
+
+
+@pytest.mark.parametrize("name", ["weights.safetensors", "tokenizer.json", "plan.json"])
+def test_tampered_file_is_named(engine_copy, name):
+    data = bytearray((engine_copy / name).read_bytes())
+    data[len(data) // 2] ^= 0x01
+    (engine_copy / name).write_bytes(bytes(data))
+    with pytest.raises(EngineError, match=f"{name} is corrupt: sha256") as e:
+        load_engine(engine_copy)
+    assert "llmc build --checkpoint_dir" in str(e.value)
+    load_engine(engine_copy, verify_checksums=False)  # opt-out skips hashing
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "shown"),
+    [("llmc_version", "0.0.1", "0.0.1"), ("format_version", 999, "999")],
+)
+def test_version_mismatch_names_both_values_and_rebuild(engine_copy, key, value, shown):
+    _edit_manifest(engine_copy, **{key: value})
+    with pytest.raises(EngineError) as e:
+        load_engine(engine_copy)
+    msg = str(e.value)
+    assert shown in msg and llmc.__version__ in msg and str(llmc.ENGINE_FORMAT_VERSION) in msg
+    assert "llmc build --checkpoint_dir" in msg and "--max_seq_len 256" in msg and "--force" in msg
+
+
+def test_target_rules(engine_copy):
+    # a cpu engine runs anywhere through the torch backend, not on the CUDA backend
+    load_engine(engine_copy, target="cpu")
+    with pytest.raises(EngineError, match=r"built for target 'cpu'.*needs 'sm_90'.*--target sm_90"):
+        load_engine(engine_copy, target="sm_90")
+    # an sm_90 engine runs on sm_90 (CUDA backend) or through torch, not on another arch
+    _edit_manifest(engine_copy, build__target="sm_90")
+    load_engine(engine_copy, target="sm_90")
+    load_engine(engine_copy, target="cpu")
+    with pytest.raises(EngineError, match=r"'sm_90'.*needs 'sm_80'.*--target sm_80"):
+        load_engine(engine_copy, target="sm_80")
+
+
+def test_malformed_manifest(engine_copy):
+    (engine_copy / "manifest.json").write_text("{not json")
+    with pytest.raises(EngineError, match="manifest.json.*not valid JSON"):
+        load_engine(engine_copy)
+    bare = {"format_version": 1, "llmc_version": llmc.__version__}
+    (engine_copy / "manifest.json").write_text(json.dumps(bare))
+    with pytest.raises(EngineError, match="files"):
+        load_engine(engine_copy)
+
+
+def test_wrong_weights_are_refused_at_load(engine_copy):
+    import hashlib
+
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"embed_tokens": torch.zeros(3, 3)}, engine_copy / "weights.safetensors")
+    digest = hashlib.sha256((engine_copy / "weights.safetensors").read_bytes()).hexdigest()
+    m = json.loads((engine_copy / "manifest.json").read_text())
+    m["files"]["weights.safetensors"] = digest
+    (engine_copy / "manifest.json").write_text(json.dumps(m))
+    engine = load_engine(engine_copy)
+    with pytest.raises(EngineError, match="tensor names differ"):
+        engine.load_weights("cpu")
+
+
+def test_rebuild_command_carries_non_default_settings(engine_dir):
+    m = json.loads((engine_dir / "manifest.json").read_text())
+    cmd = rebuild_command(m, engine_dir, target="sm_90")
+    assert cmd.startswith("llmc build --checkpoint_dir ")
+    for part in ("--dtype float32", "--max_seq_len 256", "--max_num_tokens 128", "--target sm_90"):
+        assert part in cmd
+    assert "--max_batch_size 8" in cmd and cmd.endswith("--force")
