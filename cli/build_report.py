@@ -13,7 +13,7 @@ from llmc.compiler.builder import BuildResult
 
 
 def summary_table(result: BuildResult) -> Table:
-    spec, b = result.spec, result.build
+    spec, b, lim = result.spec, result.build, result.build.limits
     t = Table(title="llmc build" + (" (dry run: nothing written)" if result.dry_run else ""))
     t.add_column("setting", style="bold")
     t.add_column("value")
@@ -24,17 +24,17 @@ def summary_table(result: BuildResult) -> Table:
         f"{spec.num_kv_heads} x {spec.head_dim}, MLP {spec.intermediate_size}, "
         f"vocab {spec.vocab_size}" + (", tied embeddings" if spec.tie_word_embeddings else ""),
     )
-    t.add_row("dtype / target", f"{b.dtype} / {b.target}")
+    t.add_row("dtype / target", f"{lim.dtype} / {b.target}")
     t.add_row(
         "weights",
         f"dummy (seed {b.dummy_seed})" if b.load_format == "dummy" else "from the checkpoint",
     )
-    t.add_row("max_batch_size", f"{b.max_batch_size} sequences")
-    t.add_row("max_input_len", f"{b.max_input_len} tokens")
-    t.add_row("max_seq_len", f"{b.max_seq_len} tokens")
-    t.add_row("max_num_tokens", f"{b.max_num_tokens} tokens per step")
-    t.add_row("tokens_per_block", f"{b.tokens_per_block} tokens")
-    t.add_row("chunked prefill", "on" if b.enable_chunked_prefill else "off")
+    t.add_row("max_batch_size", f"{lim.max_batch_size} sequences")
+    t.add_row("max_input_len", f"{lim.max_input_len} tokens")
+    t.add_row("max_seq_len", f"{lim.max_seq_len} tokens")
+    t.add_row("max_num_tokens", f"{lim.max_num_tokens} tokens per step")
+    t.add_row("tokens_per_block", f"{lim.tokens_per_block} tokens")
+    t.add_row("chunked prefill", "on" if lim.enable_chunked_prefill else "off")
     for note in result.notes:
         t.add_row("derived", note)
     if result.output_dir is not None:
@@ -59,7 +59,7 @@ def plan_table(result: BuildResult) -> Table:
     t.add_row("KV cache per token", human_bytes(p.kv_bytes_per_token))
     t.add_row(
         "KV cache per block",
-        f"{human_bytes(p.kv_bytes_per_block)} ({p.tokens_per_block} tokens)",
+        f"{human_bytes(p.kv_bytes_per_block)} ({p.limits.tokens_per_block} tokens)",
     )
     one_request = p.blocks_per_max_seq * p.kv_bytes_per_block
     t.add_row(
@@ -77,13 +77,15 @@ def plan_table(result: BuildResult) -> Table:
             f"{human_bytes(cap.free_after_weights_bytes)} free)",
         )
         t.add_row("KV capacity", f"{cap.kv_tokens:,} tokens in {cap.kv_blocks:,} blocks")
-        t.add_row(f"requests at max_seq_len={p.max_seq_len}", f"{cap.max_concurrent_requests:,}")
+        t.add_row(
+            f"requests at max_seq_len={p.limits.max_seq_len}", f"{cap.max_concurrent_requests:,}"
+        )
     return t
 
 
 def buffers_table(result: BuildResult) -> Table:
     p = result.plan
-    t = Table(title=f"workspace arena at max_num_tokens={p.max_num_tokens}")
+    t = Table(title=f"workspace arena at max_num_tokens={p.limits.max_num_tokens}")
     for col in ("buffer", "shape", "dtype", "live ops", "offset", "size"):
         t.add_column(col, justify="right" if col in ("offset", "size") else "left")
     for b in sorted(p.buffers, key=lambda b: (b.offset, b.name)):

@@ -229,14 +229,12 @@ def tuning_inputs(
     in_flight = arr["concurrency"] if arr["mode"] == "concurrency" else len(reqs)
     longest = max((r.num_prompt_tokens + r.num_output_tokens for r in reqs), default=1)
     return TuningInputs(
-        max_num_tokens=rt["max_num_tokens"], build_max_num_tokens=e["max_num_tokens"],
-        max_batch_size=rt["max_batch_size"], build_max_batch_size=e["max_batch_size"],
-        tokens_per_block=e["tokens_per_block"], max_kv_tokens=rt.get("max_kv_tokens"),
+        limits=outcome.runtime.limits, build_limits=outcome.runtime.built_limits,
+        max_kv_tokens=rt.get("max_kv_tokens"),
         kv_cache_free_gpu_mem_fraction=rt.get("kv_cache_free_gpu_mem_fraction"),
         max_request_tokens=longest,
         max_prompt_tokens=w.get("max_isl") or 1, max_in_flight=max(1, int(in_flight or 1)),
         kv_bytes_per_token=e.get("kv_bytes_per_token"), workspace_bytes=e.get("workspace_bytes"),
-        max_seq_len=rt.get("max_seq_len") or e.get("max_seq_len"),
         gpu_decode_idle_share=idle.decode_idle_share if idle is not None else None,
         cuda_graphs=rt.get("cuda_graphs"), async_scheduling=rt.get("async_scheduling"),
     )  # fmt: skip

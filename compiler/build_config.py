@@ -14,9 +14,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmc.base.errors import ConfigError, UnsupportedError, did_you_mean
+from llmc.compiler.limits import (
+    DTYPES,
+    check_chunked_prefill,
+    check_input_len,
+    check_positive_int,
+)
 
-DTYPES = ("float32", "float16", "bfloat16")
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 LOAD_FORMATS = ("auto", "dummy")
 
 
@@ -56,14 +60,13 @@ class BuildConfig:
     """Overwrite an existing output_dir."""
 
     def __post_init__(self) -> None:
+        # the limit rules are EngineLimits' (compiler/limits.py); a flag given here is
+        # refused now, a derived one when resolve_build builds the engine's EngineLimits
         for name in ("max_batch_size", "max_num_tokens", "tokens_per_block"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+            check_positive_int(name, getattr(self, name))
         for name in ("max_input_len", "max_seq_len"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
-                raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+            if getattr(self, name) is not None:
+                check_positive_int(name, getattr(self, name))
         if self.dtype not in DTYPES:
             raise UnsupportedError(
                 f"dtype {self.dtype!r} is not supported; choose one of {', '.join(DTYPES)}"
@@ -85,30 +88,17 @@ class BuildConfig:
             )
         if self.gpu_memory_gb is not None and self.gpu_memory_gb <= 0:
             raise ConfigError(f"gpu_memory_gb must be positive, got {self.gpu_memory_gb}")
-        if self.max_input_len and self.max_seq_len and self.max_input_len > self.max_seq_len:
-            raise ConfigError(
-                f"max_input_len ({self.max_input_len}) must not exceed "
-                f"max_seq_len ({self.max_seq_len})"
-            )
+        if self.max_input_len and self.max_seq_len:
+            check_input_len(self.max_input_len, self.max_seq_len)
         if self.max_num_tokens < self.tokens_per_block:
             raise ConfigError(
                 f"max_num_tokens ({self.max_num_tokens}) must be at least tokens_per_block "
                 f"({self.tokens_per_block})"
             )
-        if (
-            not self.enable_chunked_prefill
-            and self.max_input_len
-            and self.max_num_tokens < self.max_input_len
-        ):
-            raise ConfigError(
-                f"max_num_tokens ({self.max_num_tokens}) is smaller than max_input_len "
-                f"({self.max_input_len}) with chunked prefill off: one prompt could never be "
-                f"scheduled; raise max_num_tokens to {self.max_input_len} or enable chunked prefill"
+        if self.max_input_len:
+            check_chunked_prefill(
+                self.max_num_tokens, self.max_input_len, self.enable_chunked_prefill
             )
-
-    @property
-    def dtype_bytes(self) -> int:
-        return DTYPE_BYTES[self.dtype]
 
     def replace(self, **changes: Any) -> BuildConfig:
         return dataclasses.replace(self, **changes)

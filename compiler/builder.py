@@ -208,11 +208,7 @@ def build(
         mem, mem_source = device_memory(config, gpu)
         plan = plan_memory(
             spec,
-            dtype=resolved.dtype,
-            max_batch_size=resolved.max_batch_size,
-            max_num_tokens=resolved.max_num_tokens,
-            max_seq_len=resolved.max_seq_len,
-            tokens_per_block=resolved.tokens_per_block,
+            resolved.limits,
             device_memory_bytes=mem,
             memory_source=mem_source,
             kv_cache_free_gpu_mem_fraction=config.kv_cache_free_gpu_mem_fraction,
@@ -234,13 +230,15 @@ def build(
             ckpt = load_checkpoint(config.checkpoint_dir)
             if ckpt.spec != spec:
                 raise CheckpointError(f"{source}: the model config changed while building")
-            weights = to_engine_weights(spec, ckpt.tensors, resolved.dtype, source)
+            weights = to_engine_weights(spec, ckpt.tensors, resolved.limits.dtype, source)
             tok_files, fmt = dict(ckpt.tokenizer_files), ckpt.source_format
             del ckpt  # the HF tensors are no longer needed
     tmp = temp_engine_dir(out)
     try:
         with phase("compile", f"kernels for {resolved.target}"):
-            kernels = _compile_kernels(spec, resolved.dtype, resolved.target, tmp / KERNELS_DIR)
+            kernels = _compile_kernels(
+                spec, resolved.limits.dtype, resolved.target, tmp / KERNELS_DIR
+            )
         with phase("write", str(out)):
             manifest = {
                 "format_version": version.ENGINE_FORMAT_VERSION,

@@ -7,15 +7,16 @@ Layout (the contract between ``llmc build`` and the runtime)::
                          kernels {arch, files}, tokenizer_files, source, files {name: sha256}
     weights.safetensors  engine tensors (compiler/spec.py names), fused and cast;
                          absent for load_format 'dummy' (build.dummy_seed regenerates them)
-    plan.json            the MemoryPlan (compiler/memory_plan.py)
+    plan.json            the MemoryPlan (compiler/memory_plan.py), for the build's EngineLimits
     tokenizer.json, tokenizer_config.json, generation_config.json   (when the source had them)
     kernels/             cubins for build.target when it is a CUDA arch
 
 Invariants: ``manifest.json`` is written last, into a temporary sibling directory that is
 renamed to the output directory only when complete, so a failed build is never loadable.
 ``load_engine`` refuses (EngineError, naming the file or both values and the rebuild
-command) a missing file, a checksum mismatch, another format or llmc version, or a target
-the caller cannot run.
+command) a missing file, a checksum mismatch, another format or llmc version, a plan.json that
+is not this llmc's plan for the manifest's limits, or a target the caller cannot run. It
+parses manifest.json once; the runtime reads the ``LoadedEngine``, never the file.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from typing import TYPE_CHECKING, Any
 
 from llmc.base import version
 from llmc.base.errors import ConfigError, EngineError, LlmcError
-from llmc.compiler.memory_plan import MemoryPlan
+from llmc.compiler.limits import EngineLimits
+from llmc.compiler.memory_plan import MemoryPlan, plan_mismatch
 from llmc.compiler.resolve import ResolvedBuild
 from llmc.compiler.spec import ModelSpec
 
@@ -165,8 +167,26 @@ class LoadedEngine:
     kernels_dir: Path
 
     @property
+    def limits(self) -> EngineLimits:
+        """The engine's limits, as built (a run may lower them: ``EngineLimits.lowered``)."""
+        return self.build.limits
+
+    @property
     def kernel_files(self) -> tuple[Path, ...]:
         return tuple(self.kernels_dir / f for f in self.manifest["kernels"]["files"])
+
+    def check_target(self, target: str) -> None:
+        """Refuse (EngineError with the rebuild command) a target this engine cannot run:
+        'cpu' (the torch backend) runs any engine; the CUDA backend on an sm_XX GPU needs an
+        engine built for exactly that arch."""
+        if target == "cpu" or self.build.target == target:
+            return
+        fix = rebuild_command(self.manifest, self.dir, target=target)
+        raise EngineError(
+            f"engine {self.dir} was built for target {self.build.target!r}, but this run needs "
+            f"{target!r} (the CUDA backend needs kernels for the GPU's arch; the torch backend "
+            f"runs any engine); rebuild it: {fix}"
+        )
 
     def load_weights(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
         """Engine tensors on ``device``: read from weights.safetensors, or regenerated from
@@ -178,7 +198,7 @@ class LoadedEngine:
         if self.build.load_format == "dummy":
             from llmc.compiler.dummy import dummy_weights
 
-            tensors = dummy_weights(self.spec, self.build.dtype, self.build.dummy_seed, device)
+            tensors = dummy_weights(self.spec, self.limits.dtype, self.build.dummy_seed, device)
         else:
             from safetensors import SafetensorError
             from safetensors.torch import load_file
@@ -188,7 +208,7 @@ class LoadedEngine:
             except (SafetensorError, OSError) as e:
                 raise EngineError(f"{self.dir / WEIGHTS}: cannot read weights: {e}") from e
         expected = self.spec.tensor_shapes()
-        dt = TORCH_DTYPES[self.build.dtype]
+        dt = TORCH_DTYPES[self.limits.dtype]
         if set(tensors) != set(expected):
             diff = sorted(set(tensors) ^ set(expected))
             raise EngineError(f"{self.dir / WEIGHTS}: tensor names differ from the spec: {diff}")
@@ -212,19 +232,6 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
     if not isinstance(d, dict):
         raise EngineError(f"{path}: {what} is not a JSON object")
     return d
-
-
-def _check_target(manifest: dict[str, Any], engine_dir: Path, built: str, target: str) -> None:
-    """A cpu engine runs anywhere through the torch backend (target None/'cpu'); the CUDA
-    backend on an sm_XX GPU needs an engine built for exactly that arch."""
-    if target == "cpu" or built == target:
-        return
-    fix = rebuild_command(manifest, engine_dir, target=target)
-    raise EngineError(
-        f"engine {engine_dir} was built for target {built!r}, but this run needs {target!r} "
-        f"(the CUDA backend needs kernels for the GPU's arch; the torch backend runs any "
-        f"engine); rebuild it: {fix}"
-    )
 
 
 def load_engine(
@@ -277,11 +284,20 @@ def load_engine(
                     f"{d / name} is corrupt: sha256 {got[:16]}... differs from the manifest's "
                     f"{str(digest)[:16]}...; rebuild it: {rebuild_command(manifest, d)}"
                 )
-    if target is not None:
-        _check_target(manifest, d, build.target, target)
     plan = MemoryPlan.from_json((d / PLAN).read_text())
+    if plan.limits != build.limits:
+        raise EngineError(
+            f"{d / PLAN} was planned for {plan.limits}, the manifest's build is {build.limits}; "
+            f"rebuild it: {rebuild_command(manifest, d)}"
+        )
+    mismatch = plan_mismatch(plan, spec)
+    if mismatch is not None:
+        raise EngineError(
+            f"{d / PLAN} is not this llmc's memory plan for the engine: {mismatch}; rebuild "
+            f"it: {rebuild_command(manifest, d)}"
+        )
     tok = d / "tokenizer.json"
-    return LoadedEngine(
+    engine = LoadedEngine(
         dir=d,
         manifest=manifest,
         spec=spec,
@@ -290,3 +306,6 @@ def load_engine(
         tokenizer_path=tok if tok.is_file() else None,
         kernels_dir=d / KERNELS_DIR,
     )
+    if target is not None:
+        engine.check_target(target)
+    return engine

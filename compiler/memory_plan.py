@@ -2,12 +2,16 @@
 
 Owns three things, all pure arithmetic (no torch, so ``llmc build --dry_run`` stays fast):
 
-1. **Workspace.** Every intermediate buffer of one forward step at ``T = max_num_tokens``
-   tokens and ``B = max_batch_size`` sequences, with its shape, dtype and live range over the
-   op sequence ``OPS`` (embed, one decoder layer's ops, final_norm, gather_last, lm_head,
-   sample; every layer reuses the same buffers, so one layer stands for all). The buffers are
-   packed into one arena by offset (``pack_buffers``). The runtime allocates the arena once
-   and takes views at these offsets; the buffer names are a contract with it.
+1. **Workspace.** ``workspace_buffers`` is the one table of the workspace: every
+   intermediate buffer of one forward step at ``T = max_num_tokens`` tokens and
+   ``B = max_batch_size`` sequences (an ``EngineLimits``), with its shape, dtype and live
+   range over the op sequence ``OPS`` (embed, one decoder layer's ops, final_norm,
+   gather_last, lm_head, sample; every layer reuses the same buffers, so one layer stands for
+   all). The buffers are packed into one arena by offset (``pack_buffers``). The build writes
+   the packing into plan.json; the runtime allocates one arena and takes views at plan.json's
+   offsets, or, when the run lowers the limits, at the offsets ``plan_workspace`` packs for
+   them (``run_workspace`` picks). ``plan_mismatch`` is how ``load_engine`` refuses a plan.json
+   that is not what this table and packer give. The buffer names are the runner's contract.
 2. **Weights.** Bytes per engine tensor (``ModelSpec.tensor_shapes``) and in total.
 3. **KV cache.** Bytes per token and per block; for a known device memory, the capacity in
    blocks, tokens and concurrent ``max_seq_len`` requests, following TensorRT-LLM: the pool
@@ -22,15 +26,18 @@ never larger than the naive one (every buffer in its own aligned slot).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from llmc.base.errors import CapacityError, EngineError
+from llmc.base.errors import CapacityError, ConfigError, EngineError
+from llmc.compiler.limits import EngineLimits
 from llmc.compiler.spec import ModelSpec
 
-PLAN_FORMAT_VERSION = 1
+PLAN_FORMAT_VERSION = 2
+"""2: the plan stores the EngineLimits it was made for (``limits``)."""
 ALIGNMENT = 256
 MAX_KV_SPLITS = 32
 """Split-KV (flash-decoding) partitions per sequence the attention workspace is sized for."""
@@ -72,25 +79,24 @@ class BufferSpec:
     def nbytes(self) -> int:
         return math.prod(self.shape) * DTYPE_BYTES[self.dtype]
 
-    def overlaps_in_time(self, other: BufferSpec | PlannedBuffer) -> bool:
+    def overlaps_in_time(self, other: BufferSpec) -> bool:
         return self.first <= other.last and other.first <= self.last
 
 
 @dataclass(frozen=True)
-class PlannedBuffer:
+class PlannedBuffer(BufferSpec):
     """A packed buffer: bytes ``[offset, offset + nbytes)`` of the arena."""
 
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    first: int
-    last: int
     offset: int
-    nbytes: int
 
 
 def align_up(n: int, alignment: int = ALIGNMENT) -> int:
     return -(-n // alignment) * alignment
+
+
+def arena_bytes(placed: tuple[PlannedBuffer, ...] | list[PlannedBuffer]) -> int:
+    """Size of the arena that holds every placed buffer."""
+    return max((p.offset + p.nbytes for p in placed), default=0)
 
 
 def pack_buffers(
@@ -122,27 +128,22 @@ def pack_buffers(
             offset = max(offset, align_up(end, alignment))
         offsets[i] = offset
     placed = tuple(
-        PlannedBuffer(b.name, tuple(b.shape), b.dtype, b.first, b.last, offsets[i], b.nbytes)
+        PlannedBuffer(b.name, tuple(b.shape), b.dtype, b.first, b.last, offsets[i])
         for i, b in enumerate(buffers)
     )
-    packed = max((p.offset + p.nbytes for p in placed), default=0)
+    packed = arena_bytes(placed)
     naive = sum(align_up(b.nbytes, alignment) for b in buffers)
     return placed, packed, naive
 
 
-def workspace_buffers(
-    spec: ModelSpec,
-    max_num_tokens: int,
-    max_batch_size: int,
-    max_seq_len: int,
-    tokens_per_block: int,
-    dtype: str,
-) -> list[BufferSpec]:
-    """Every buffer of one forward step (names are the runtime contract; see module doc)."""
-    t, b, h = max_num_tokens, max_batch_size, spec.hidden_size
+def workspace_buffers(spec: ModelSpec, limits: EngineLimits) -> list[BufferSpec]:
+    """Every buffer of one forward step: THE table of the workspace (names, shapes, dtypes and
+    live ranges); the build packs it into plan.json, a run packs it for its own limits."""
+    t, b, h = limits.max_num_tokens, limits.max_batch_size, spec.hidden_size
     i, v, nq, hd = spec.intermediate_size, spec.vocab_size, spec.num_heads, spec.head_dim
+    dtype = limits.dtype
     step = (0, len(OPS) - 1)
-    max_blocks = -(-max_seq_len // tokens_per_block)
+    max_blocks = limits.max_blocks_per_seq
 
     def buf(name: str, shape: tuple[int, ...], dt: str, first: str, last: str) -> BufferSpec:
         return BufferSpec(name, shape, dt, _op(first), _op(last))
@@ -175,6 +176,22 @@ def workspace_buffers(
     ]
 
 
+def plan_workspace(spec: ModelSpec, limits: EngineLimits) -> tuple[PlannedBuffer, ...]:
+    """The packed workspace of one step at ``limits`` (what plan.json holds for the build's)."""
+    return pack_buffers(workspace_buffers(spec, limits))[0]
+
+
+def run_workspace(
+    spec: ModelSpec, limits: EngineLimits, plan: MemoryPlan | None
+) -> tuple[PlannedBuffer, ...]:
+    """The arena layout a run allocates: the engine's plan.json buffers when it was planned
+    for the run's limits (``load_engine`` checked they are what this llmc plans), else the
+    plan for the run's own (lowered) limits, by the same function as the build."""
+    if plan is not None and plan.limits == limits:
+        return plan.buffers
+    return plan_workspace(spec, limits)
+
+
 @dataclass(frozen=True)
 class Capacity:
     """KV-cache capacity on one device (TensorRT-LLM's free-memory-fraction rule)."""
@@ -196,11 +213,8 @@ class Capacity:
 class MemoryPlan:
     """Everything the runtime needs to allocate memory for the engine once, at load."""
 
-    dtype: str
-    max_batch_size: int
-    max_num_tokens: int
-    max_seq_len: int
-    tokens_per_block: int
+    limits: EngineLimits
+    """The limits planned for (the engine's)."""
     buffers: tuple[PlannedBuffer, ...]
     workspace_bytes: int
     naive_workspace_bytes: int
@@ -208,13 +222,16 @@ class MemoryPlan:
     weight_bytes_total: int
     kv_bytes_per_token: int
     kv_bytes_per_block: int
-    blocks_per_max_seq: int
     capacity: Capacity | None = None
     max_kv_splits: int = MAX_KV_SPLITS
     alignment: int = ALIGNMENT
     ops: tuple[str, ...] = OPS
     version: int = PLAN_FORMAT_VERSION
     notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def blocks_per_max_seq(self) -> int:
+        return self.limits.max_blocks_per_seq
 
     def buffer(self, name: str) -> PlannedBuffer:
         for b in self.buffers:
@@ -224,7 +241,9 @@ class MemoryPlan:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d["buffers"] = [{**asdict(b), "shape": list(b.shape)} for b in self.buffers]
+        d["buffers"] = [
+            {**asdict(b), "shape": list(b.shape), "nbytes": b.nbytes} for b in self.buffers
+        ]
         d["ops"] = list(self.ops)
         d["notes"] = list(self.notes)
         return d
@@ -241,15 +260,17 @@ class MemoryPlan:
             )
         try:
             d = dict(d)
+            d["limits"] = EngineLimits(**d["limits"])
             d["buffers"] = tuple(
-                PlannedBuffer(**{**b, "shape": tuple(b["shape"])}) for b in d["buffers"]
+                PlannedBuffer(**{**b, "shape": tuple(b["shape"])})
+                for b in map(_stored, d["buffers"])
             )
             d["ops"] = tuple(d["ops"])
             d["notes"] = tuple(d.get("notes", ()))
             if d.get("capacity") is not None:
                 d["capacity"] = Capacity(**d["capacity"])
             return cls(**d)
-        except (KeyError, TypeError) as e:
+        except (KeyError, TypeError, ConfigError) as e:
             raise EngineError(f"plan.json is malformed: {e}") from e
 
     @classmethod
@@ -263,14 +284,15 @@ class MemoryPlan:
         return cls.from_dict(d)
 
 
+def _stored(b: dict[str, Any]) -> dict[str, Any]:
+    """A plan.json buffer without its derived ``nbytes``."""
+    return {k: v for k, v in b.items() if k != "nbytes"}
+
+
 def plan_memory(
     spec: ModelSpec,
+    limits: EngineLimits,
     *,
-    dtype: str,
-    max_batch_size: int,
-    max_num_tokens: int,
-    max_seq_len: int,
-    tokens_per_block: int,
     device_memory_bytes: int | None = None,
     memory_source: str = "",
     kv_cache_free_gpu_mem_fraction: float = 0.9,
@@ -281,41 +303,48 @@ def plan_memory(
     With ``check_fits``, a device on which one request of ``max_seq_len`` tokens cannot fit
     raises CapacityError with the numbers and a suggested max_seq_len or memory size.
     """
-    dtype_bytes = DTYPE_BYTES[dtype]
+    dtype_bytes = DTYPE_BYTES[limits.dtype]
     weight_bytes = {n: math.prod(s) * dtype_bytes for n, s in spec.tensor_shapes().items()}
-    specs = workspace_buffers(
-        spec, max_num_tokens, max_batch_size, max_seq_len, tokens_per_block, dtype
-    )
-    placed, packed, naive = pack_buffers(specs)
+    placed, packed, naive = pack_buffers(workspace_buffers(spec, limits))
     kv_token = spec.kv_bytes_per_token(dtype_bytes)
     plan = MemoryPlan(
-        dtype=dtype,
-        max_batch_size=max_batch_size,
-        max_num_tokens=max_num_tokens,
-        max_seq_len=max_seq_len,
-        tokens_per_block=tokens_per_block,
+        limits=limits,
         buffers=placed,
         workspace_bytes=packed,
         naive_workspace_bytes=naive,
         weight_bytes=weight_bytes,
         weight_bytes_total=sum(weight_bytes.values()),
         kv_bytes_per_token=kv_token,
-        kv_bytes_per_block=kv_token * tokens_per_block,
-        blocks_per_max_seq=-(-max_seq_len // tokens_per_block),
+        kv_bytes_per_block=kv_token * limits.tokens_per_block,
     )
     if device_memory_bytes is None:
         return plan
     cap = capacity(plan, device_memory_bytes, memory_source, kv_cache_free_gpu_mem_fraction)
-    plan = _replace(plan, capacity=cap)
+    plan = dataclasses.replace(plan, capacity=cap)
     if check_fits and cap.kv_blocks < plan.blocks_per_max_seq:
         raise CapacityError(_does_not_fit(plan, cap))
     return plan
 
 
-def _replace(plan: MemoryPlan, **changes: Any) -> MemoryPlan:
-    import dataclasses
-
-    return dataclasses.replace(plan, **changes)
+def plan_mismatch(plan: MemoryPlan, spec: ModelSpec) -> str | None:
+    """Where a loaded plan.json differs from what this llmc plans for its limits (None: it
+    agrees). The runtime takes the arena offsets and the KV sizes from plan.json, so a plan
+    made by another planner (an llmc checkout of the same version, or an edit) is refused at
+    load rather than trusted; the capacity report and notes are the build's and not compared."""
+    want = plan_memory(spec, plan.limits)
+    if plan.buffers != want.buffers:
+        got = {b.name: b for b in plan.buffers}
+        for b in want.buffers:
+            if got.get(b.name) != b:
+                return (
+                    f"workspace buffer {b.name!r} is {got.get(b.name)}, this llmc plans {b} "
+                    f"for max_num_tokens={plan.limits.max_num_tokens}"
+                )
+        return f"workspace buffers {sorted(set(got) - {b.name for b in want.buffers})} are unknown"
+    for f in dataclasses.fields(MemoryPlan):
+        if f.name not in ("capacity", "notes") and getattr(plan, f.name) != getattr(want, f.name):
+            return f"{f.name} is {getattr(plan, f.name)}, this llmc plans {getattr(want, f.name)}"
+    return None
 
 
 def capacity(
@@ -332,7 +361,7 @@ def capacity(
         free_after_weights_bytes=free,
         kv_pool_bytes=pool,
         kv_blocks=blocks,
-        kv_tokens=blocks * plan.tokens_per_block,
+        kv_tokens=blocks * plan.limits.tokens_per_block,
         max_concurrent_requests=blocks // plan.blocks_per_max_seq,
     )
 
@@ -349,7 +378,7 @@ def _does_not_fit(plan: MemoryPlan, cap: Capacity) -> str:
         + math.ceil(need_kv / cap.kv_cache_free_gpu_mem_fraction)
     )
     head = (
-        f"one request of max_seq_len={plan.max_seq_len} tokens does not fit: it needs "
+        f"one request of max_seq_len={plan.limits.max_seq_len} tokens does not fit: it needs "
         f"{plan.blocks_per_max_seq} KV blocks ({_gib(need_kv)} at "
         f"{plan.kv_bytes_per_token} bytes/token), but {_gib(cap.device_memory_bytes)} of device "
         f"memory ({cap.memory_source}) - weights {_gib(plan.weight_bytes_total)} - workspace "
@@ -361,7 +390,7 @@ def _does_not_fit(plan: MemoryPlan, cap: Capacity) -> str:
     if cap.kv_tokens > 0:
         fixes.append(f"--max_seq_len {cap.kv_tokens}")
     fixes.append(f"--gpu_memory_gb {math.ceil(need_mem / GIB * 100) / 100}")
-    if plan.max_num_tokens > plan.tokens_per_block:
+    if plan.limits.max_num_tokens > plan.limits.tokens_per_block:
         fixes.append("a smaller --max_num_tokens (smaller workspace)")
     return head + "; use " + " or ".join(fixes)
 
@@ -377,20 +406,19 @@ def kv_cache_blocks(
     request of ``max_seq_len`` tokens would not fit.
     """
     if not 0.0 < fraction <= 1.0:
-        from llmc.base.errors import ConfigError
-
         raise ConfigError(f"kv_cache_free_gpu_mem_fraction must be in (0, 1], got {fraction}")
+    tpb = plan.limits.tokens_per_block
     blocks = max(0, int(free_bytes * fraction)) // plan.kv_bytes_per_block
     if max_kv_tokens is not None:
-        blocks = min(blocks, -(-max_kv_tokens // plan.tokens_per_block))
+        blocks = min(blocks, -(-max_kv_tokens // tpb))
     if blocks < plan.blocks_per_max_seq:
         limit = "" if max_kv_tokens is None else f", max_kv_tokens={max_kv_tokens}"
         raise CapacityError(
-            f"KV cache of {blocks} blocks ({blocks * plan.tokens_per_block} tokens; "
+            f"KV cache of {blocks} blocks ({blocks * tpb} tokens; "
             f"{_gib(free_bytes)} free x {fraction}{limit}) cannot hold one request of "
-            f"max_seq_len={plan.max_seq_len} tokens ({plan.blocks_per_max_seq} blocks of "
+            f"max_seq_len={plan.limits.max_seq_len} tokens ({plan.blocks_per_max_seq} blocks of "
             f"{plan.kv_bytes_per_block} bytes); free more device memory, raise "
             f"kv_cache_free_gpu_mem_fraction or max_kv_tokens, or rebuild with "
-            f"--max_seq_len {blocks * plan.tokens_per_block}"
+            f"--max_seq_len {blocks * tpb}"
         )
     return blocks

@@ -1,10 +1,11 @@
 """Resolve a BuildConfig against a ModelSpec and the machine into concrete engine limits.
 
 ``BuildConfig`` leaves some settings to be derived (``None``/``'auto'``); ``resolve_build``
-fills them in from the model config and the detected GPU, validates the combination, and
-returns a frozen ``ResolvedBuild`` plus human-readable notes saying where each derived
-value came from (the build prints them). ``ResolvedBuild`` is what the engine manifest
-stores under ``"build"`` and what the runtime reads back.
+fills them in from the model config and the detected GPU, builds the engine's
+``EngineLimits`` (which validates the combination), and returns a frozen ``ResolvedBuild``
+plus human-readable notes saying where each derived value came from (the build prints them).
+``ResolvedBuild`` is what the engine manifest stores under ``"build"`` and what the runtime
+reads back.
 
 GPU detection never initialises CUDA on a machine without an NVIDIA device node, and never
 imports torch there, so planning (``llmc build --dry_run``) stays fast.
@@ -12,7 +13,6 @@ imports torch there, so planning (``llmc build --dry_run``) stays fast.
 
 from __future__ import annotations
 
-import dataclasses
 import glob
 import os
 from dataclasses import dataclass
@@ -20,6 +20,7 @@ from typing import Any
 
 from llmc.base.errors import ConfigError, EngineError
 from llmc.compiler.build_config import BuildConfig
+from llmc.compiler.limits import EngineLimits
 from llmc.compiler.spec import ModelSpec
 
 
@@ -51,66 +52,68 @@ def detect_gpu() -> GpuInfo | None:
 
 @dataclass(frozen=True)
 class ResolvedBuild:
-    """The engine's limits and settings after defaults are derived (manifest ``"build"``)."""
+    """The engine's limits and build settings after defaults are derived (manifest ``"build"``,
+    stored flat: the limits' fields beside target, load_format and dummy_seed)."""
 
-    max_batch_size: int
-    max_input_len: int
-    max_seq_len: int
-    max_num_tokens: int
-    tokens_per_block: int
-    dtype: str
+    limits: EngineLimits
     target: str
     load_format: str
     dummy_seed: int | None
     """The seed of the dummy weights (load_format 'dummy'), else None."""
-    enable_chunked_prefill: bool
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {
+            **self.limits.to_dict(),
+            "target": self.target,
+            "load_format": self.load_format,
+            "dummy_seed": self.dummy_seed,
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ResolvedBuild:
-        names = {f.name for f in dataclasses.fields(cls)}
+        limit_names = EngineLimits.field_names()
+        names = {*limit_names, "target", "load_format", "dummy_seed"}
         missing = sorted(names - set(d))
         unknown = sorted(set(d) - names)
         if missing or unknown:
             raise EngineError(
                 f"manifest 'build' section: missing keys {missing}, unknown keys {unknown}"
             )
-        return cls(**d)
+        return cls(
+            limits=EngineLimits(**{k: d[k] for k in limit_names}),
+            target=d["target"],
+            load_format=d["load_format"],
+            dummy_seed=d["dummy_seed"],
+        )
 
 
 def resolve_build(
     config: BuildConfig, spec: ModelSpec, gpu: GpuInfo | None
 ) -> tuple[ResolvedBuild, tuple[str, ...]]:
-    """Derive unset limits from the model; returns (resolved settings, notes on defaults)."""
+    """Derive unset limits from the model; returns (resolved settings, notes on defaults).
+    The limits are validated by ``EngineLimits`` (ConfigError naming the values)."""
     notes: list[str] = []
     mpe = spec.max_position_embeddings
+    if config.max_seq_len is not None and config.max_seq_len > mpe:
+        raise ConfigError(
+            f"max_seq_len ({config.max_seq_len}) exceeds the model's max_position_embeddings "
+            f"({mpe}); use --max_seq_len {mpe} or less"
+        )
+    max_seq_len = config.max_seq_len or mpe
+    max_input_len = config.max_input_len or max_seq_len
     if config.max_seq_len is None:
-        max_seq_len = mpe
         notes.append(f"max_seq_len = {max_seq_len} (the model's max_position_embeddings)")
-    else:
-        max_seq_len = config.max_seq_len
-        if max_seq_len > mpe:
-            raise ConfigError(
-                f"max_seq_len ({max_seq_len}) exceeds the model's max_position_embeddings "
-                f"({mpe}); use --max_seq_len {mpe} or less"
-            )
     if config.max_input_len is None:
-        max_input_len = max_seq_len
         notes.append(f"max_input_len = {max_input_len} (max_seq_len)")
-    else:
-        max_input_len = config.max_input_len
-    if max_input_len > max_seq_len:
-        raise ConfigError(
-            f"max_input_len ({max_input_len}) must not exceed max_seq_len ({max_seq_len})"
-        )
-    if not config.enable_chunked_prefill and config.max_num_tokens < max_input_len:
-        raise ConfigError(
-            f"max_num_tokens ({config.max_num_tokens}) is smaller than max_input_len "
-            f"({max_input_len}) with chunked prefill off: one prompt could never be scheduled; "
-            f"raise max_num_tokens to {max_input_len} or enable chunked prefill"
-        )
+    limits = EngineLimits(
+        max_batch_size=config.max_batch_size,
+        max_input_len=max_input_len,
+        max_seq_len=max_seq_len,
+        max_num_tokens=config.max_num_tokens,
+        tokens_per_block=config.tokens_per_block,
+        enable_chunked_prefill=config.enable_chunked_prefill,
+        dtype=config.dtype,
+    )
     if config.target == "auto":
         target = gpu.arch if gpu is not None else "cpu"
         where = f"detected {gpu.name}" if gpu is not None else "no GPU detected"
@@ -119,16 +122,10 @@ def resolve_build(
         target = config.target
     dummy = config.load_format == "dummy"
     resolved = ResolvedBuild(
-        max_batch_size=config.max_batch_size,
-        max_input_len=max_input_len,
-        max_seq_len=max_seq_len,
-        max_num_tokens=config.max_num_tokens,
-        tokens_per_block=config.tokens_per_block,
-        dtype=config.dtype,
+        limits=limits,
         target=target,
         load_format=config.load_format,
         dummy_seed=config.dummy_seed if dummy else None,
-        enable_chunked_prefill=config.enable_chunked_prefill,
     )
     return resolved, tuple(notes)
 

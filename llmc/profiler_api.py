@@ -159,15 +159,11 @@ class Profiler:
 
         assert self._target is not None
         rt, cfg = self._target.runtime, self._target.config
-        build = rt.engine.build if rt.engine is not None else rt.limits
         plan = rt.engine.plan if rt.engine is not None else None
         reqs = self._requests
         return TuningInputs(
-            max_num_tokens=rt.limits.max_num_tokens,
-            build_max_num_tokens=build.max_num_tokens,
-            max_batch_size=rt.limits.max_batch_size,
-            build_max_batch_size=build.max_batch_size,
-            tokens_per_block=rt.limits.tokens_per_block,
+            limits=rt.limits,
+            build_limits=rt.built_limits,
             max_kv_tokens=cfg.max_kv_tokens,
             kv_cache_free_gpu_mem_fraction=cfg.kv_cache_free_gpu_mem_fraction,
             max_request_tokens=max(
@@ -177,7 +173,6 @@ class Profiler:
             max_in_flight=max(1, len(reqs)),
             kv_bytes_per_token=plan.kv_bytes_per_token if plan is not None else None,
             workspace_bytes=plan.workspace_bytes if plan is not None else None,
-            max_seq_len=rt.limits.max_seq_len,
         )
 
     def print(self, console: Any = None) -> None:

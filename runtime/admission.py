@@ -2,7 +2,8 @@
 
 Owns what the ``Scheduler`` is configured with and what it refuses at the door:
 - the capacity policy names (``GUARANTEED_NO_EVICT``, ``MAX_UTILIZATION``, ``POLICIES``);
-- ``SchedulerConfig`` (frozen; validated on construction, ConfigError naming the field);
+- ``SchedulerConfig`` (frozen): the engine's ``EngineLimits`` (validated where they are
+  built, ``llmc.compiler.limits``), the capacity policy and the model's end-of-sequence ids;
 - ``SchedulerStats`` (a frozen snapshot of the scheduler's counters);
 - ``kv_tokens_needed`` (cached tokens at the end of a sequence's life) and
   ``check_new_sequence``, the per-request checks that ``Scheduler.add`` runs.
@@ -21,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llmc.base.errors import ConfigError, RequestError
+from llmc.compiler.limits import EngineLimits
 from llmc.runtime.kv_cache import KVCacheManager
 from llmc.runtime.types import Sequence, SequenceStatus
 
@@ -31,42 +33,19 @@ POLICIES = (GUARANTEED_NO_EVICT, MAX_UTILIZATION)
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Limits of one engine (from its build config) and the capacity policy."""
+    """The limits the scheduler serves under and its capacity policy."""
 
-    max_num_tokens: int
-    """Per-step token budget (decode tokens + prefill chunks)."""
-    max_batch_size: int
-    """Most running sequences."""
-    max_seq_len: int
-    """Longest prompt + generated tokens."""
-    max_input_len: int
-    """Longest prompt."""
-    tokens_per_block: int
-    enable_chunked_prefill: bool = True
+    limits: EngineLimits
+    """The run's limits: the per-step token budget (max_num_tokens), the running batch
+    (max_batch_size), max_seq_len, max_input_len, tokens_per_block, chunked prefill."""
     policy: str = GUARANTEED_NO_EVICT
     eos_token_ids: tuple[int, ...] = ()
     """End-of-sequence ids of the model (ignored by requests with ignore_eos)."""
 
     def __post_init__(self) -> None:
-        names = ("max_num_tokens", "max_batch_size", "max_seq_len", "max_input_len")
-        for name in (*names, "tokens_per_block"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ConfigError(f"scheduler {name} must be a positive integer, got {v!r}")
         if self.policy not in POLICIES:
             raise ConfigError(
                 f"scheduler policy {self.policy!r} is not one of {', '.join(POLICIES)}"
-            )
-        if self.max_input_len > self.max_seq_len:
-            raise ConfigError(
-                f"max_input_len ({self.max_input_len}) must not exceed "
-                f"max_seq_len ({self.max_seq_len})"
-            )
-        if not self.enable_chunked_prefill and self.max_num_tokens < self.max_input_len:
-            raise ConfigError(
-                f"max_num_tokens ({self.max_num_tokens}) is smaller than max_input_len "
-                f"({self.max_input_len}) with chunked prefill off: a prompt could never be "
-                "scheduled; raise max_num_tokens or enable chunked prefill"
             )
         if any(not isinstance(t, int) or t < 0 for t in self.eos_token_ids):
             raise ConfigError(f"eos_token_ids must be non-negative integers: {self.eos_token_ids}")
@@ -89,7 +68,7 @@ def kv_tokens_needed(seq: Sequence) -> int:
     return seq.num_prompt_tokens + seq.max_new_tokens - 1
 
 
-def check_new_sequence(cfg: SchedulerConfig, kv: KVCacheManager, seq: Sequence) -> None:
+def check_new_sequence(limits: EngineLimits, kv: KVCacheManager, seq: Sequence) -> None:
     """Refuse (RequestError) a sequence that is not fresh or could never be served.
 
     Clamps ``seq.max_new_tokens`` to the room left under ``max_seq_len`` when the request
@@ -101,20 +80,20 @@ def check_new_sequence(cfg: SchedulerConfig, kv: KVCacheManager, seq: Sequence) 
         raise RequestError(f"request {rid}: only a fresh sequence can be added")
     if n_prompt == 0:
         raise RequestError(f"request {rid}: the prompt is empty")
-    if n_prompt > cfg.max_input_len:
+    if n_prompt > limits.max_input_len:
         raise RequestError(
             f"request {rid}: prompt has {n_prompt} tokens, more than the engine's "
-            f"max_input_len={cfg.max_input_len}"
+            f"max_input_len={limits.max_input_len}"
         )
     if not isinstance(seq.max_new_tokens, int) or seq.max_new_tokens < 1:
         raise RequestError(f"request {rid}: max_new_tokens={seq.max_new_tokens!r} is not >= 1")
-    if n_prompt + seq.max_new_tokens > cfg.max_seq_len:
-        room = cfg.max_seq_len - n_prompt
+    if n_prompt + seq.max_new_tokens > limits.max_seq_len:
+        room = limits.max_seq_len - n_prompt
         if not seq.sampling.clamp_max_new_tokens or room < 1:
             raise RequestError(
                 f"request {rid}: prompt ({n_prompt} tokens) + max_new_tokens "
                 f"({seq.max_new_tokens}) = {n_prompt + seq.max_new_tokens} exceeds the "
-                f"engine's max_seq_len={cfg.max_seq_len}; shorten the prompt, lower "
+                f"engine's max_seq_len={limits.max_seq_len}; shorten the prompt, lower "
                 "max_new_tokens"
                 + (" or set clamp_max_new_tokens" if room >= 1 else " (no room is left)")
             )

@@ -94,8 +94,9 @@ class DecodeGraphs:
         """``allow_cpu``: for tests and host-time tools whose subclass replaces ``capture``."""
         if runner.device.type != "cuda" and not allow_cpu:
             raise ConfigError("CUDA graphs need a CUDA device")
-        buckets = buckets or default_buckets(min(runner.max_batch_size, runner.max_num_tokens))
-        bad = [b for b in buckets if not 0 < b <= min(runner.max_batch_size, runner.max_num_tokens)]
+        most = min(runner.limits.max_batch_size, runner.limits.max_num_tokens)
+        buckets = buckets or default_buckets(most)
+        bad = [b for b in buckets if not 0 < b <= most]
         if bad:
             raise ConfigError(
                 f"CUDA graph bucket {bad[0]} is outside [1, min(max_batch_size, max_num_tokens)]"
@@ -126,7 +127,7 @@ class DecodeGraphs:
         ``cols``: their sampling columns (``StepInputBuilder.decode_step``), else computed
         from ``seqs``. Each section is written in place in the staging buffer."""
         r = self.runner
-        mbs = r.max_blocks_per_seq
+        mbs = r.limits.max_blocks_per_seq
         b = 0 if rows is None else len(rows[0])
         if cols is None:
             cols = smp.sampling_columns(seqs, offset_extra)
@@ -168,7 +169,7 @@ class DecodeGraphs:
     def _body(self, big: int, dev: dict[str, torch.Tensor]) -> None:
         """What one graph computes (also run eagerly as the warm-up)."""
         r = self.runner
-        ws, mbs = r.workspace, r.max_blocks_per_seq
+        ws, mbs = r.workspace, r.limits.max_blocks_per_seq
         r.gather_input_ids(ws["input_ids"][:big], dev["input_ids"], dev["src_rows"])
         for name in ("positions", "slot_mapping", "seq_lens"):
             ws[name][:big].copy_(dev[name])
@@ -184,7 +185,7 @@ class DecodeGraphs:
             block_tables=bt,
             num_decode_seqs=big,
             max_query_len=1,
-            max_seq_len=r.max_seq_len,
+            max_seq_len=r.limits.max_seq_len,
             partial_out=ws["attn_partial_out"],
             partial_lse=ws["attn_partial_lse"],
         )

@@ -5,15 +5,20 @@ Loading order (what ``EngineRuntime.load`` does):
 1. resolve the device (``auto``: CUDA when torch sees a GPU, else CPU) and the backend
    (``auto``: the CUDA kernels when the device is a GPU and the engine was built for its arch
    with kernels, else the torch reference backend);
-2. ``load_engine`` verifies the directory (checksums, versions, target for the CUDA backend);
-3. weights go to the device, then the free memory is measured and the KV pool is sized with
+2. ``load_engine`` verifies the directory (checksums, versions, plan, target for the CUDA
+   backend) and parses the manifest once: the runtime reads the ``LoadedEngine`` only;
+3. the engine's ``EngineLimits`` are lowered once by the run (``RuntimeConfig``'s
+   ``max_batch_size``/``max_num_tokens``/``enable_chunked_prefill``; raising a limit is
+   refused) and the run's workspace layout is taken from the memory plan
+   (``compiler.memory_plan.run_workspace``: plan.json's offsets, or the same planner's for
+   lowered limits);
+4. weights go to the device, then the free memory is measured and the KV pool is sized with
    ``compiler.memory_plan.kv_cache_blocks`` (``kv_cache_free_gpu_mem_fraction`` of free memory
-   after weights and the planned workspace, or ``max_kv_tokens``). On CPU, host RAM is shared
+   after weights and the run's workspace, or ``max_kv_tokens``). On CPU, host RAM is shared
    with everything else, so without ``max_kv_tokens`` the pool is also capped at
    ``CPU_DEFAULT_KV_BYTES``; on every device it is capped at ``max_batch_size × max_seq_len``
    tokens (more could never be in use at once);
-4. ModelRunner + KVCacheManager + Scheduler are built with the engine's limits, optionally
-   lowered by the run (``max_batch_size``/``max_num_tokens`` above the build are refused).
+5. ModelRunner + KVCacheManager + Scheduler are built with that one ``EngineLimits``.
 
 ``EngineRuntime.from_weights`` builds the same from in-memory weights (tests, a checkpoint
 driven without an engine directory).
@@ -28,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from llmc.base.errors import ConfigError, UnsupportedError, did_you_mean
+from llmc.compiler.limits import EngineLimits, check_positive_int
 from llmc.runtime.kv_cache import KVCacheManager
 from llmc.runtime.scheduler import GUARANTEED_NO_EVICT, POLICIES, Scheduler, SchedulerConfig
 from llmc.runtime.tokenizer import Tokenizer
@@ -73,9 +79,8 @@ class RuntimeConfig:
                 + did_you_mean(self.scheduler_policy, POLICIES)
             )
         for name in ("max_batch_size", "max_num_tokens", "max_kv_tokens"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
-                raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+            if getattr(self, name) is not None:
+                check_positive_int(name, getattr(self, name))
         if not 0.0 < self.kv_cache_free_gpu_mem_fraction <= 1.0:
             raise ConfigError(
                 "kv_cache_free_gpu_mem_fraction must be in (0, 1], got "
@@ -87,19 +92,6 @@ class RuntimeConfig:
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(cls))
-
-
-@dataclass(frozen=True)
-class Limits:
-    """The engine limits a run uses (the build's, possibly lowered)."""
-
-    max_batch_size: int
-    max_input_len: int
-    max_seq_len: int
-    max_num_tokens: int
-    tokens_per_block: int
-    enable_chunked_prefill: bool
-    dtype: str
 
 
 def resolve_device(device: str) -> str:
@@ -119,17 +111,6 @@ def _gpu_arch() -> str:
 
     major, minor = torch.cuda.get_device_capability()
     return f"sm_{major}{minor}"
-
-
-def _lowered(name: str, asked: int | None, built: int) -> int:
-    if asked is None:
-        return built
-    if asked > built:
-        raise ConfigError(
-            f"{name}={asked} exceeds the engine's {name}={built} (the workspace was planned for "
-            f"it); use {built} or less, or rebuild the engine with --{name} {asked}"
-        )
-    return asked
 
 
 def _free_bytes(device: str, workspace_bytes: int) -> int:
@@ -160,7 +141,7 @@ class EngineRuntime:
         kv: KVCacheManager,
         scheduler: Scheduler,
         tokenizer: Tokenizer | None,
-        limits: Limits,
+        limits: EngineLimits,
         device: str,
         backend: str,
         engine: Any = None,
@@ -171,6 +152,7 @@ class EngineRuntime:
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.limits = limits
+        """The limits of this run (the engine's, lowered by the RuntimeConfig)."""
         self.device = device
         self.backend = backend
         self.engine = engine
@@ -182,31 +164,27 @@ class EngineRuntime:
     def load(cls, engine_dir: str | Path, config: RuntimeConfig | None = None) -> EngineRuntime:
         """Load and verify an engine directory and build every runtime component."""
         from llmc.compiler.engine_format import load_engine
-        from llmc.compiler.memory_plan import kv_cache_blocks
+        from llmc.compiler.memory_plan import arena_bytes, kv_cache_blocks, run_workspace
 
         config = config or RuntimeConfig()
         device = resolve_device(config.device)
-        backend, target = cls._pick_backend(config.backend, device, engine_dir)
-        engine = load_engine(engine_dir, target=target)
-        b = engine.build
-        limits = Limits(
-            max_batch_size=_lowered("max_batch_size", config.max_batch_size, b.max_batch_size),
-            max_input_len=b.max_input_len,
-            max_seq_len=b.max_seq_len,
-            max_num_tokens=_lowered("max_num_tokens", config.max_num_tokens, b.max_num_tokens),
-            tokens_per_block=b.tokens_per_block,
-            enable_chunked_prefill=b.enable_chunked_prefill
-            if config.enable_chunked_prefill is None
-            else config.enable_chunked_prefill,
-            dtype=b.dtype,
+        engine = load_engine(engine_dir)
+        backend, target = cls._pick_backend(config.backend, device, engine)
+        if target is not None:
+            engine.check_target(target)
+        limits = engine.limits.lowered(
+            max_batch_size=config.max_batch_size,
+            max_num_tokens=config.max_num_tokens,
+            enable_chunked_prefill=config.enable_chunked_prefill,
         )
+        workspace = run_workspace(engine.spec, limits, engine.plan)
         weights = engine.load_weights(device)
         cap = limits.max_batch_size * limits.max_seq_len
         if device == "cpu" and config.max_kv_tokens is None:
             cpu_tokens = CPU_DEFAULT_KV_BYTES // engine.plan.kv_bytes_per_token
             cap = min(cap, max(cpu_tokens, limits.max_seq_len))
         max_kv = cap if config.max_kv_tokens is None else min(cap, config.max_kv_tokens)
-        free = _free_bytes(device, engine.plan.workspace_bytes)
+        free = _free_bytes(device, arena_bytes(workspace))
         num_blocks = kv_cache_blocks(
             engine.plan, free, config.kv_cache_free_gpu_mem_fraction, max_kv
         )
@@ -223,11 +201,12 @@ class EngineRuntime:
             backend=backend,
             config=config,
             engine=engine,
+            workspace=workspace,
         )
 
     @staticmethod
-    def _pick_backend(backend: str, device: str, engine_dir: str | Path) -> tuple[str, str | None]:
-        """(backend name, target load_engine must check) for this device."""
+    def _pick_backend(backend: str, device: str, engine: Any) -> tuple[str, str | None]:
+        """(backend name, target the engine must be built for) for this device."""
         if device == "cpu":
             if backend == "cuda":
                 raise ConfigError("backend 'cuda' needs a CUDA device; use --backend torch")
@@ -237,15 +216,13 @@ class EngineRuntime:
             return "torch", None
         if backend == "cuda":
             return "cuda", arch
-        import json
-
-        try:  # auto: the kernels when the engine has them for this GPU and CuPy is present
-            manifest = json.loads((Path(engine_dir) / "manifest.json").read_text())
-            has_kernels = manifest["build"]["target"] == arch and manifest["kernels"]["files"]
-            import cupy  # noqa: F401
+        if engine.build.target != arch or not engine.kernel_files:
+            return "torch", None  # auto: the kernels when the engine has them for this GPU...
+        try:
+            import cupy  # noqa: F401  (...and CuPy is present)
         except Exception:
             return "torch", None
-        return ("cuda", arch) if has_kernels else ("torch", None)
+        return "cuda", arch
 
     @classmethod
     def from_weights(
@@ -253,15 +230,17 @@ class EngineRuntime:
         spec: Any,
         weights: dict[str, Any],
         *,
-        limits: Limits,
+        limits: EngineLimits,
         num_kv_blocks: int,
         tokenizer: Tokenizer | None = None,
         device: str = "cpu",
         backend: str = "torch",
         config: RuntimeConfig | None = None,
         engine: Any = None,
+        workspace: Any = None,
     ) -> EngineRuntime:
-        """Build the runtime around engine-layout weights already in memory."""
+        """Build the runtime around engine-layout weights already in memory. ``workspace``:
+        the arena layout (``PlannedBuffer``s; None: the memory planner's for ``limits``)."""
         from llmc.runtime.model_runner import ModelRunner
 
         config = config or RuntimeConfig()
@@ -270,38 +249,15 @@ class EngineRuntime:
         )
         kv = KVCacheManager(num_kv_blocks, limits.tokens_per_block, config.enable_block_reuse)
         scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_tokens=limits.max_num_tokens,
-                max_batch_size=limits.max_batch_size,
-                max_seq_len=limits.max_seq_len,
-                max_input_len=limits.max_input_len,
-                tokens_per_block=limits.tokens_per_block,
-                enable_chunked_prefill=limits.enable_chunked_prefill,
-                policy=config.scheduler_policy,
-                eos_token_ids=eos,
-            ),
-            kv,
+            SchedulerConfig(limits, policy=config.scheduler_policy, eos_token_ids=eos), kv
         )
         be = cls._make_backend(backend, device, engine, limits.max_batch_size)
-        workspace = None
-        if (
-            engine is not None
-            and limits.max_num_tokens == engine.build.max_num_tokens
-            and (limits.max_batch_size == engine.build.max_batch_size)
-        ):
-            # the engine's own packed arena (memory plan offsets); lowered limits use the
-            # runner's default table for the smaller shapes
-            workspace = {b.name: (b.offset, b.shape, b.dtype) for b in engine.plan.buffers}
         runner = ModelRunner(
             spec,
             weights,
             backend=be,
             device=device,
-            dtype=limits.dtype,
-            max_num_tokens=limits.max_num_tokens,
-            max_batch_size=limits.max_batch_size,
-            max_seq_len=limits.max_seq_len,
-            tokens_per_block=limits.tokens_per_block,
+            limits=limits,
             num_kv_blocks=num_kv_blocks,
             workspace=workspace,
         )
@@ -331,6 +287,12 @@ class EngineRuntime:
         from llmc.cuda.torch_backend import TorchBackend
 
         return TorchBackend(device)
+
+    @property
+    def built_limits(self) -> EngineLimits:
+        """The engine's own limits, before this run lowered them (``limits`` without an
+        engine directory)."""
+        return self.engine.limits if self.engine is not None else self.limits
 
     # ---- use -----------------------------------------------------------------------
     def executor(self) -> Any:

@@ -319,7 +319,7 @@ class Executor:
             t1 = _now()
             cur = InFlight(batch, self.runner.launch(batch), t0, t1 - t0, used)
         self._inflight = None
-        if ahead_ok(cur.batch, self.scheduler.config.max_seq_len):
+        if ahead_ok(cur.batch, self.scheduler.limits.max_seq_len):
             t0 = _now()
             with self._cv:  # the next step, scheduled before cur's tokens are known
                 self._apply_cancels()

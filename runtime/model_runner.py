@@ -35,7 +35,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from llmc.base.errors import ConfigError, EngineError
+from llmc.base.errors import EngineError
+from llmc.compiler.limits import EngineLimits, check_positive_int
+from llmc.compiler.memory_plan import PlannedBuffer, plan_workspace
 from llmc.compiler.spec import ModelSpec
 from llmc.cuda.backend import Backend
 from llmc.runtime import sampling as smp
@@ -43,14 +45,7 @@ from llmc.runtime.kv_tensors import KVCacheTensors, allocate_kv_cache
 from llmc.runtime.rope import cos_sin_tables
 from llmc.runtime.step_inputs import StepInputBuilder, StepInputs
 from llmc.runtime.types import ScheduledBatch
-from llmc.runtime.workspace import (
-    TORCH_DTYPES,
-    Workspace,
-    WorkspaceTable,
-    check_table,
-    default_table,
-    expected_shapes,
-)
+from llmc.runtime.workspace import TORCH_DTYPES, Workspace
 
 
 @dataclass
@@ -76,55 +71,31 @@ class ModelRunner:
         *,
         backend: Backend,
         device: torch.device | str,
-        dtype: str,
-        max_num_tokens: int,
-        max_batch_size: int,
-        max_seq_len: int,
-        tokens_per_block: int,
+        limits: EngineLimits,
         num_kv_blocks: int,
-        workspace: WorkspaceTable | None = None,
+        workspace: tuple[PlannedBuffer, ...] | None = None,
     ) -> None:
-        if dtype not in ("float32", "float16", "bfloat16"):
-            raise ConfigError(f"dtype {dtype!r} is not one of float32, float16, bfloat16")
-        limits = dict(
-            max_num_tokens=max_num_tokens,
-            max_batch_size=max_batch_size,
-            max_seq_len=max_seq_len,
-            tokens_per_block=tokens_per_block,
-            num_kv_blocks=num_kv_blocks,
-        )
-        for name, v in limits.items():
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+        """``workspace``: the arena layout (a memory plan's buffers, planned for ``limits``);
+        None: the memory planner's for ``limits`` (``llmc.compiler.memory_plan``)."""
+        check_positive_int("num_kv_blocks", num_kv_blocks)
         self.spec = spec
         self.backend = backend
         self.device = torch.device(device)
-        self.dtype = dtype
-        self.max_num_tokens, self.max_batch_size = max_num_tokens, max_batch_size
-        self.max_seq_len, self.tokens_per_block = max_seq_len, tokens_per_block
-        self.max_blocks_per_seq = -(-max_seq_len // tokens_per_block)
+        self.limits = limits
         self.weights = self._load_weights(weights)
+        dtype = TORCH_DTYPES[limits.dtype]
         self.kv_cache: KVCacheTensors = allocate_kv_cache(
-            spec, num_kv_blocks, tokens_per_block, TORCH_DTYPES[dtype], self.device
+            spec, num_kv_blocks, limits.tokens_per_block, dtype, self.device
         )
-        self.cos, self.sin = cos_sin_tables(spec, max_seq_len, self.device)
-        shape_args = (spec, dtype, max_num_tokens, max_batch_size, max_seq_len, tokens_per_block)
-        table = workspace if workspace is not None else default_table(*shape_args)
-        check_table(table, expected_shapes(*shape_args))
-        self.workspace = Workspace(table, self.device)
-        self.inputs = StepInputBuilder(
-            spec,
-            self.workspace,
-            self.device,
-            max_num_tokens=max_num_tokens,
-            max_batch_size=max_batch_size,
-            max_seq_len=max_seq_len,
-            tokens_per_block=tokens_per_block,
-        )
+        self.cos, self.sin = cos_sin_tables(spec, limits.max_seq_len, self.device)
+        if workspace is None:
+            workspace = plan_workspace(spec, limits)
+        self.workspace = Workspace(workspace, self.device)
+        self.inputs = StepInputBuilder(spec, self.workspace, self.device, limits)
         self.staging = self.inputs.staging
         pin = self.device.type == "cuda"
         # two read-back buffers: step N+1 may be launched before step N's ids are read
-        self._host_ids = torch.empty(2, max_batch_size, dtype=torch.int64, pin_memory=pin)
+        self._host_ids = torch.empty(2, limits.max_batch_size, dtype=torch.int64, pin_memory=pin)
         self._launches = 0
         self._unread = 0  # launched steps whose ids were not read back yet
         self.graphs: Any = None  # llmc.runtime.cuda_graphs.DecodeGraphs once captured
@@ -144,7 +115,7 @@ class ModelRunner:
     # ---- set-up --------------------------------------------------------------------
     def _load_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         expected = self.spec.tensor_shapes()
-        dt = TORCH_DTYPES[self.dtype]
+        dt = TORCH_DTYPES[self.limits.dtype]
         out: dict[str, torch.Tensor] = {}
         for name, shape in expected.items():
             if name not in weights:

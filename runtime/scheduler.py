@@ -74,12 +74,14 @@ class Scheduler:
     """In-flight batching over one KVCacheManager; see the module docstring for the rules."""
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
-        if config.tokens_per_block != kv.tokens_per_block:
+        tpb = config.limits.tokens_per_block
+        if tpb != kv.tokens_per_block:
             raise ConfigError(
-                f"scheduler tokens_per_block ({config.tokens_per_block}) differs from the KV "
+                f"scheduler tokens_per_block ({tpb}) differs from the KV "
                 f"cache's ({kv.tokens_per_block})"
             )
         self.config = config
+        self.limits = config.limits
         self.kv = kv
         self._no_evict = config.policy == GUARANTEED_NO_EVICT
         self._eos = frozenset(config.eos_token_ids)
@@ -119,7 +121,7 @@ class Scheduler:
         rid = seq.request_id
         if rid in self._seqs:
             raise RequestError(f"request {rid}: a request with this id is already queued")
-        check_new_sequence(self.config, self.kv, seq)  # may clamp max_new_tokens
+        check_new_sequence(self.limits, self.kv, seq)  # may clamp max_new_tokens
         seq.num_computed_tokens = 0
         seq.finish_reason = None
         self._seqs[rid] = seq
@@ -168,7 +170,7 @@ class Scheduler:
     # ---------------------------------------------------------------- the step
     def schedule(self) -> ScheduledBatch:
         """Pick this step's tokens; allocates their KV blocks (and may preempt)."""
-        cfg, kv = self.config, self.kv
+        cfg, kv = self.limits, self.kv
         budget = cfg.max_num_tokens
         picked: list[ScheduledSequence] = []
         preempted: list[int] = []
@@ -272,7 +274,7 @@ class Scheduler:
         EOS / a stop token / a stop string has its extra token discarded by ``update``
         (it is no longer running) and its blocks were already freed by ``finish``.
         """
-        cfg, kv = self.config, self.kv
+        cfg, kv = self.limits, self.kv
         tpb = kv.tokens_per_block
         running = self._running
         if not running or (self._waiting and len(running) < cfg.max_batch_size):
@@ -341,7 +343,7 @@ class Scheduler:
         tpb = self.kv.tokens_per_block
         reuse = self.kv.enable_block_reuse
         running = SequenceStatus.RUNNING
-        max_seq_len = self.config.max_seq_len
+        max_seq_len = self.limits.max_seq_len
         last_sp: Any = None
         stop_ids: frozenset[int] = frozenset()
         for ss in seqs:
@@ -401,7 +403,7 @@ class Scheduler:
         n_out = len(seq.output_token_ids)
         if n_out >= seq.max_new_tokens:
             return FinishReason.LENGTH
-        if len(seq.prompt_token_ids) + n_out >= self.config.max_seq_len:
+        if len(seq.prompt_token_ids) + n_out >= self.limits.max_seq_len:
             return FinishReason.LENGTH
         return None
 

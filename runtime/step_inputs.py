@@ -9,7 +9,7 @@ host→device copy, then copies each section into its static workspace buffer
 (device-to-device). ``decode_rows`` is the vectorised (numpy) row building of a decode-only
 batch, shared with the CUDA-graph path (``llmc.runtime.cuda_graphs``).
 
-Invariants: every batch is checked against the runner's limits (max_num_tokens,
+Invariants: every batch is checked against the run's ``EngineLimits`` (max_num_tokens,
 max_batch_size, max_seq_len, block tables, vocabulary) before anything is staged, and a bad
 one raises ConfigError / RequestError / EngineError naming the step or request; the staging
 sections are added in a fixed order (the CUDA graphs rely on the layout staying the same);
@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from llmc.base.errors import ConfigError, EngineError, RequestError
+from llmc.compiler.limits import EngineLimits
 from llmc.compiler.spec import ModelSpec
 from llmc.cuda.backend import AttentionMetadata, SamplingMetadata
 from llmc.runtime import sampling as smp
@@ -192,32 +193,27 @@ class StepInputBuilder:
         spec: ModelSpec,
         workspace: Workspace,
         device: torch.device,
-        *,
-        max_num_tokens: int,
-        max_batch_size: int,
-        max_seq_len: int,
-        tokens_per_block: int,
+        limits: EngineLimits,
     ) -> None:
         self.spec, self.workspace, self.device = spec, workspace, device
-        self.max_num_tokens, self.max_batch_size = max_num_tokens, max_batch_size
-        self.max_seq_len, self.tokens_per_block = max_seq_len, tokens_per_block
-        self.max_blocks_per_seq = -(-max_seq_len // tokens_per_block)
-        t, b = max_num_tokens, max_batch_size
-        stage_bytes = 8 * (4 * t + 3 * b) + 4 * (2 * b + 1 + b * self.max_blocks_per_seq)
+        self.limits = limits
+        t, b, nb = limits.max_num_tokens, limits.max_batch_size, limits.max_blocks_per_seq
+        stage_bytes = 8 * (4 * t + 3 * b) + 4 * (2 * b + 1 + b * nb)
         stage_bytes += 4 * b * (1 + len(smp.FLOAT_COLUMNS)) + 8 * 32
         self.staging = Staging(stage_bytes, device)
-        self.row_cache = DecodeRowCache(2 * max_batch_size + 64, self.max_blocks_per_seq)
+        self.row_cache = DecodeRowCache(2 * b + 64, nb)
 
     def _check(self, batch: ScheduledBatch) -> None:
-        if batch.num_tokens > self.max_num_tokens:
+        lim = self.limits
+        if batch.num_tokens > lim.max_num_tokens:
             raise ConfigError(
                 f"step {batch.step_id}: {batch.num_tokens} tokens exceed max_num_tokens "
-                f"({self.max_num_tokens})"
+                f"({lim.max_num_tokens})"
             )
-        if len(batch.sequences) > self.max_batch_size:
+        if len(batch.sequences) > lim.max_batch_size:
             raise ConfigError(
                 f"step {batch.step_id}: {len(batch.sequences)} sequences exceed max_batch_size "
-                f"({self.max_batch_size})"
+                f"({lim.max_batch_size})"
             )
         for s in batch.sequences:
             rid, end = s.seq.request_id, s.start_position + s.num_new_tokens
@@ -226,14 +222,14 @@ class StepInputBuilder:
                     f"request {rid}: scheduled tokens [{s.start_position}, {end}) are not "
                     f"within its {s.seq.num_tokens} known tokens"
                 )
-            if end > self.max_seq_len:
+            if end > lim.max_seq_len:
                 raise RequestError(
-                    f"request {rid}: position {end - 1} is beyond max_seq_len ({self.max_seq_len})"
+                    f"request {rid}: position {end - 1} is beyond max_seq_len ({lim.max_seq_len})"
                 )
-            if len(s.seq.block_table) * self.tokens_per_block < end:
+            if len(s.seq.block_table) * lim.tokens_per_block < end:
                 raise RequestError(
                     f"request {rid}: block table of {len(s.seq.block_table)} blocks cannot hold "
-                    f"{end} tokens (tokens_per_block={self.tokens_per_block})"
+                    f"{end} tokens (tokens_per_block={lim.tokens_per_block})"
                 )
 
     def decode_rows(
@@ -259,7 +255,7 @@ class StepInputBuilder:
         penalty, no logprobs). Per-sequence state comes from ``row_cache``."""
         sched = batch.sequences
         b = len(sched)
-        if b > self.max_batch_size or b > self.max_num_tokens:
+        if b > self.limits.max_batch_size or b > self.limits.max_num_tokens:
             self._check(batch)
         ahead = src_rows is not None
         if ahead and (len(src_rows) != b or min(src_rows, default=0) < 0):
@@ -274,10 +270,10 @@ class StepInputBuilder:
         cache = self.row_cache
         rows = cache.rows(seqs, lists, have)
         known = cache.prompt_len[rows] + nout
-        tpb = self.tokens_per_block
+        tpb = self.limits.tokens_per_block
         nblk = p // tpb + 1
         rows_ok = (p == known) if ahead else (p >= 0) & (p < known)
-        ok = bool((rows_ok & (new == 1) & (p < self.max_seq_len) & (have >= nblk)).all())
+        ok = bool((rows_ok & (new == 1) & (p < self.limits.max_seq_len) & (have >= nblk)).all())
         if not ok:
             if ahead:
                 raise RequestError(
@@ -330,7 +326,7 @@ class StepInputBuilder:
         """Check ``batch``, stage its inputs (one host→device copy) and copy them into the
         static workspace; ``src_rows`` as in ``decode_rows`` (async scheduling)."""
         seqs = list(batch.sequences)
-        tpb = self.tokens_per_block
+        tpb = self.limits.tokens_per_block
         cols: dict[str, Any] | None = None
         if src_rows is not None or set(map(_NEW, seqs)) <= {1}:
             order = seqs

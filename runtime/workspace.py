@@ -1,11 +1,10 @@
 """The static memory of one step: the workspace arena and the host→device staging buffer.
 
-``Workspace`` allocates ONE uint8 arena and takes a typed view per buffer at the offsets of
-the engine's memory plan (``{name: (offset_bytes, shape, dtype)}``, see
-``llmc.compiler.memory_plan``). It refuses (EngineError) a table that lacks a buffer, has
-a wrong shape or dtype, a misaligned or out-of-range offset, or lets two buffers share bytes
-while the ModelRunner's op sequence needs both at once (``RUNNER_LIVE_RANGES``); so a plan
-whose liveness disagrees with the runner can never corrupt a step silently.
+``Workspace`` allocates ONE uint8 arena and takes a typed view per buffer at its offset in a
+memory plan (``PlannedBuffer``s of ``llmc.compiler.memory_plan``, the one table of the
+buffers' names, shapes and live ranges: plan.json's, or the planner's for a run's lowered
+limits, see ``run_workspace``). The packer guarantees that buffers live at the same time
+never share bytes, and ``load_engine`` refuses a plan.json that is not the planner's.
 
 ``Staging`` packs a step's host-side inputs into one (pinned, on CUDA) byte buffer so that
 they reach the device in ONE host→device copy; typed device views are returned per section.
@@ -13,16 +12,14 @@ they reach the device in ONE host→device copy; typed device views are returned
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
 from llmc.base.errors import EngineError
-from llmc.compiler.memory_plan import OPS
-from llmc.compiler.spec import ModelSpec
+from llmc.compiler.memory_plan import PlannedBuffer, arena_bytes
 
 TORCH_DTYPES = {
     "float32": torch.float32,
@@ -32,160 +29,19 @@ TORCH_DTYPES = {
     "int32": torch.int32,
 }
 
-WorkspaceTable = Mapping[str, tuple[int, Sequence[int], str]]
-
-# The runner's op sequence is the planner's (one decoder layer stands for all; the residual
-# add of a layer's MLP output is fused with the next layer's input norm, which reads/writes
-# only residual, proj_out and normed, all live across that boundary).
-RUNNER_OPS = OPS
-_STEP = ("embed", "sample")
-RUNNER_LIVE_RANGES: dict[str, tuple[str, str]] = {
-    **{
-        name: _STEP
-        for name in (
-            "input_ids",
-            "positions",
-            "slot_mapping",
-            "cu_seqlens_q",
-            "seq_lens",
-            "block_tables",
-            "logits_indices",
-            "sampled_ids",
-        )
-    },
-    "residual": ("embed", "final_norm"),
-    "normed": ("input_norm", "gather_last"),
-    "qkv": ("qkv_proj", "rope_kv_write"),
-    "q": ("rope_kv_write", "attention"),
-    "attn_partial_out": ("attention", "attention"),
-    "attn_partial_lse": ("attention", "attention"),
-    "attn_out": ("attention", "o_proj"),
-    "proj_out": ("o_proj", "residual_add"),
-    "gate_up": ("gate_up_proj", "silu_mul"),
-    "act": ("silu_mul", "down_proj"),
-    "last_hidden": ("gather_last", "lm_head"),
-    "logits": ("lm_head", "sample"),
-}
-
-
-def expected_shapes(
-    spec: ModelSpec,
-    dtype: str,
-    max_num_tokens: int,
-    max_batch_size: int,
-    max_seq_len: int,
-    tokens_per_block: int,
-) -> dict[str, tuple[tuple[int, ...] | None, str]]:
-    """name → (shape, dtype) the runner needs; shape None = any (backend-private buffers)."""
-    t, b, h = max_num_tokens, max_batch_size, spec.hidden_size
-    qd = spec.num_heads * spec.head_dim
-    blocks = -(-max_seq_len // tokens_per_block)
-    return {
-        "input_ids": ((t,), "int64"),
-        "positions": ((t,), "int64"),
-        "slot_mapping": ((t,), "int64"),
-        "cu_seqlens_q": ((b + 1,), "int32"),
-        "seq_lens": ((b,), "int32"),
-        "block_tables": ((b, blocks), "int32"),
-        "logits_indices": ((b,), "int64"),
-        "sampled_ids": ((b,), "int64"),
-        "residual": ((t, h), dtype),
-        "normed": ((t, h), dtype),
-        "qkv": ((t, spec.qkv_size), dtype),
-        "q": ((t, qd), dtype),
-        "attn_out": ((t, qd), dtype),
-        "proj_out": ((t, h), dtype),
-        "gate_up": ((t, 2 * spec.intermediate_size), dtype),
-        "act": ((t, spec.intermediate_size), dtype),
-        "last_hidden": ((b, h), dtype),
-        "logits": ((b, spec.vocab_size), "float32"),
-        "attn_partial_out": (None, "float32"),
-        "attn_partial_lse": (None, "float32"),
-    }
-
-
-def default_table(
-    spec: ModelSpec,
-    dtype: str,
-    max_num_tokens: int,
-    max_batch_size: int,
-    max_seq_len: int,
-    tokens_per_block: int,
-) -> dict[str, tuple[int, tuple[int, ...], str]]:
-    """The table an engine's plan would hold for these limits (the compiler's own packer)."""
-    from llmc.compiler.memory_plan import pack_buffers, workspace_buffers
-
-    specs = workspace_buffers(
-        spec, max_num_tokens, max_batch_size, max_seq_len, tokens_per_block, dtype
-    )
-    placed, _, _ = pack_buffers(specs)
-    return {p.name: (p.offset, tuple(p.shape), p.dtype) for p in placed}
-
-
-def table_from_plan(plan) -> dict[str, tuple[int, tuple[int, ...], str]]:
-    """The workspace table of a ``llmc.compiler.memory_plan.MemoryPlan`` (plan.json)."""
-    return {b.name: (b.offset, tuple(b.shape), b.dtype) for b in plan.buffers}
-
-
-def _nbytes(shape: Sequence[int], dtype: str) -> int:
-    return math.prod(shape) * TORCH_DTYPES[dtype].itemsize
-
-
-def _fits(name: str, got: tuple[int, ...], need: tuple[int, ...]) -> bool:
-    """A plan buffer serves the runner if its leading (token / sequence) dimension is at least
-    the runner's and its other dimensions are equal (block_tables: both may be larger; the
-    runner uses its flat storage). So an engine's arena also serves lowered runtime limits."""
-    if len(got) != len(need) or got[0] < need[0]:
-        return False
-    if name == "block_tables":
-        return got[1] >= need[1]
-    return got[1:] == need[1:]
-
-
-def check_table(table: WorkspaceTable, expected: Mapping[str, tuple[tuple | None, str]]) -> None:
-    """Raise EngineError unless ``table`` gives the runner every buffer it needs, safely."""
-    for name, (shape, dtype) in expected.items():
-        if name not in table:
-            raise EngineError(f"memory plan: workspace buffer {name!r} is missing")
-        off, got_shape, got_dtype = table[name]
-        if got_dtype != dtype:
-            raise EngineError(f"memory plan: buffer {name!r} has dtype {got_dtype}, need {dtype}")
-        if shape is not None and not _fits(name, tuple(got_shape), shape):
-            raise EngineError(
-                f"memory plan: buffer {name!r} has shape {list(got_shape)}, need {list(shape)} "
-                "(token/sequence dimensions may be larger); rebuild the engine with `llmc build`"
-            )
-        if got_dtype not in TORCH_DTYPES:
-            raise EngineError(f"memory plan: buffer {name!r} has unknown dtype {got_dtype!r}")
-        size = TORCH_DTYPES[got_dtype].itemsize
-        if off < 0 or off % size:
-            raise EngineError(f"memory plan: buffer {name!r} offset {off} is not aligned")
-    names = [n for n in expected if n in RUNNER_LIVE_RANGES]
-    spans = {n: (table[n][0], table[n][0] + _nbytes(table[n][1], table[n][2])) for n in names}
-    live = {n: tuple(RUNNER_OPS.index(o) for o in RUNNER_LIVE_RANGES[n]) for n in names}
-    for i, a in enumerate(names):
-        for b in names[i + 1 :]:
-            bytes_overlap = spans[a][0] < spans[b][1] and spans[b][0] < spans[a][1]
-            time_overlap = live[a][0] <= live[b][1] and live[b][0] <= live[a][1]
-            if bytes_overlap and time_overlap and spans[a][0] < spans[a][1]:
-                raise EngineError(
-                    f"memory plan: buffers {a!r} and {b!r} share arena bytes but the runner "
-                    "needs both at once; rebuild the engine with this llmc version"
-                )
-
 
 class Workspace:
-    """One uint8 arena on ``device`` and a typed view per buffer of ``table``."""
+    """One uint8 arena on ``device`` and a typed view per planned buffer, at its offset."""
 
-    def __init__(self, table: WorkspaceTable, device: torch.device) -> None:
-        total = max((off + _nbytes(shape, dt) for off, shape, dt in table.values()), default=0)
-        self.nbytes = total
-        self.arena = torch.empty(total, dtype=torch.uint8, device=device)
-        self.buffers: dict[str, torch.Tensor] = {}
-        for name, (off, shape, dt) in table.items():
-            n = _nbytes(shape, dt)
-            view = self.arena[off : off + n].view(TORCH_DTYPES[dt]).view(tuple(shape))
-            self.buffers[name] = view
+    def __init__(self, buffers: Sequence[PlannedBuffer], device: torch.device) -> None:
+        self.nbytes = arena_bytes(list(buffers))
+        self.arena = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+        self.buffers: dict[str, torch.Tensor] = {
+            b.name: self.arena[b.offset : b.offset + b.nbytes]
+            .view(TORCH_DTYPES[b.dtype])
+            .view(b.shape)
+            for b in buffers
+        }
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.buffers[name]

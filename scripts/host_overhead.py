@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from llmc.compiler.limits import EngineLimits
 from llmc.compiler.spec import ModelSpec
 from llmc.runtime.cuda_graphs import DecodeGraphs
 from llmc.runtime.executor import Executor
@@ -196,16 +197,21 @@ def build(args: argparse.Namespace, wrap: Any = None) -> Executor:
     weights = {n: torch.zeros(s) for n, s in shapes.items()}
     tpb, max_seq = 32, 4096
     num_blocks = args.batch * (-(-(args.isl + args.osl) // tpb)) + 8
+    limits = EngineLimits(
+        max_batch_size=args.batch,
+        max_input_len=2048,
+        max_seq_len=max_seq,
+        max_num_tokens=8192,
+        tokens_per_block=tpb,
+        enable_chunked_prefill=True,
+        dtype="float32",
+    )
     runner = ModelRunner(
         spec,
         weights,
         backend=NoopBackend(args.batch),
         device="cpu",
-        dtype="float32",
-        max_num_tokens=8192,
-        max_batch_size=args.batch,
-        max_seq_len=max_seq,
-        tokens_per_block=tpb,
+        limits=limits,
         num_kv_blocks=num_blocks,
     )
     if args.path == "graph":
@@ -213,17 +219,7 @@ def build(args: argparse.Namespace, wrap: Any = None) -> Executor:
         graphs.capture()
         runner.graphs = graphs
     kv = KVCacheManager(num_blocks, tpb, enable_block_reuse=True)
-    sched = Scheduler(
-        SchedulerConfig(
-            max_num_tokens=8192,
-            max_batch_size=args.batch,
-            max_seq_len=max_seq,
-            max_input_len=2048,
-            tokens_per_block=tpb,
-            eos_token_ids=(128001,),
-        ),
-        kv,
-    )
+    sched = Scheduler(SchedulerConfig(limits, eos_token_ids=(128001,)), kv)
     drive = wrap(runner) if wrap is not None else runner
     return Executor(
         ExecutorParts(drive, sched, spec.vocab_size), async_scheduling=args.async_scheduling

@@ -14,8 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from _runtime_helpers import make_limits
 from safetensors.torch import load_file
 
+from llmc.compiler.limits import EngineLimits
 from llmc.compiler.spec import ModelSpec
 from llmc.compiler.weight_passes import to_engine_weights
 from llmc.cuda.torch_backend import TorchBackend
@@ -37,18 +39,13 @@ def load_hf(ckpt: Path):
 
 
 def make_runner(spec, weights, **kw) -> ModelRunner:
-    args = dict(
-        backend=TorchBackend("cpu"),
-        device="cpu",
-        dtype="float32",
-        max_num_tokens=128,
-        max_batch_size=8,
-        max_seq_len=160,
-        tokens_per_block=8,
-        num_kv_blocks=200,
-    )
-    args.update(kw)
-    return ModelRunner(spec, weights, **args)
+    """A CPU ModelRunner; ``kw``: runner arguments or EngineLimits fields (small defaults)."""
+    names = EngineLimits.field_names()
+    limits = dict(max_num_tokens=128, max_batch_size=8, max_seq_len=160, tokens_per_block=8)
+    limits.update({k: v for k, v in kw.items() if k in names})
+    args = dict(backend=TorchBackend("cpu"), device="cpu", num_kv_blocks=200)
+    args.update({k: v for k, v in kw.items() if k not in names})
+    return ModelRunner(spec, weights, limits=make_limits(**limits), **args)
 
 
 class BlockAllocator:
@@ -96,7 +93,7 @@ def drive(
     prefill_first: bool = True,
 ) -> DriveResult:
     """Run ``seqs`` to their max_new_tokens greedily (step()) or via forward_logits+argmax."""
-    alloc = BlockAllocator(runner.kv_cache.num_blocks, runner.tokens_per_block)
+    alloc = BlockAllocator(runner.kv_cache.num_blocks, runner.limits.tokens_per_block)
     res = DriveResult(outputs={s.request_id: s.output_token_ids for s in seqs})
     step = 0
     while any(len(s.output_token_ids) < s.max_new_tokens for s in seqs):

@@ -6,7 +6,30 @@ from pathlib import Path
 
 import pytest
 
+from llmc.compiler.limits import EngineLimits
 from llmc.runtime.tokenizer import Tokenizer
+
+
+def make_limits(
+    *,
+    max_batch_size: int,
+    max_num_tokens: int,
+    max_seq_len: int,
+    tokens_per_block: int,
+    max_input_len: int | None = None,
+    enable_chunked_prefill: bool = True,
+    dtype: str = "float32",
+) -> EngineLimits:
+    """EngineLimits for a test (max_input_len defaults to max_seq_len)."""
+    return EngineLimits(
+        max_batch_size=max_batch_size,
+        max_input_len=max_seq_len if max_input_len is None else max_input_len,
+        max_seq_len=max_seq_len,
+        max_num_tokens=max_num_tokens,
+        tokens_per_block=tokens_per_block,
+        enable_chunked_prefill=enable_chunked_prefill,
+        dtype=dtype,
+    )
 
 
 def smollm2_tokenizer_dir(request: pytest.FixtureRequest, tmp: Path) -> Path:
@@ -86,11 +109,13 @@ def fake_parts(
     kv = KVCacheManager(num_blocks, TOKENS_PER_BLOCK)
     sched = Scheduler(
         SchedulerConfig(
-            max_num_tokens=max_num_tokens,
-            max_batch_size=max_batch_size,
-            max_seq_len=max_seq_len,
-            max_input_len=max_input_len,
-            tokens_per_block=TOKENS_PER_BLOCK,
+            make_limits(
+                max_num_tokens=max_num_tokens,
+                max_batch_size=max_batch_size,
+                max_seq_len=max_seq_len,
+                max_input_len=max_input_len,
+                tokens_per_block=TOKENS_PER_BLOCK,
+            ),
             policy=policy,
             eos_token_ids=eos,
         ),

@@ -70,7 +70,7 @@ def load_hf_model(engine: Any, device: torch.device) -> Any:
     from llmc.compiler.weight_passes import TORCH_DTYPES
 
     spec: ModelSpec = engine.spec
-    dtype = TORCH_DTYPES[engine.build.dtype]
+    dtype = TORCH_DTYPES[engine.limits.dtype]
     hf = dict(engine.manifest.get("hf_config") or {})
     model_type = hf.pop("model_type", None) or (
         "qwen2" if spec.architecture.startswith("Qwen2") else "llama"
@@ -236,7 +236,7 @@ def run_peer(
         "batch_size": batch_size,
         "cache_implementation": cache,
         "attn_implementation": getattr(model.config, "_attn_implementation", None),
-        "dtype": engine.build.dtype,
+        "dtype": engine.limits.dtype,
         "num_batches": len(batches),
         "warmup_batches": len(warm),
     }

@@ -20,6 +20,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from llmc.compiler.limits import EngineLimits
 from llmc.runtime.bench.metrics import Aggregates
 
 
@@ -40,11 +41,12 @@ class Recommendation:
 class TuningInputs:
     """The limits the run used and the shape of its workload."""
 
-    max_num_tokens: int
-    build_max_num_tokens: int
-    max_batch_size: int
-    build_max_batch_size: int
-    tokens_per_block: int
+    limits: EngineLimits
+    """The run's limits (max_num_tokens, max_batch_size, tokens_per_block, max_seq_len: the
+    runtime refuses a KV pool that cannot hold one max_seq_len request, so a suggested pool
+    is never smaller)."""
+    build_limits: EngineLimits
+    """The engine's own limits (a suggestion above them needs a rebuild)."""
     max_kv_tokens: int | None
     kv_cache_free_gpu_mem_fraction: float | None
     max_request_tokens: int
@@ -55,9 +57,6 @@ class TuningInputs:
     kv_bytes_per_token: int | None = None
     workspace_bytes: int | None = None
     """Activation workspace at the build's max_num_tokens."""
-    max_seq_len: int | None = None
-    """The engine's max_seq_len: the runtime refuses a KV pool that cannot hold one such
-    request, so a suggested pool is never smaller."""
     gpu_decode_idle_share: float | None = None
     """GPU idle share over the decode-only stretch (``llmc.runtime.bench.gpu_idle``; CUDA only)."""
     cuda_graphs: bool | None = None
@@ -81,15 +80,15 @@ def _max_num_tokens(agg: Aggregates, t: TuningInputs) -> Recommendation | None:
     peak = agg.peak_tokens_per_step
     if peak is None:
         return None
-    m = t.max_num_tokens
+    m = t.limits.max_num_tokens
     observed = f"peak {peak:,} tokens in one step, mean {agg.mean_tokens_per_step or 0:,.1f}"
     want = _round_up(t.max_prompt_tokens + (agg.peak_batch_size or 0), 64)
     if peak >= m and want > m:
-        suggested = min(want, t.build_max_num_tokens)
+        suggested = min(want, t.build_limits.max_num_tokens)
         rebuild = (
-            f"; the engine was built for {t.build_max_num_tokens:,}: rebuild with "
+            f"; the engine was built for {t.build_limits.max_num_tokens:,}: rebuild with "
             f"`llmc build --max_num_tokens {want}` to go higher"
-            if want > t.build_max_num_tokens
+            if want > t.build_limits.max_num_tokens
             else ""
         )
         reason = (
@@ -112,11 +111,11 @@ def _max_num_tokens(agg: Aggregates, t: TuningInputs) -> Recommendation | None:
             f"matters more. This does not change the KV pool."
         )
         return Recommendation("max_num_tokens", MNT_MEANING, f"{m:,}", observed, "keep", reason)
-    suggested = max(_round_up(peak, 64), t.tokens_per_block)
+    suggested = max(_round_up(peak, 64), t.limits.tokens_per_block)
     saved = ""
-    if t.workspace_bytes and t.build_max_num_tokens:
+    if t.workspace_bytes:
         saved = (
-            f" (workspace ≈ {_mib(t.workspace_bytes * suggested / t.build_max_num_tokens)} "
+            f" (workspace ≈ {_mib(t.workspace_bytes * suggested / t.build_limits.max_num_tokens)} "
             f"instead of {_mib(t.workspace_bytes)}, memory the KV pool can use)"
         )
     reason = (
@@ -133,7 +132,7 @@ def _kv_pool(agg: Aggregates, t: TuningInputs) -> Recommendation | None:
     used, total = agg.kv_peak_blocks_used, agg.kv_blocks_total
     if used is None or not total:
         return None
-    b = t.tokens_per_block
+    b = t.limits.tokens_per_block
     current = (
         f"max_kv_tokens={t.max_kv_tokens:,}"
         if t.max_kv_tokens
@@ -144,7 +143,7 @@ def _kv_pool(agg: Aggregates, t: TuningInputs) -> Recommendation | None:
         f"{(agg.kv_mean_utilization or 0):.0%}, {agg.num_preemptions} preemptions"
     )
     per_request = math.ceil(t.max_request_tokens / b)
-    demand = min(t.max_batch_size, t.max_in_flight) * per_request
+    demand = min(t.limits.max_batch_size, t.max_in_flight) * per_request
     if agg.num_preemptions > 0 or used >= total:
         tokens = max(demand, total + 1) * b
         frac = ""
@@ -154,7 +153,7 @@ def _kv_pool(agg: Aggregates, t: TuningInputs) -> Recommendation | None:
         reason = (
             f"the pool ran full ({used:,}/{total:,} blocks, {agg.num_preemptions} preemptions): "
             f"requests waited or were recomputed for KV space. {tokens:,} tokens hold "
-            f"{min(t.max_batch_size, t.max_in_flight)} requests of the longest length "
+            f"{min(t.limits.max_batch_size, t.max_in_flight)} requests of the longest length "
             f"({t.max_request_tokens:,} tokens = {per_request} blocks){frac}."
         )
         return Recommendation(
@@ -163,10 +162,11 @@ def _kv_pool(agg: Aggregates, t: TuningInputs) -> Recommendation | None:
     if used / total < 0.5:
         tokens = _round_up(min(used * 1.2, max(demand, used)) * b, b)
         floor = ""
-        if t.max_seq_len and tokens < t.max_seq_len:
-            tokens = _round_up(t.max_seq_len, b)
+        max_seq_len = t.limits.max_seq_len
+        if tokens < max_seq_len:
+            tokens = _round_up(max_seq_len, b)
             floor = (
-                f" (the floor: one request of the engine's max_seq_len={t.max_seq_len:,} must "
+                f" (the floor: one request of the engine's max_seq_len={max_seq_len:,} must "
                 f"fit; rebuild with a smaller --max_seq_len to go lower)"
             )
         if tokens >= total * b:
@@ -198,7 +198,7 @@ def _max_batch_size(agg: Aggregates, t: TuningInputs) -> Recommendation | None:
     peak = agg.peak_batch_size
     if peak is None:
         return None
-    m = t.max_batch_size
+    m = t.limits.max_batch_size
     observed = f"peak {peak} requests in a step, mean {(agg.mean_batch_size or 0):.1f}"
     kv_bound = agg.num_preemptions > 0 or (
         agg.kv_peak_blocks_used is not None
@@ -213,13 +213,13 @@ def _max_batch_size(agg: Aggregates, t: TuningInputs) -> Recommendation | None:
             )
             return Recommendation("max_batch_size", MBS_MEANING, str(m), observed, "keep", reason)
         fit = (agg.kv_blocks_total or 0) // max(
-            1, math.ceil(t.max_request_tokens / t.tokens_per_block)
+            1, math.ceil(t.max_request_tokens / t.limits.tokens_per_block)
         )
         want = max(m + 1, min(t.max_in_flight, fit))
         rebuild = (
-            f" (above the engine's {t.build_max_batch_size}: rebuild with "
+            f" (above the engine's {t.build_limits.max_batch_size}: rebuild with "
             f"`llmc build --max_batch_size {want}`)"
-            if want > t.build_max_batch_size
+            if want > t.build_limits.max_batch_size
             else ""
         )
         reason = (

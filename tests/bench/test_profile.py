@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 from _bench_helpers import build_tiny_engine, small_ceilings  # noqa: F401
+from _runtime_helpers import make_limits
 from typer.testing import CliRunner
 
 from llmc.base.errors import UsageError
 from llmc.cli.main import app
+from llmc.compiler.limits import EngineLimits
 from llmc.runtime.bench.metrics import aggregate
 from llmc.runtime.bench.profiler import (
     OpEvent,
@@ -94,9 +97,14 @@ def _agg(peak_tokens: int, batch: int, used: int, total: int, preempted: int = 0
 
 
 def _inputs(**kw) -> TuningInputs:
+    """TuningInputs of an engine built for 8192 tokens per step and 256 sequences; ``kw``:
+    TuningInputs fields or the run's limits (max_num_tokens, max_seq_len, ...)."""
+    built = make_limits(
+        max_batch_size=256, max_num_tokens=8192, max_seq_len=256, tokens_per_block=32
+    )
+    run = {k: kw.pop(k) for k in EngineLimits.field_names() if k in kw}
     base = dict(
-        max_num_tokens=8192, build_max_num_tokens=8192, max_batch_size=256,
-        build_max_batch_size=256, tokens_per_block=32, max_kv_tokens=None,
+        limits=dataclasses.replace(built, **run), build_limits=built, max_kv_tokens=None,
         kv_cache_free_gpu_mem_fraction=0.9, max_request_tokens=256, max_prompt_tokens=128,
         max_in_flight=1000, kv_bytes_per_token=131072, workspace_bytes=1 << 30,
     )  # fmt: skip

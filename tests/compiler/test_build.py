@@ -68,12 +68,12 @@ def test_round_trip_is_bit_exact(request, tmp_path, fixture, dtype):
         assert hashlib.sha256((out / name).read_bytes()).hexdigest() == digest
     assert engine.tokenizer_path == out / "tokenizer.json"
     assert engine.plan == result.plan
-    assert engine.build.max_seq_len == spec.max_position_embeddings  # derived default
+    assert engine.limits.max_seq_len == spec.max_position_embeddings  # derived default
 
 
 def test_defaults_are_derived_and_reported(tiny_llama_dir, tmp_path):
     result = build(BuildConfig(checkpoint_dir=str(tiny_llama_dir)), dry_run=True)
-    assert result.build.max_seq_len == 512 and result.build.max_input_len == 512
+    assert result.build.limits.max_seq_len == 512 and result.build.limits.max_input_len == 512
     assert result.build.target == "cpu"
     assert any("max_seq_len = 512" in n for n in result.notes)
     assert any("target = cpu" in n for n in result.notes)

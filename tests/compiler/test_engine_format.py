@@ -52,9 +52,9 @@ def _edit_manifest(d, **changes):
 
 def test_loads_a_good_engine(engine_dir):
     e = load_engine(engine_dir, target="cpu")
-    assert e.build.max_seq_len == 256 and e.build.max_num_tokens == 128
+    assert e.limits.max_seq_len == 256 and e.limits.max_num_tokens == 128
     assert e.build.load_format == "auto" and e.build.dummy_seed is None
-    assert isinstance(e.plan, MemoryPlan) and e.plan.max_num_tokens == 128
+    assert isinstance(e.plan, MemoryPlan) and e.plan.limits == e.limits
     assert e.kernels_dir == engine_dir / "kernels" and e.kernel_files == ()
     assert set(e.load_weights("cpu")) == set(e.spec.tensor_shapes())
 
@@ -85,7 +85,13 @@ def test_tampered_file_is_named(engine_copy, name):
     with pytest.raises(EngineError, match=f"{name} is corrupt: sha256") as e:
         load_engine(engine_copy)
     assert "llmc build --checkpoint_dir" in str(e.value)
-    load_engine(engine_copy, verify_checksums=False)  # opt-out skips hashing
+    if name != "plan.json":
+        load_engine(engine_copy, verify_checksums=False)  # opt-out skips hashing
+        return
+    # hashing skipped, a plan.json is still checked against this llmc's plan
+    with pytest.raises(EngineError, match="plan.json") as e:
+        load_engine(engine_copy, verify_checksums=False)
+    assert "corrupt: sha256" not in str(e.value)
 
 
 @pytest.mark.parametrize(

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from _runtime_helpers import make_limits
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmc.base.errors import CapacityError
+from llmc.compiler.limits import EngineLimits
 from llmc.compiler.memory_plan import (
     ALIGNMENT,
     OPS,
@@ -73,16 +75,15 @@ def test_disjoint_lifetimes_share_memory():
     assert packed == 4096 + 4000 and naive == 3 * 4096
 
 
+def _limits(**kw) -> EngineLimits:
+    args = dict(dtype="bfloat16", max_batch_size=256, max_num_tokens=8192, max_seq_len=4096)
+    return make_limits(tokens_per_block=32, **{**args, **kw})
+
+
 def _plan(**kw):
-    args = dict(
-        dtype="bfloat16",
-        max_batch_size=256,
-        max_num_tokens=8192,
-        max_seq_len=4096,
-        tokens_per_block=32,
-    )
-    args.update(kw)
-    return plan_memory(LLAMA3_8B, **args)
+    """plan_memory for LLAMA3_8B; ``kw``: its arguments or EngineLimits fields."""
+    limit_kw = {k: kw.pop(k) for k in EngineLimits.field_names() if k in kw}
+    return plan_memory(LLAMA3_8B, _limits(**limit_kw), **kw)
 
 
 def test_llama3_8b_buffers_and_sizes():

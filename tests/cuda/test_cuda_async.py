@@ -9,7 +9,8 @@ import random
 import pytest
 import torch
 
-from llmc.runtime.engine_runtime import EngineRuntime, Limits, RuntimeConfig
+from llmc.compiler.limits import EngineLimits
+from llmc.runtime.engine_runtime import EngineRuntime, RuntimeConfig
 from llmc.runtime.types import SamplingParams
 
 pytestmark = pytest.mark.cuda
@@ -27,7 +28,7 @@ def model(tiny_llama_dir):
 
 def _run(model, sampling, *, async_scheduling, graphs=True, num_blocks=64, policy=None):
     spec, weights = model
-    limits = Limits(
+    limits = EngineLimits(
         max_batch_size=8,
         max_input_len=64,
         max_seq_len=128,

@@ -18,8 +18,9 @@ import pytest
 import torch
 
 from llmc.compiler.dummy import dummy_weights
+from llmc.compiler.limits import EngineLimits
 from llmc.compiler.spec import ModelSpec
-from llmc.runtime.engine_runtime import EngineRuntime, Limits, RuntimeConfig
+from llmc.runtime.engine_runtime import EngineRuntime, RuntimeConfig
 from llmc.runtime.types import SamplingParams
 
 pytestmark = pytest.mark.cuda
@@ -66,7 +67,7 @@ def generate(
     policy: str = "guaranteed_no_evict",
     sampling: list[SamplingParams] | None = None,
 ) -> tuple[list[list[int]], EngineRuntime, list]:
-    limits = Limits(
+    limits = EngineLimits(
         max_batch_size=8,
         max_input_len=64,
         max_seq_len=128,

@@ -11,8 +11,9 @@ import pytest
 from _model_runner_utils import load_engine
 from _runtime_helpers import load_tokenizer, one_torch_thread  # noqa: F401 (fixture)
 
+from llmc.compiler.limits import EngineLimits
 from llmc.runtime.cuda_graphs import DecodeGraphs
-from llmc.runtime.engine_runtime import EngineRuntime, Limits, RuntimeConfig
+from llmc.runtime.engine_runtime import EngineRuntime, RuntimeConfig
 from llmc.runtime.executor import Executor
 from llmc.runtime.types import Request, SamplingParams
 
@@ -47,7 +48,7 @@ class EagerGraphs(DecodeGraphs):
 
 def make_runtime(tiny, *, graphs=False, num_blocks=64, max_num_tokens=64, **config):
     spec, weights, tok = tiny
-    limits = Limits(
+    limits = EngineLimits(
         max_batch_size=6,
         max_input_len=48,
         max_seq_len=96,

@@ -15,7 +15,8 @@ from _runtime_helpers import one_torch_thread  # noqa: F401
 
 from llmc.compiler.build_config import BuildConfig
 from llmc.compiler.builder import build
-from llmc.runtime.engine_runtime import EngineRuntime, Limits, RuntimeConfig
+from llmc.compiler.limits import EngineLimits
+from llmc.runtime.engine_runtime import EngineRuntime, RuntimeConfig
 from llmc.runtime.tokenizer import Tokenizer
 from llmc.runtime.types import SamplingParams
 
@@ -211,7 +212,7 @@ def test_smollm2_greedy_equals_hf(smollm2_hf_dir):
     ckpt = load_checkpoint(str(smollm2_hf_dir))
     spec, weights = ckpt.spec, to_engine_weights(ckpt.spec, ckpt.tensors, "float32")
     del ckpt
-    limits = Limits(
+    limits = EngineLimits(
         max_batch_size=4,
         max_input_len=128,
         max_seq_len=128,

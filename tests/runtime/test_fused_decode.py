@@ -84,7 +84,7 @@ def _run_schedule(runner, spec):
     prefill alone. Returns {(request, step): logits row} and the greedy ids."""
     from _model_runner_utils import BlockAllocator
 
-    alloc = BlockAllocator(runner.kv_cache.num_blocks, runner.tokens_per_block)
+    alloc = BlockAllocator(runner.kv_cache.num_blocks, runner.limits.tokens_per_block)
     lengths = [3, 11, 6, 20, 1, 9, 14, 2]
     seqs = [
         new_seq(i, p, 3 + i) for i, p in enumerate(prompts(8, lengths, spec.vocab_size, seed=5))

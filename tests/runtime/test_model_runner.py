@@ -15,10 +15,12 @@ from _model_runner_utils import (
     new_seq,
     prompts,
 )
+from _runtime_helpers import make_limits
 
 from llmc.base.errors import ConfigError, EngineError, RequestError
+from llmc.compiler.memory_plan import arena_bytes, plan_workspace
 from llmc.runtime.types import ScheduledBatch, ScheduledSequence
-from llmc.runtime.workspace import default_table
+from llmc.runtime.workspace import TORCH_DTYPES
 
 LENGTHS = [37, 5, 70, 1, 18]
 
@@ -87,14 +89,10 @@ def test_end_to_end_with_scheduler(tiny, reuse):
         num_kv_blocks=blocks,
         max_seq_len=64,
     )
-    cfg = SchedulerConfig(
-        max_num_tokens=16,
-        max_batch_size=8,
-        max_seq_len=64,
-        max_input_len=48,
-        tokens_per_block=tpb,
-        policy=MAX_UTILIZATION,
+    limits = make_limits(
+        max_num_tokens=16, max_batch_size=8, max_seq_len=64, max_input_len=48, tokens_per_block=tpb
     )
+    cfg = SchedulerConfig(limits, policy=MAX_UTILIZATION)
     sched = Scheduler(cfg, KVCacheManager(blocks, tpb, enable_block_reuse=reuse))
     base = prompts(1, [12], spec.vocab_size, seed=3)[0]
     ps = [base + [5, 6, 7], base + [9], prompts(1, [30], spec.vocab_size, seed=4)[0], base]
@@ -118,7 +116,7 @@ def test_step_output_order_and_phase_times(tiny):
     spec, weights, _ = tiny
     runner = make_runner(spec, weights)
     ps = prompts(3, [9, 4, 13], spec.vocab_size, seed=5)
-    alloc = BlockAllocator(runner.kv_cache.num_blocks, runner.tokens_per_block)
+    alloc = BlockAllocator(runner.kv_cache.num_blocks, runner.limits.tokens_per_block)
     seqs = [new_seq(i, p, 4) for i, p in enumerate(ps)]
     for s in seqs:
         alloc.ensure(s, s.num_prompt_tokens)
@@ -210,33 +208,19 @@ def test_bad_inputs(tiny):
         make_runner(spec, w)
 
 
-def test_workspace_plan_checked(tiny):
+def test_workspace_views_at_the_planned_offsets(tiny):
+    """One arena; each buffer a view at the offset the compiler's planner gives for the run's
+    limits (the same function plan.json comes from)."""
     spec, weights, _ = tiny
-    limits = dict(max_num_tokens=32, max_batch_size=4, max_seq_len=64)
-    table = default_table(spec, "float32", 32, 4, 64, 8)
-    runner = make_runner(spec, weights, workspace=table, **limits)
-    logits_off, logits_shape, _ = table["logits"]
-    assert runner.workspace["logits"].data_ptr() == runner.workspace.arena.data_ptr() + logits_off
-    assert tuple(runner.workspace["logits"].shape) == logits_shape
-    aliased = dict(table)
-    aliased["gate_up"] = (table["act"][0], table["gate_up"][1], table["gate_up"][2])
-    with pytest.raises(EngineError, match="'gate_up' share arena bytes"):
-        make_runner(spec, weights, workspace=aliased, **limits)
-    missing = {k: v for k, v in table.items() if k != "logits"}
-    with pytest.raises(EngineError, match="'logits' is missing"):
-        make_runner(spec, weights, workspace=missing, **limits)
-    # an engine's arena planned for larger limits serves lowered runtime limits...
-    big = default_table(spec, "float32", 64, 8, 128, 8)
-    seq = new_seq(0, prompts(1, [20], spec.vocab_size)[0], 1)
-    seq.block_table = [3, 1, 4]
-    batch = ScheduledBatch(0, (ScheduledSequence(seq, 0, 20, True),))
-    expect = runner.forward_logits(batch)
-    assert torch.equal(
-        make_runner(spec, weights, workspace=big, **limits).forward_logits(batch), expect
-    )
-    # ...but not smaller ones
-    with pytest.raises(EngineError, match="buffer 'input_ids' has shape \\[32\\], need \\[64\\]"):
-        make_runner(spec, weights, workspace=table, max_num_tokens=64, max_batch_size=4)
+    limits = make_limits(max_num_tokens=32, max_batch_size=4, max_seq_len=64, tokens_per_block=8)
+    planned = plan_workspace(spec, limits)
+    runner = make_runner(spec, weights, max_num_tokens=32, max_batch_size=4, max_seq_len=64)
+    ws = runner.workspace
+    assert ws.nbytes == arena_bytes(planned)
+    for b in planned:
+        assert ws[b.name].data_ptr() == ws.arena.data_ptr() + b.offset, b.name
+        assert tuple(ws[b.name].shape) == b.shape, b.name
+        assert ws[b.name].dtype == TORCH_DTYPES[b.dtype], b.name
 
 
 def test_bfloat16_error_is_that_of_transformers_bfloat16(tiny, request):
@@ -294,12 +278,11 @@ def test_torch_backend_on_cuda_matches_cpu(tiny):
 def test_runner_from_an_engine_memory_plan(tiny):
     """The plan.json of a build (compiler's planner, round-tripped through JSON) drives it."""
     from llmc.compiler.memory_plan import MemoryPlan, plan_memory
-    from llmc.runtime.workspace import table_from_plan
 
     spec, weights, model = tiny
     limits = dict(max_batch_size=4, max_num_tokens=32, max_seq_len=64, tokens_per_block=8)
-    plan = MemoryPlan.from_json(plan_memory(spec, dtype="float32", **limits).to_json())
-    runner = make_runner(spec, weights, workspace=table_from_plan(plan), **limits)
+    plan = MemoryPlan.from_json(plan_memory(spec, make_limits(**limits)).to_json())
+    runner = make_runner(spec, weights, workspace=plan.buffers, **limits)
     assert runner.workspace.nbytes == plan.workspace_bytes
     seqs = [new_seq(i, p, 3) for i, p in enumerate(prompts(3, [20, 9, 30], spec.vocab_size, 8))]
     res = drive(runner, seqs, chunk=16, budget=32, record_logits=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+from _runtime_helpers import make_limits
 
 from llmc.base.errors import ConfigError, RequestError
 from llmc.runtime.kv_cache import KVCacheManager
@@ -29,16 +30,15 @@ def make(
     max_input_len: int = 64,
     reuse: bool = True,
 ) -> Scheduler:
-    cfg = SchedulerConfig(
+    limits = make_limits(
         max_num_tokens=max_num_tokens,
         max_batch_size=max_batch_size,
         max_seq_len=max_seq_len,
         max_input_len=max_input_len,
         tokens_per_block=tpb,
         enable_chunked_prefill=chunked,
-        policy=policy,
-        eos_token_ids=(EOS,),
     )
+    cfg = SchedulerConfig(limits, policy=policy, eos_token_ids=(EOS,))
     return Scheduler(cfg, KVCacheManager(num_blocks, tpb, enable_block_reuse=reuse))
 
 

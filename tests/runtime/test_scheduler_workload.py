@@ -9,6 +9,7 @@ preemption all change the tokens, which are compared with a direct simulation.
 
 from __future__ import annotations
 
+from _runtime_helpers import make_limits
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
@@ -93,15 +94,15 @@ def test_random_workload_invariants(
     max_seq_len = 56
     max_input_len = 40 if chunked else min(40, budget)
     kv = KVCacheManager(max(1, pool_tokens // tpb), tpb, enable_block_reuse=reuse)
-    cfg = SchedulerConfig(
+    limits = make_limits(
         max_num_tokens=budget,
         max_batch_size=max_batch_size,
         max_seq_len=max_seq_len,
         max_input_len=max_input_len,
         tokens_per_block=tpb,
         enable_chunked_prefill=chunked,
-        policy=policy,
     )
+    cfg = SchedulerConfig(limits, policy=policy)
     s = Scheduler(cfg, kv)
     seqs: dict[int, Sequence] = {}
     cancels: dict[int, tuple[int, bool]] = {}

@@ -17,6 +17,7 @@ import random
 import numpy as np
 import pytest
 from _model_runner_utils import load_engine, make_runner
+from _runtime_helpers import make_limits
 
 from llmc.base.errors import EngineError, RequestError
 from llmc.runtime import sampling as smp
@@ -34,7 +35,7 @@ TPB = 4
 def ref_decode_rows(self, batch, src_rows=None):
     seqs = batch.sequences
     b = len(seqs)
-    if b > self.max_batch_size or b > self.max_num_tokens:
+    if b > self.limits.max_batch_size or b > self.limits.max_num_tokens:
         self._check(batch)
     ahead = src_rows is not None
     tok, pos, tables, ok = [], [], [], True
@@ -49,12 +50,12 @@ def ref_decode_rows(self, batch, src_rows=None):
             tok.append(seq.token_at(a) if ok else 0)
         pos.append(a)
         tables.append(seq.block_table)
-    tpb = self.tokens_per_block
+    tpb = self.limits.tokens_per_block
     p = np.asarray(pos, dtype=np.int64)
     nblk = p // tpb + 1
     have = np.fromiter((len(t) for t in tables), dtype=np.int64, count=b)
     ids = np.asarray(tok, dtype=np.int64)
-    ok = ok and bool((p < self.max_seq_len).all() and (have >= nblk).all())
+    ok = ok and bool((p < self.limits.max_seq_len).all() and (have >= nblk).all())
     ok = ok and not (b and (ids.min() < 0 or ids.max() >= self.spec.vocab_size))
     if not ok:
         if ahead:
@@ -79,7 +80,7 @@ def ref_decode_rows(self, batch, src_rows=None):
 
 def ref_prepare_stage(self, batch, src_rows=None):
     seqs = list(batch.sequences)
-    tpb = self.tokens_per_block
+    tpb = self.limits.tokens_per_block
     if src_rows is not None or all(s.num_new_tokens == 1 for s in seqs):
         order = seqs
         flat_ids, positions, slots, src, tables = ref_decode_rows(self, batch, src_rows)
@@ -135,7 +136,7 @@ def ref_prepare_stage(self, batch, src_rows=None):
 
 def ref_graph_stage(graphs, big, batch, src_rows):
     r = graphs.runner
-    mbs = r.max_blocks_per_seq
+    mbs = r.limits.max_blocks_per_seq
     tok, p, sl, sr, bt = ref_decode_rows(r.inputs, batch, src_rows)
     b = len(tok)
     ids = np.zeros(big, dtype=np.int64)
@@ -246,16 +247,15 @@ def test_staging_equals_reference_on_scheduler_batches(
     )
     graphs = DecodeGraphs(runner, allow_cpu=True)
     if small_cache:  # rows run out every few batches: the cache starts over
-        runner.inputs.row_cache = DecodeRowCache(mbs + 3, runner.max_blocks_per_seq)
-    cfg = SchedulerConfig(
+        runner.inputs.row_cache = DecodeRowCache(mbs + 3, runner.limits.max_blocks_per_seq)
+    limits = make_limits(
         max_num_tokens=mnt,
         max_batch_size=mbs,
         max_seq_len=96,
         max_input_len=60,
         tokens_per_block=TPB,
-        enable_chunked_prefill=True,
-        policy=policy,
     )
+    cfg = SchedulerConfig(limits, policy=policy)
     sched = Scheduler(cfg, KVCacheManager(num_blocks, TPB, enable_block_reuse=True))
     prefixes = [[rng.randrange(spec.vocab_size) for _ in range(n)] for n in (8, 13, 21)]
     rid = itertools.count()

@@ -1,0 +1,133 @@
+"""EngineLimits: the limits one engine runs under, declared, validated and lowered here only.
+
+Owns:
+- ``EngineLimits`` (frozen): max_batch_size, max_input_len, max_seq_len, max_num_tokens,
+  tokens_per_block, enable_chunked_prefill and dtype, validated on construction;
+- the rules on them, each a named function with one wording (``check_positive_int``,
+  ``check_input_len``, ``check_chunked_prefill``), which ``BuildConfig`` also calls to refuse
+  bad flags early;
+- ``EngineLimits.lowered``: a run's optional lowerings (``RuntimeConfig``), refusing a raise.
+
+Its life: ``resolve_build`` derives it from the build flags and the model; the manifest's
+``"build"`` section and plan.json store it; ``load_engine`` parses it once
+(``LoadedEngine.build.limits``); ``EngineRuntime.load`` lowers it once; the Scheduler and its
+admission checks, the KV pool sizing, the ModelRunner, its StepInputBuilder, the workspace
+plan and the tuning recommendations read that one object. ``max_num_tokens`` follows
+TensorRT-LLM: the per-step token budget (it sizes the workspace and bounds a prefill chunk),
+not the KV pool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from llmc.base.errors import ConfigError
+
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+def check_positive_int(name: str, value: Any) -> None:
+    """ConfigError unless ``value`` is an int (not a bool) above zero."""
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+def check_input_len(max_input_len: int, max_seq_len: int) -> None:
+    """A prompt is part of a sequence: max_input_len <= max_seq_len (ConfigError)."""
+    if max_input_len > max_seq_len:
+        raise ConfigError(
+            f"max_input_len ({max_input_len}) must not exceed max_seq_len ({max_seq_len})"
+        )
+
+
+def check_chunked_prefill(
+    max_num_tokens: int, max_input_len: int, enable_chunked_prefill: bool
+) -> None:
+    """With chunked prefill off a prompt is scheduled whole in one step, so the per-step
+    budget must hold the longest prompt: max_num_tokens >= max_input_len (ConfigError)."""
+    if not enable_chunked_prefill and max_num_tokens < max_input_len:
+        raise ConfigError(
+            f"max_num_tokens ({max_num_tokens}) is smaller than max_input_len "
+            f"({max_input_len}) with chunked prefill off: a prompt of max_input_len tokens "
+            f"could never be scheduled; raise max_num_tokens to {max_input_len} or enable "
+            "chunked prefill"
+        )
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """The limits of one engine (its build's), or of one run of it (possibly lowered)."""
+
+    max_batch_size: int
+    """Most running sequences in one step."""
+    max_input_len: int
+    """Longest prompt, in tokens."""
+    max_seq_len: int
+    """Longest prompt + generated tokens."""
+    max_num_tokens: int
+    """Per-step token budget (decode tokens + prefill chunks); sizes the workspace."""
+    tokens_per_block: int
+    """KV-cache page size, in tokens."""
+    enable_chunked_prefill: bool
+    """Split a prompt longer than the step's remaining budget over several steps."""
+    dtype: str
+    """Weight and activation dtype."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_batch_size",
+            "max_input_len",
+            "max_seq_len",
+            "max_num_tokens",
+            "tokens_per_block",
+        ):
+            check_positive_int(name, getattr(self, name))
+        if not isinstance(self.enable_chunked_prefill, bool):
+            raise ConfigError(
+                f"enable_chunked_prefill must be true or false, got {self.enable_chunked_prefill!r}"
+            )
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        check_input_len(self.max_input_len, self.max_seq_len)
+        check_chunked_prefill(self.max_num_tokens, self.max_input_len, self.enable_chunked_prefill)
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        """KV blocks one sequence of max_seq_len tokens needs (the block-table width)."""
+        return -(-self.max_seq_len // self.tokens_per_block)
+
+    def lowered(
+        self,
+        *,
+        max_batch_size: int | None = None,
+        max_num_tokens: int | None = None,
+        enable_chunked_prefill: bool | None = None,
+    ) -> EngineLimits:
+        """These limits with a run's settings applied (None: keep). ``max_batch_size`` and
+        ``max_num_tokens`` may only go down (the workspace was planned for the build's);
+        raising one is a ConfigError naming both values and the rebuild flag."""
+        for name, asked in (("max_batch_size", max_batch_size), ("max_num_tokens", max_num_tokens)):
+            built = getattr(self, name)
+            if asked is not None and asked > built:
+                raise ConfigError(
+                    f"{name}={asked} exceeds the engine's {name}={built} (the workspace was "
+                    f"planned for it); use {built} or less, or rebuild the engine with "
+                    f"--{name} {asked}"
+                )
+        return dataclasses.replace(
+            self,
+            max_batch_size=self.max_batch_size if max_batch_size is None else max_batch_size,
+            max_num_tokens=self.max_num_tokens if max_num_tokens is None else max_num_tokens,
+            enable_chunked_prefill=self.enable_chunked_prefill
+            if enable_chunked_prefill is None
+            else enable_chunked_prefill,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
