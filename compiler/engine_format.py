@@ -176,17 +176,8 @@ class LoadedEngine:
         return tuple(self.kernels_dir / f for f in self.manifest["kernels"]["files"])
 
     def check_target(self, target: str) -> None:
-        """Refuse (EngineError with the rebuild command) a target this engine cannot run:
-        'cpu' (the torch backend) runs any engine; the CUDA backend on an sm_XX GPU needs an
-        engine built for exactly that arch."""
-        if target == "cpu" or self.build.target == target:
-            return
-        fix = rebuild_command(self.manifest, self.dir, target=target)
-        raise EngineError(
-            f"engine {self.dir} was built for target {self.build.target!r}, but this run needs "
-            f"{target!r} (the CUDA backend needs kernels for the GPU's arch; the torch backend "
-            f"runs any engine); rebuild it: {fix}"
-        )
+        """Refuse a target this engine cannot run (see ``load_engine``'s ``target``)."""
+        _check_target(self.manifest, self.dir, self.build.target, target)
 
     def load_weights(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
         """Engine tensors on ``device``: read from weights.safetensors, or regenerated from
@@ -232,6 +223,20 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
     if not isinstance(d, dict):
         raise EngineError(f"{path}: {what} is not a JSON object")
     return d
+
+
+def _check_target(manifest: dict[str, Any], engine_dir: Path, built: str, target: str) -> None:
+    """A cpu engine runs anywhere through the torch backend (target None/'cpu'); the CUDA
+    backend on an sm_XX GPU needs an engine built for exactly that arch (EngineError with
+    the rebuild command)."""
+    if target == "cpu" or built == target:
+        return
+    fix = rebuild_command(manifest, engine_dir, target=target)
+    raise EngineError(
+        f"engine {engine_dir} was built for target {built!r}, but this run needs {target!r} "
+        f"(the CUDA backend needs kernels for the GPU's arch; the torch backend runs any "
+        f"engine); rebuild it: {fix}"
+    )
 
 
 def load_engine(
@@ -296,8 +301,10 @@ def load_engine(
             f"{d / PLAN} is not this llmc's memory plan for the engine: {mismatch}; rebuild "
             f"it: {rebuild_command(manifest, d)}"
         )
+    if target is not None:
+        _check_target(manifest, d, build.target, target)
     tok = d / "tokenizer.json"
-    engine = LoadedEngine(
+    return LoadedEngine(
         dir=d,
         manifest=manifest,
         spec=spec,
@@ -306,6 +313,3 @@ def load_engine(
         tokenizer_path=tok if tok.is_file() else None,
         kernels_dir=d / KERNELS_DIR,
     )
-    if target is not None:
-        engine.check_target(target)
-    return engine

@@ -131,32 +131,30 @@ def _free_bytes(device: str, workspace_bytes: int) -> int:
 
 
 class EngineRuntime:
-    """Every component of a runnable engine; ``executor()`` drives them."""
+    """Every component of a runnable engine; ``executor()`` drives them. The runner and
+    the scheduler serve under the same ``EngineLimits`` (``limits``)."""
 
     def __init__(
         self,
-        *,
-        spec: Any,
         runner: Any,
-        kv: KVCacheManager,
         scheduler: Scheduler,
         tokenizer: Tokenizer | None,
-        limits: EngineLimits,
+        *,
         device: str,
         backend: str,
         engine: Any = None,
     ) -> None:
-        self.spec = spec
         self.runner = runner
-        self.kv = kv
         self.scheduler = scheduler
         self.tokenizer = tokenizer
-        self.limits = limits
+        self.spec = runner.spec
+        self.kv: KVCacheManager = scheduler.kv
+        self.limits: EngineLimits = scheduler.limits
         """The limits of this run (the engine's, lowered by the RuntimeConfig)."""
         self.device = device
         self.backend = backend
         self.engine = engine
-        self.vocab_size = spec.vocab_size
+        self.vocab_size = self.spec.vocab_size
         self.async_scheduling = False
 
     # ---- construction --------------------------------------------------------------
@@ -263,17 +261,7 @@ class EngineRuntime:
         )
         if config.cuda_graphs and backend == "cuda" and device == "cuda":
             runner.capture_cuda_graphs()
-        rt = cls(
-            spec=spec,
-            runner=runner,
-            kv=kv,
-            scheduler=scheduler,
-            tokenizer=tokenizer,
-            limits=limits,
-            device=device,
-            backend=backend,
-            engine=engine,
-        )
+        rt = cls(runner, scheduler, tokenizer, device=device, backend=backend, engine=engine)
         rt.async_scheduling = config.async_scheduling and device == "cuda"  # Executor reads it
         return rt
 

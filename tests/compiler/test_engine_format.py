@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 
@@ -153,3 +154,30 @@ def test_rebuild_command_carries_non_default_settings(engine_dir):
     for part in ("--dtype float32", "--max_seq_len 256", "--max_num_tokens 128", "--target sm_90"):
         assert part in cmd
     assert "--max_batch_size 8" in cmd and cmd.endswith("--force")
+
+
+def _rewrite_plan(d, edit) -> None:
+    """Edit plan.json and record its new checksum, as a consistent (not corrupt) engine."""
+    plan = json.loads((d / "plan.json").read_text())
+    edit(plan)
+    (d / "plan.json").write_text(json.dumps(plan))
+    m = json.loads((d / "manifest.json").read_text())
+    m["files"]["plan.json"] = hashlib.sha256((d / "plan.json").read_bytes()).hexdigest()
+    (d / "manifest.json").write_text(json.dumps(m))
+
+
+def test_plan_that_is_not_this_llmcs_plan_is_refused(engine_copy):
+    def alias(plan):  # gate_up onto act's bytes, while both are live at silu_mul
+        bufs = {b["name"]: b for b in plan["buffers"]}
+        bufs["gate_up"]["offset"] = bufs["act"]["offset"]
+
+    _rewrite_plan(engine_copy, alias)
+    with pytest.raises(EngineError, match="not this llmc's memory plan.*'gate_up'") as e:
+        load_engine(engine_copy)
+    assert "llmc build --checkpoint_dir" in str(e.value)
+
+
+def test_plan_for_other_limits_than_the_manifest_is_refused(engine_copy):
+    _rewrite_plan(engine_copy, lambda plan: plan["limits"].update(max_batch_size=4))
+    with pytest.raises(EngineError, match="plan.json was planned for .*max_batch_size=4"):
+        load_engine(engine_copy)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
 from _runtime_helpers import make_limits
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmc.base.errors import CapacityError
+from llmc.base.errors import CapacityError, EngineError
 from llmc.compiler.limits import EngineLimits
 from llmc.compiler.memory_plan import (
     ALIGNMENT,
@@ -17,6 +20,9 @@ from llmc.compiler.memory_plan import (
     kv_cache_blocks,
     pack_buffers,
     plan_memory,
+    plan_mismatch,
+    plan_workspace,
+    run_workspace,
 )
 from llmc.compiler.spec import ModelSpec
 
@@ -144,3 +150,35 @@ def test_runtime_kv_cache_blocks():
 def test_plan_json_round_trip():
     plan = _plan(device_memory_bytes=80 * GIB, memory_source="test")
     assert MemoryPlan.from_json(plan.to_json()) == plan
+
+
+def test_run_workspace_is_the_plan_or_the_same_planner_for_lowered_limits():
+    plan = _plan(max_num_tokens=2048, max_batch_size=64)
+    assert run_workspace(LLAMA3_8B, plan.limits, plan) is plan.buffers
+    assert plan_workspace(LLAMA3_8B, plan.limits) == plan.buffers
+    low = plan.limits.lowered(max_num_tokens=512)
+    got = run_workspace(LLAMA3_8B, low, plan)
+    assert got == plan_workspace(LLAMA3_8B, low) and got != plan.buffers
+    assert {b.name: b.shape for b in got}["residual"] == (512, 4096)
+    assert run_workspace(LLAMA3_8B, low, None) == got
+
+
+def test_plan_mismatch_names_what_differs():
+    plan = _plan(max_num_tokens=2048, max_batch_size=64)
+    assert plan_mismatch(plan, LLAMA3_8B) is None
+    moved = tuple(dataclasses.replace(b, offset=0) if b.name == "act" else b for b in plan.buffers)
+    msg = plan_mismatch(dataclasses.replace(plan, buffers=moved), LLAMA3_8B)
+    assert msg is not None and "'act'" in msg
+    msg = plan_mismatch(dataclasses.replace(plan, kv_bytes_per_token=1), LLAMA3_8B)
+    assert msg is not None and "kv_bytes_per_token" in msg
+    # the build's capacity report is not part of the comparison
+    with_cap = _plan(max_num_tokens=2048, max_batch_size=64, device_memory_bytes=80 * GIB)
+    assert plan_mismatch(with_cap, LLAMA3_8B) is None
+
+
+def test_plan_of_another_format_version_is_refused():
+    d = json.loads(_plan().to_json())
+    assert d["limits"]["max_num_tokens"] == 8192 and "nbytes" in d["buffers"][0]
+    d["version"] = 1
+    with pytest.raises(EngineError, match="format version 1.*rebuild"):
+        MemoryPlan.from_dict(d)
