@@ -34,6 +34,7 @@ from typing import Any
 
 from llmc.base.errors import ConfigError, UnsupportedError, did_you_mean
 from llmc.compiler.limits import EngineLimits, check_positive_int
+from llmc.compiler.memory_plan import PlannedBuffer
 from llmc.runtime.kv_cache import KVCacheManager
 from llmc.runtime.scheduler import GUARANTEED_NO_EVICT, POLICIES, Scheduler, SchedulerConfig
 from llmc.runtime.tokenizer import Tokenizer
@@ -235,7 +236,7 @@ class EngineRuntime:
         backend: str = "torch",
         config: RuntimeConfig | None = None,
         engine: Any = None,
-        workspace: Any = None,
+        workspace: tuple[PlannedBuffer, ...] | None = None,
     ) -> EngineRuntime:
         """Build the runtime around engine-layout weights already in memory. ``workspace``:
         the arena layout (``PlannedBuffer``s; None: the memory planner's for ``limits``)."""
