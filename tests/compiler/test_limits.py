@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from _runtime_helpers import make_limits
 
 from llmc.base.errors import ConfigError
 from llmc.compiler.build_config import BuildConfig
@@ -13,14 +14,8 @@ from llmc.compiler.limits import EngineLimits, check_chunked_prefill
 from llmc.compiler.resolve import ResolvedBuild, resolve_build
 from llmc.compiler.spec import ModelSpec
 
-BUILT = EngineLimits(
-    max_batch_size=8,
-    max_input_len=96,
-    max_seq_len=128,
-    max_num_tokens=128,
-    tokens_per_block=16,
-    enable_chunked_prefill=True,
-    dtype="float32",
+BUILT = make_limits(
+    max_batch_size=8, max_input_len=96, max_seq_len=128, max_num_tokens=128, tokens_per_block=16
 )
 
 
@@ -58,7 +53,7 @@ def test_limits_are_validated_on_construction():
     assert BUILT.max_blocks_per_seq == 8
 
 
-def test_chunked_prefill_rule_has_one_wording_for_every_caller():
+def test_chunked_prefill_rule_has_one_wording_for_every_caller(tiny_llama_dir):
     """BuildConfig (flags given), resolve_build (max_input_len derived from the model) and a
     run turning chunked prefill off with a small budget raise the same ConfigError."""
     want = _rule_message(64, 96)
@@ -67,18 +62,8 @@ def test_chunked_prefill_rule_has_one_wording_for_every_caller():
     with pytest.raises(ConfigError) as e:
         BuildConfig(max_input_len=96, max_num_tokens=64, enable_chunked_prefill=False)
     assert str(e.value) == want
-    spec = ModelSpec(
-        architecture="LlamaForCausalLM",
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_layers=1,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=8,
-        max_position_embeddings=96,
-    )
-    config = BuildConfig(max_num_tokens=64, tokens_per_block=16, enable_chunked_prefill=False)
+    spec = ModelSpec.from_hf_config(json.loads((tiny_llama_dir / "config.json").read_text()))
+    config = BuildConfig(max_seq_len=96, max_num_tokens=64, enable_chunked_prefill=False)
     with pytest.raises(ConfigError) as e:
         resolve_build(config, spec, None)  # max_input_len = max_seq_len = 96, derived
     assert str(e.value) == want
