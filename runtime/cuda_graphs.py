@@ -75,10 +75,8 @@ def graph_eligible(batch: ScheduledBatch) -> bool:
     if not rows or set(map(_NEW, rows)) != {1} or not all(map(_SAMPLE, rows)):
         return False
     params = list(map(_PARAMS, rows))
-    for p in dict(zip(map(id, params), params, strict=True)).values():  # distinct objects
-        if p.logprobs is not None or p.uses_penalties:
-            return False
-    return True
+    distinct = dict(zip(map(id, params), params, strict=True)).values()
+    return all(p.is_plain for p in distinct)
 
 
 class DecodeGraphs:

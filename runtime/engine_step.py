@@ -8,7 +8,10 @@ what is decided about, and made from, a single step:
   before that batch's sampled ids reach the host; ``ahead_src_rows``: which of the earlier
   step's sampled ids feeds each row of the step launched ahead.
 - ``emit_step_responses``: a computed step's sampled tokens → each request's Responses
-  (token ids, detokenized text deltas, stop tokens and stop strings, final responses).
+  (token ids, detokenized text deltas, final responses). It reads the stop decisions
+  ``Scheduler.update`` made (``Sequence.finish_reason``, ``stop_token_id``) and makes the
+  only one that needs the text: a stop string, found by the detokenizer, finishes the
+  sequence through ``Scheduler.finish``.
 - ``step_record``: a computed step's StepRecord (runtime/records.py).
 - ``request_output``: one request's Responses → the RequestOutput ``Executor.generate``
   returns.
@@ -85,29 +88,28 @@ def ahead_src_rows(prev: ScheduledBatch, ahead: ScheduledBatch) -> list[int]:
     return [index[id(ss.seq)] for ss in rows]
 
 
-def ahead_ok(batch: ScheduledBatch, max_seq_len: int) -> bool:
+def ahead_ok(batch: ScheduledBatch) -> bool:
     """Whether the step after ``batch`` may be launched before ``batch``'s ids are read.
 
-    No when a row needs the host to know its previous tokens (penalties count the output
-    tokens, logprobs come back in their own copy), and no when the ids of ``batch``
-    are latency-critical or free a batch slot: a request's first token (a launch ahead
-    of it could only delay it, by the launch's host time, or by a whole step where the
-    launch waits for the device) or a request's last token by length (a client that
-    replaces a finished request, as a closed loop does, would otherwise wait for the
-    speculative step before its prompt is scheduled)."""
+    No when a row is not plain sampling (``SamplingParams.is_plain``: penalties count the
+    output tokens on the host, logprobs come back in their own copy), and no when the ids
+    of ``batch`` are latency-critical or free a batch slot: a request's first token (a
+    launch ahead of it could only delay it, by the launch's host time, or by a whole step
+    where the launch waits for the device) or a request's last token by length
+    (``Sequence.is_last_by_length``: a client that replaces a finished request, as a closed
+    loop does, would otherwise wait for the speculative step before its prompt is
+    scheduled)."""
     checked = None  # rows of one request share a params object: test it once per run
     for ss in batch.sequences:
         seq = ss.seq
         p = seq.sampling
         if p is not checked:
-            if p.logprobs is not None or p.uses_penalties:
+            if not p.is_plain:
                 return False
             checked = p
         if ss.sample:
             n_out = len(seq.output_token_ids) + 1  # with this step's token
-            if n_out == 1 or n_out >= seq.max_new_tokens:
-                return False
-            if len(seq.prompt_token_ids) + n_out >= max_seq_len:
+            if n_out == 1 or seq.is_last_by_length(n_out):
                 return False
     return True
 
@@ -138,19 +140,12 @@ def step_record(
     )
 
 
-def is_stop_token(seq: Sequence, token: int, eos: frozenset[int]) -> bool:
-    """Whether ``token`` ends ``seq`` as a stop token id or (unless ignored) an EOS id."""
-    sp = seq.sampling
-    return token in sp.stop_token_ids or (not sp.ignore_eos and token in eos)
-
-
 def emit_step_responses(
     batch: ScheduledBatch,
     out: Any,
     now: float,
     states: Mapping[int, RequestState],
     scheduler: Finisher,
-    eos: frozenset[int],
     emit: Callable[[Response], None],
 ) -> None:
     """Turn the tokens ``Scheduler.update`` appended for ``batch`` into Responses (``emit``).
@@ -182,13 +177,14 @@ def emit_step_responses(
         new, new_lp = state.take_new_tokens(logprobs[row] if logprobs else None, now)
         reason = seq.finish_reason if seq.status is finished else None
         text_ids = seq.output_token_ids[state.num_text :] if state.deferred else new
-        stop_token = reason is FinishReason.STOP and new and is_stop_token(seq, new[-1], eos)
+        # finished by update on this step's token: an EOS / stop token id (new[-1])
+        stop_token = reason is not None and seq.stop_token_id is not None and new
         if stop_token:
             text_ids = text_ids[:-1]  # the EOS / stop token has no text in the output
         delta = state.detokenize(text_ids)
         if stop_token:
             state.num_text += 1
-        if reason is None and state.stopped_by_string:
+        if reason is None and state.stopped_by_string:  # the one stop decided here
             scheduler.finish(seq.request_id, FinishReason.STOP)
             reason = FinishReason.STOP
         if reason is not None:

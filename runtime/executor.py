@@ -78,7 +78,6 @@ class Executor:
         self.scheduler = engine.scheduler
         self.tokenizer: Tokenizer | None = getattr(engine, "tokenizer", None)
         self.vocab_size: int = int(engine.vocab_size)
-        self._eos = frozenset(self.scheduler.config.eos_token_ids)
         self._cv = threading.Condition(threading.RLock())
         self._step_lock = threading.Lock()  # one step at a time, whoever drives the loop
         self._next_id = 0
@@ -319,7 +318,7 @@ class Executor:
             t1 = _now()
             cur = InFlight(batch, self.runner.launch(batch), t0, t1 - t0, used)
         self._inflight = None
-        if ahead_ok(cur.batch, self.scheduler.limits.max_seq_len):
+        if ahead_ok(cur.batch):
             t0 = _now()
             with self._cv:  # the next step, scheduled before cur's tokens are known
                 self._apply_cancels()
@@ -341,7 +340,7 @@ class Executor:
         t2 = _now()
         with self._cv:
             self.scheduler.update(batch, list(out.token_ids))
-            emit_step_responses(batch, out, t2, self._states, self.scheduler, self._eos, self._emit)
+            emit_step_responses(batch, out, t2, self._states, self.scheduler, self._emit)
             t3 = _now()
             self.step_records.append(step_record(cur, out, t2, t3, self.scheduler.kv.total_blocks))
 

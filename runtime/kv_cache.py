@@ -10,6 +10,11 @@ admitted sequence takes the longest run of registered blocks matching its first 
 starts with ``num_computed_tokens`` at their end. A shared block is never written: at least the
 sequence's last known token is always recomputed, in a block the sequence owns alone.
 
+The table versions are this module's contract with whoever copies a block table (the step
+inputs' decode row cache): every change of ``seq.block_table`` bumps
+``seq.block_table_version`` (``_reset_table`` at admission and free, ``append_slots``), and
+between two resets a table changes only by blocks appended at its end.
+
 Free blocks sit in one intrusive doubly-linked list (arrays of prev/next ids, O(1) push, pop
 and unlink from the middle). Blocks with no reusable content are kept at the head, so they are
 allocated first; freed blocks that still hold a registered hash go to the tail in LRU order and
@@ -227,7 +232,7 @@ class KVCacheManager:
                 self._unlink(b)
             self._ref[b] += 1
         self._seq_registered[seq.request_id] = len(hits)
-        seq.block_table = list(hits)
+        self._reset_table(seq, list(hits))
         cached = len(hits) * self.tokens_per_block
         seq.num_computed_tokens = cached
         seq.num_cached_tokens = cached
@@ -244,9 +249,12 @@ class KVCacheManager:
         need = self.num_blocks_needed(seq, num_new_tokens)
         if need > self._num_free:
             return False
-        for _ in range(need):
-            seq.block_table.append(self._pop_free())
-        self._note_usage()
+        if need:
+            table = seq.block_table
+            for _ in range(need):
+                table.append(self._pop_free())
+            seq.block_table_version += 1
+            self._note_usage()
         return True
 
     def register_full_blocks(self, seq: Sequence) -> int:
@@ -281,9 +289,16 @@ class KVCacheManager:
         """
         for b in reversed(seq.block_table):
             self._release(b)
-        seq.block_table = []
+        self._reset_table(seq, [])
         self._seq_registered.pop(seq.request_id, None)
         self._seq_hashes.pop(seq.request_id, None)
+
+    @staticmethod
+    def _reset_table(seq: Sequence, blocks: list[int]) -> None:
+        """Give ``seq`` a new table (not an append): a new version, which is a reset."""
+        seq.block_table = blocks
+        seq.block_table_version += 1
+        seq.block_table_reset_version = seq.block_table_version
 
     def slot(self, seq: Sequence, position: int) -> int:
         """Cache slot of token ``position`` of ``seq``."""

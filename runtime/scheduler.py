@@ -21,6 +21,10 @@ Capacity policies (``SchedulerConfig.policy``):
 A request whose whole life can never fit in the pool is refused by ``add`` (RequestError), so
 neither policy can livelock. Sequences in a ``ScheduledBatch`` are ordered decode-first.
 
+Stop decisions: ``update`` decides every stop that the tokens show (EOS, stop token ids,
+length; see there) and records it on the Sequence (``finish_reason``, ``stop_token_id``);
+``finish`` applies the ones decided outside (cancel, stop string). Nobody re-derives them.
+
 ``SchedulerConfig``, ``SchedulerStats``, the policy names and the per-request admission checks
 live in ``llmc.runtime.admission`` and are re-exported here.
 """
@@ -123,16 +127,16 @@ class Scheduler:
             raise RequestError(f"request {rid}: a request with this id is already queued")
         check_new_sequence(self.limits, self.kv, seq)  # may clamp max_new_tokens
         seq.num_computed_tokens = 0
-        seq.finish_reason = None
+        seq.finish_reason = seq.stop_token_id = None
         self._seqs[rid] = seq
         self._order[rid] = self._arrivals
         self._arrivals += 1
         self._push_waiting(seq)
 
     def finish(self, request_id: int, reason: FinishReason) -> Sequence | None:
-        """End an unfinished request now (cancel, stop string); returns it, or None if unknown.
-
-        Frees its blocks whether it is waiting or running.
+        """End an unfinished request now, for a reason decided outside the scheduler (a
+        cancel; a stop string, which only the detokenized text shows); returns it, or None
+        if unknown. Frees its blocks whether it is waiting or running.
         """
         seq = self._seqs.get(request_id)
         if seq is None:
@@ -270,7 +274,7 @@ class Scheduler:
         ``prev`` does not sample (a prefill chunk is pending or the budget skipped it), a
         waiting sequence that could be admitted (free batch slot), too few free blocks (no
         preemption here), or nothing left to decode. A sequence whose ``prev`` token is its
-        last by length (max_new_tokens, max_seq_len) is left out; one that then stops on
+        last by length (``Sequence.is_last_by_length``) is left out; one that then stops on
         EOS / a stop token / a stop string has its extra token discarded by ``update``
         (it is no longer running) and its blocks were already freed by ``finish``.
         """
@@ -288,15 +292,13 @@ class Scheduler:
         else:
             sampled = {id(ss.seq): ss for ss in prev_rows}
             pairs = ((seq, sampled.get(id(seq))) for seq in running)
-        max_seq_len = cfg.max_seq_len
         picked: list[ScheduledSequence] = []
         grow: list[tuple[Sequence, int]] = []  # rows whose next token starts a new block
         need = 0
         for seq, ss in pairs:
             if ss is None or seq.num_computed_tokens != ss.start_position:
                 return None
-            n_out = len(seq.output_token_ids) + 1  # with prev's token
-            if n_out >= seq.max_new_tokens or len(seq.prompt_token_ids) + n_out >= max_seq_len:
+            if seq.is_last_by_length(len(seq.output_token_ids) + 1):  # prev's token ends it
                 continue
             n_prev = ss.num_new_tokens
             start = ss.start_position + n_prev
@@ -329,7 +331,11 @@ class Scheduler:
         """Apply a computed step: advance sequences, append sampled tokens, finish the done ones.
 
         ``sampled_token_ids`` holds one id per scheduled sequence with ``sample=True``, in batch
-        order. Returns the sequences that finished in this step (``finish_reason`` set).
+        order. Returns the sequences that finished in this step. The stop decisions on tokens
+        are made here, once: a model EOS id (unless ``ignore_eos``) or a ``stop_token_ids`` id
+        finishes with STOP (``stop_token_id`` set), then ``Sequence.is_last_by_length`` with
+        LENGTH. Post-processing reads ``finish_reason`` / ``stop_token_id``; it decides only
+        what needs the text (stop strings, through ``finish``).
         """
         seqs = batch.sequences
         n_sampled = sum(map(_SAMPLE, seqs))
@@ -343,7 +349,6 @@ class Scheduler:
         tpb = self.kv.tokens_per_block
         reuse = self.kv.enable_block_reuse
         running = SequenceStatus.RUNNING
-        max_seq_len = self.limits.max_seq_len
         last_sp: Any = None
         stop_ids: frozenset[int] = frozenset()
         for ss in seqs:
@@ -365,21 +370,19 @@ class Scheduler:
             token = int(token)
             out = seq.output_token_ids
             out.append(token)
-            n_out = len(out)
             if seq.sampling is not last_sp:  # consecutive rows often share one params object
                 last_sp = seq.sampling
                 stop_ids = self._stop_ids(last_sp)
-            if (  # _stop_reason's conditions, inlined: most tokens end nothing
-                token not in stop_ids
-                and n_out < seq.max_new_tokens
-                and len(seq.prompt_token_ids) + n_out < max_seq_len
-            ):
-                continue
-            reason = self._stop_reason(seq, token)
-            if reason is not None:
-                self._running.remove(seq)
-                self._finish(seq, reason)
-                finished.append(seq)
+            if token in stop_ids:
+                seq.stop_token_id = token
+                reason = FinishReason.STOP
+            elif seq.is_last_by_length(len(out)):
+                reason = FinishReason.LENGTH
+            else:
+                continue  # most tokens end nothing
+            self._running.remove(seq)
+            self._finish(seq, reason)
+            finished.append(seq)
         return finished
 
     def _stop_ids(self, sp: Any) -> frozenset[int]:
@@ -393,19 +396,6 @@ class Scheduler:
             self._stop_cache.clear()
         self._stop_cache[id(sp)] = (sp, ids)
         return ids
-
-    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
-        sp = seq.sampling
-        if token in self._eos and not sp.ignore_eos:
-            return FinishReason.STOP
-        if sp.stop_token_ids and token in sp.stop_token_ids:
-            return FinishReason.STOP
-        n_out = len(seq.output_token_ids)
-        if n_out >= seq.max_new_tokens:
-            return FinishReason.LENGTH
-        if len(seq.prompt_token_ids) + n_out >= self.limits.max_seq_len:
-            return FinishReason.LENGTH
-        return None
 
     # ---------------------------------------------------------------- introspection
     def has_unfinished(self) -> bool:

@@ -38,7 +38,7 @@ _SEQ = operator.attrgetter("seq")
 _START = operator.attrgetter("start_position")
 _NEW = operator.attrgetter("num_new_tokens")
 _SAMPLE = operator.attrgetter("sample")
-_TABLE = operator.attrgetter("block_table")
+_VERSION = operator.attrgetter("block_table_version")
 _OUT = operator.attrgetter("output_token_ids")
 _PARAMS = operator.attrgetter("sampling")
 _LAST = operator.itemgetter(-1)
@@ -48,23 +48,27 @@ class DecodeRowCache:
     """Per-sequence state kept across decode steps, so a decode step reads each sequence in
     a few C-level passes instead of rebuilding its rows from Python lists.
 
-    A row holds a sequence's block-table entries seen so far (int32, -1 beyond), its prompt
-    length, seed and constant sampling columns. Rows are keyed by Sequence identity (the
-    cache keeps the object, so its id is not reused while the row lives) and its blocks are
-    trusted only while the sequence's ``block_table`` is the same list object: the
-    KVCacheManager replaces the list when it allocates or frees and only appends to it in
-    place, so the blocks appended since the row was filled are copied in. A sequence's
-    ``prompt_token_ids`` and ``sampling`` are never replaced or mutated after it is created
-    (nothing in the runtime does); they are re-checked (by identity) whenever the batch's
-    sequences or block lists differ from the previous decode step's. A block list that
-    shrinks in place has its row refilled. When the rows run out, the cache starts over
-    with the current batch.
+    A row holds a sequence's block-table entries (int32, -1 beyond), its prompt length,
+    seed and constant sampling columns. Rows are keyed by Sequence identity (the cache
+    keeps the object, so its id is not reused while the row lives).
+
+    Block tables follow the KVCacheManager's version contract (``Sequence.
+    block_table_version``, runtime/kv_cache.py), never the list object's identity: a row
+    re-reads its sequence's table exactly when the version differs from the one it copied,
+    only the appended blocks when no reset happened since (``block_table_reset_version``),
+    else the whole table. A sequence's ``prompt_token_ids`` and ``sampling`` are never
+    replaced or mutated after it is created (nothing in the runtime does); they are
+    re-checked (by identity) whenever the batch's sequences differ from the previous decode
+    step's. When the rows run out, the cache starts over with the current batch.
     """
 
     def __init__(self, capacity: int, width: int) -> None:
         self.capacity, self.width = capacity, width
         self.table = np.full((capacity, width), -1, dtype=np.int32)
         self.filled = np.zeros(capacity, dtype=np.int64)
+        """Entries of ``table`` copied per row: min(len(block_table), width)."""
+        self.version = np.full(capacity, -1, dtype=np.int64)
+        """The ``block_table_version`` each row copied (-1: none yet)."""
         self.seed = np.zeros(capacity, dtype=np.int64)
         self.top_k = np.zeros(capacity, dtype=np.int32)
         self.floats = np.zeros((capacity, len(smp.FLOAT_COLUMNS)), dtype=np.float32)
@@ -74,47 +78,44 @@ class DecodeRowCache:
 
     def _clear(self) -> None:
         self.seqs: list[Any] = [None] * self.capacity
-        self.lists: list[Any] = [None] * self.capacity
         self.params: list[Any] = [None] * self.capacity
         self.prompts: list[Any] = [None] * self.capacity
         self.row_of: dict[int, int] = {}
         self.next = 0
-        self._last_lists: list[Any] = []
+        self._last_seqs: list[Any] = []
         self._last_idx = np.zeros(0, dtype=np.int64)
 
     def _fill(self, r: int, seq: Any) -> None:
         """(Re)fill row ``r`` from ``seq`` (its blocks are copied in by ``rows``)."""
         p = seq.sampling
-        self.seqs[r], self.lists[r], self.params[r] = seq, seq.block_table, p
+        self.seqs[r], self.params[r] = seq, p
         self.prompts[r] = seq.prompt_token_ids
         self.prompt_len[r] = len(seq.prompt_token_ids)
         self.table[r] = -1
         self.filled[r] = 0
+        self.version[r] = -1
         self.seed[r] = smp.row_seed(seq)
         const = smp._const_row(p)
         self.top_k[r] = const[0]
         self.floats[r] = const[1:]
-        self.plain[r] = p.logprobs is None and not p.uses_penalties
+        self.plain[r] = p.is_plain
 
-    def rows(self, seqs: list[Any], lists: list[Any], have: np.ndarray) -> np.ndarray:
-        """The rows [b] int64 of ``seqs`` (whose block_tables are ``lists``, of lengths
-        ``have``), filled up to ``min(have, width)`` blocks."""
-        # a block list object belongs to one sequence for its whole life (the KVCacheManager
-        # makes a new list per allocation), so the same lists mean the same sequences
+    def rows(self, seqs: list[Any], versions: np.ndarray) -> np.ndarray:
+        """The rows [b] int64 of ``seqs`` (whose ``block_table_version`` are ``versions``),
+        their tables up to date (``filled`` = min(len(block_table), width) blocks)."""
         if not (
-            len(lists) == len(self._last_lists) and all(map(operator.is_, lists, self._last_lists))
+            len(seqs) == len(self._last_seqs) and all(map(operator.is_, seqs, self._last_seqs))
         ):
-            self._last_idx = self._locate(seqs, lists)
-            self._last_lists = lists
+            self._last_idx = self._locate(seqs)
+            self._last_seqs = seqs
         idx = self._last_idx
-        need = np.minimum(have, self.width)
-        for i in np.nonzero(need != self.filled[idx])[0].tolist():
-            self._copy_blocks(int(idx[i]), lists[i], int(need[i]))
+        for i in np.nonzero(versions != self.version[idx])[0].tolist():
+            self._copy_blocks(int(idx[i]), seqs[i])
         return idx
 
-    def _locate(self, seqs: list[Any], lists: list[Any]) -> np.ndarray:
-        """The rows of ``seqs``: new sequences get a row; a row whose block list is no
-        longer the sequence's is refilled."""
+    def _locate(self, seqs: list[Any]) -> np.ndarray:
+        """The rows of ``seqs``: new sequences get a row; a row whose sequence's params or
+        prompt object changed is refilled."""
         rows = list(map(self.row_of.get, map(id, seqs)))
         if None in rows:
             missing = [i for i, r in enumerate(rows) if r is None]
@@ -128,21 +129,21 @@ class DecodeRowCache:
                 self._fill(r, seqs[i])
         for i, r in enumerate(rows):
             seq = seqs[i]
-            if (
-                lists[i] is not self.lists[r]
-                or seq.sampling is not self.params[r]
-                or seq.prompt_token_ids is not self.prompts[r]
-            ):
+            if seq.sampling is not self.params[r] or seq.prompt_token_ids is not self.prompts[r]:
                 self._fill(r, seq)
         return np.asarray(rows, dtype=np.int64)
 
-    def _copy_blocks(self, r: int, blocks: list[int], n: int) -> None:
+    def _copy_blocks(self, r: int, seq: Any) -> None:
+        """Bring row ``r`` to ``seq``'s current table version."""
+        blocks = seq.block_table
+        n = min(len(blocks), self.width)
         f = int(self.filled[r])
-        if n < f:  # not an append: refill the row
-            self.table[r] = -1
+        if seq.block_table_reset_version > self.version[r]:  # a new table: refill the row
+            self.table[r, n:f] = -1
             f = 0
         self.table[r, f:n] = blocks[f:n]
         self.filled[r] = n
+        self.version[r] = seq.block_table_version
 
 
 @dataclass
@@ -261,14 +262,14 @@ class StepInputBuilder:
         if ahead and (len(src_rows) != b or min(src_rows, default=0) < 0):
             raise EngineError(f"step {batch.step_id}: src_rows must give a row >= 0 per sequence")
         seqs = list(map(_SEQ, sched))
-        lists = list(map(_TABLE, seqs))
         outs = list(map(_OUT, seqs))
         p = np.fromiter(map(_START, sched), dtype=np.int64, count=b)
         new = np.fromiter(map(_NEW, sched), dtype=np.int64, count=b)
         nout = np.fromiter(map(len, outs), dtype=np.int64, count=b)
-        have = np.fromiter(map(len, lists), dtype=np.int64, count=b)
+        versions = np.fromiter(map(_VERSION, seqs), dtype=np.int64, count=b)
         cache = self.row_cache
-        rows = cache.rows(seqs, lists, have)
+        rows = cache.rows(seqs, versions)
+        have = cache.filled[rows]  # blocks of each table (up to max_blocks_per_seq)
         known = cache.prompt_len[rows] + nout
         tpb = self.limits.tokens_per_block
         nblk = p // tpb + 1
@@ -293,7 +294,7 @@ class StepInputBuilder:
         blk = p // tpb
         nb = int(nblk.max()) if b else 1
         table = cache.table[rows, :nb]
-        if bool((cache.filled[rows] > nblk).any()):
+        if bool((have > nblk).any()):
             table[np.arange(nb) >= nblk[:, None]] = -1
         slots = table[np.arange(b), blk].astype(np.int64) * tpb + p % tpb
         src = np.asarray(src_rows, dtype=np.int64) if ahead else np.full(b, -1, dtype=np.int64)
@@ -327,7 +328,6 @@ class StepInputBuilder:
         static workspace; ``src_rows`` as in ``decode_rows`` (async scheduling)."""
         seqs = list(batch.sequences)
         tpb = self.limits.tokens_per_block
-        cols: dict[str, Any] | None = None
         if src_rows is not None or set(map(_NEW, seqs)) <= {1}:
             order = seqs
             rows, dcols, plain = self.decode_step(batch, src_rows)
@@ -367,17 +367,11 @@ class StepInputBuilder:
             logits_rows = [last_row[id(s)] for s in sampled]
             num_decode = sum(1 for s in order if s.num_new_tokens == 1)
             max_query = max(s.num_new_tokens for s in order)
-            if src_rows is not None and any(
-                s.seq.sampling.logprobs is not None or s.seq.sampling.uses_penalties
-                for s in sampled
-            ):
-                raise EngineError(
-                    f"step {batch.step_id}: async scheduling does not serve penalties or logprobs"
-                )
+            cols = smp.sampling_columns([s.seq for s in sampled])
         st = self.staging
         st.begin()
         st.add("input_ids", flat_ids, "int64")
-        if src is not None and src_rows is not None:
+        if src_rows is not None:
             st.add("src_rows", src, "int64")
         st.add("positions", positions, "int64")
         st.add("slot_mapping", slots, "int64")
@@ -385,8 +379,6 @@ class StepInputBuilder:
         st.add("cu_seqlens_q", cu, "int32")
         st.add("seq_lens", seq_lens, "int32")
         st.add("block_tables", tables.reshape(-1), "int32")
-        if cols is None:
-            cols = smp.sampling_columns([s.seq for s in sampled], 1 if src_rows is not None else 0)
         for name in smp.INT64_COLUMNS:
             st.add(name, cols[name], "int64")
         for name in smp.INT32_COLUMNS:

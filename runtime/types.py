@@ -84,6 +84,16 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
         )
 
+    @property
+    def is_plain(self) -> bool:
+        """Plain sampling: a row with these params needs only its constant sampling columns,
+        no logprobs (their own device→host copy) and no penalties (counts of the token
+        history, built on the host). The one statement of the rule behind the fast paths:
+        CUDA-graph decode steps (``cuda_graphs.graph_eligible``), async scheduling
+        (``engine_step.ahead_ok``) and the decode row cache (``step_inputs.DecodeRowCache``)
+        serve only plain rows."""
+        return self.logprobs is None and not self.uses_penalties
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -124,7 +134,9 @@ class Sequence:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     max_new_tokens: int
-    """Effective limit (sampling.max_new_tokens, maybe clamped to max_seq_len)."""
+    """Effective limit (sampling.max_new_tokens, maybe clamped to max_seq_len): admission
+    (``admission.check_new_sequence``) guarantees prompt + max_new_tokens <= max_seq_len,
+    so this one number is the whole length limit (``is_last_by_length``)."""
     arrival_time: float
     priority: int = 0
     output_token_ids: list[int] = field(default_factory=list)
@@ -132,10 +144,24 @@ class Sequence:
     num_computed_tokens: int = 0
     """Tokens whose K/V are in the cache (prefix hits count)."""
     block_table: list[int] = field(default_factory=list)
+    block_table_version: int = 0
+    """Bumped by the KVCacheManager on every change of ``block_table`` (blocks shared at
+    admission, appended blocks, the free at finish or preemption). Whoever keeps a copy of
+    the table (``step_inputs.DecodeRowCache``) re-reads it exactly when this changed."""
+    block_table_reset_version: int = 0
+    """The ``block_table_version`` at which the table last started over (admission, free).
+    Between two resets the table only grows at its end, so a copy taken at a version
+    ``>= block_table_reset_version`` misses only the blocks appended since."""
     num_cached_tokens: int = 0
     """Prompt tokens served from reused prefix blocks at the last admission."""
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
+    """Set when the sequence finishes, by the one who decides it: ``Scheduler.update``
+    (EOS / stop token id: STOP; length: LENGTH) or a ``Scheduler.finish`` call (the
+    Executor's post-processing for a stop string, which only the text shows; a cancel)."""
+    stop_token_id: int | None = None
+    """The EOS / stop token id that finished the sequence (``Scheduler.update``), else None.
+    Its id is the last output token; its text is not part of the output text."""
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -156,6 +182,15 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def is_last_by_length(self, num_output_tokens: int) -> bool:
+        """Whether output token number ``num_output_tokens`` (counted from 1) is the last
+        this sequence may have (finish reason LENGTH). The one statement of the length
+        rule: ``max_new_tokens`` already includes the ``max_seq_len`` limit (see there).
+        ``Scheduler.update`` asks it of a sampled token; async scheduling
+        (``Scheduler.schedule_ahead``, ``engine_step.ahead_ok``) asks it of the token a
+        step in flight is sampling (``len(output_token_ids) + 1``)."""
+        return num_output_tokens >= self.max_new_tokens
 
 
 @dataclass(frozen=True)

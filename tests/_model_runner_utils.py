@@ -49,7 +49,8 @@ def make_runner(spec, weights, **kw) -> ModelRunner:
 
 
 class BlockAllocator:
-    """Hands out block ids in a shuffled order; never frees (tests are short)."""
+    """Hands out block ids in a shuffled order; never frees (tests are short). Keeps the
+    KVCacheManager's contract: an appended block bumps ``seq.block_table_version``."""
 
     def __init__(self, num_blocks: int, tokens_per_block: int, seed: int = 0) -> None:
         self.free = list(range(num_blocks))
@@ -59,6 +60,7 @@ class BlockAllocator:
     def ensure(self, seq: Sequence, num_tokens: int) -> None:
         while len(seq.block_table) * self.tpb < num_tokens:
             seq.block_table.append(self.free.pop())
+            seq.block_table_version += 1
 
 
 def new_seq(rid: int, prompt: list[int], max_new: int, **sampling) -> Sequence:
