@@ -1,15 +1,21 @@
 """CUDA graphs of decode-only steps: one graph per batch-size bucket, replayed by ModelRunner.
 
-A decode-only step (every sequence has exactly one new token and is sampled, no penalty
-and no logprobs) of ``b`` sequences runs as the graph of the smallest bucket ``B >= b``.
-The graph's inputs are fixed addresses:
+A decode-only step (every sequence has exactly one new token and is sampled, plain
+sampling: ``SamplingParams.is_plain``) of ``b`` sequences runs as the graph of the
+smallest bucket ``B >= b``. ``DecodeGraphs`` gets its collaborators at construction, each
+through its public interface: the step-input builder (``StepInputBuilder``: the staging
+buffer, the static workspace buffers, the decode rows and the device-side token gather),
+the forward callable (``ModelRunner.forward``: prepared inputs → logits) and the backend
+(``sample``; ``reserve`` when it has one). It knows nothing of the ModelRunner, which
+reads the sampled ids back itself. The graph's inputs are fixed addresses:
 
-- the step's host inputs are staged by ``ModelRunner.staging`` in a fixed section order
-  with every section padded to ``B`` rows, so the sections' device addresses (in the
-  staging mirror) are the same at capture and at every replay (checked per replay);
+- the step's host inputs are staged by ``StepInputBuilder.staging`` in a fixed section
+  order with every section padded to ``B`` rows, so the sections' device addresses (in
+  the staging mirror) are the same at capture and at every replay (checked per replay
+  against the views ``Staging.upload`` returns);
 - inside the graph they are copied into the workspace views (input_ids, positions,
   slot_mapping, seq_lens, block_tables with the full ``max_blocks_per_seq`` stride,
-  constant cu_seqlens_q = 0..B and logits_indices = 0..B-1), then the runner's forward,
+  constant cu_seqlens_q = 0..B and logits_indices = 0..B-1), then the forward,
   ``backend.sample`` and the copy into ``sampled_ids`` run.
 
 Padding rows: token 0 at position 0, cache slot -1 (the RoPE/KV-write kernel skips it),
@@ -19,9 +25,9 @@ neutral sampling columns; their sampled ids are never read back.
 Invariants: graphs are captured largest bucket first into ONE memory pool, after an eager
 warm-up of each bucket (module loads, cuBLAS handles) and after ``backend.reserve`` (the
 backend's scratch is allocated outside the graphs). A replay does one host→device copy
-(staging), one graph launch and one device→host copy of the ``b`` sampled ids; nothing
-is allocated on the device. Flash-decoding splits are fixed per bucket at capture for
-``max_seq_len`` (the kernel divides each sequence's actual context among them).
+(staging), one graph launch and, by the runner, one device→host copy of the ``b`` sampled
+ids; nothing is allocated on the device. Flash-decoding splits are fixed per bucket at
+capture for ``max_seq_len`` (the kernel divides each sequence's actual context among them).
 """
 
 from __future__ import annotations
@@ -29,18 +35,17 @@ from __future__ import annotations
 import gc
 import operator
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
 
 from llmc.base.errors import ConfigError, EngineError
-from llmc.cuda.backend import AttentionMetadata, SamplingMetadata
+from llmc.cuda.backend import AttentionMetadata, Backend, SamplingMetadata
 from llmc.runtime import sampling as smp
+from llmc.runtime.step_inputs import StepInputBuilder, StepInputs
 from llmc.runtime.types import ScheduledBatch
-
-if TYPE_CHECKING:
-    from llmc.runtime.model_runner import ModelRunner, PendingStep, StepOutput
 
 _NEW = operator.attrgetter("num_new_tokens")
 _SAMPLE = operator.attrgetter("sample")
@@ -79,35 +84,49 @@ def graph_eligible(batch: ScheduledBatch) -> bool:
     return all(p.is_plain for p in distinct)
 
 
+Forward = Callable[[StepInputs], torch.Tensor | None]
+"""Prepared step inputs → logits of the sampled rows (``ModelRunner.forward``)."""
+
+Layout = list[tuple[str, int, int, torch.dtype]]
+"""(section, device address, rows, dtype) of each staged section, in staging order."""
+
+
+def _layout(dev: dict[str, torch.Tensor]) -> Layout:
+    return [(name, t.data_ptr(), t.shape[0], t.dtype) for name, t in dev.items()]
+
+
 class DecodeGraphs:
-    """The captured decode graphs of one ModelRunner (CUDA backends only)."""
+    """The captured decode graphs over one StepInputBuilder, forward and backend (CUDA
+    backends only)."""
 
     def __init__(
         self,
-        runner: ModelRunner,
+        inputs: StepInputBuilder,
+        forward: Forward,
+        backend: Backend,
         buckets: tuple[int, ...] | None = None,
         *,
         allow_cpu: bool = False,
     ) -> None:
         """``allow_cpu``: for tests and host-time tools whose subclass replaces ``capture``."""
-        if runner.device.type != "cuda" and not allow_cpu:
+        if inputs.device.type != "cuda" and not allow_cpu:
             raise ConfigError("CUDA graphs need a CUDA device")
-        most = min(runner.limits.max_batch_size, runner.limits.max_num_tokens)
+        most = min(inputs.limits.max_batch_size, inputs.limits.max_num_tokens)
         buckets = buckets or default_buckets(most)
         bad = [b for b in buckets if not 0 < b <= most]
         if bad:
             raise ConfigError(
                 f"CUDA graph bucket {bad[0]} is outside [1, min(max_batch_size, max_num_tokens)]"
             )
-        self.runner = runner
+        self.inputs, self.forward, self.backend = inputs, forward, backend
+        self.device = inputs.device
         self.buckets = tuple(sorted(set(buckets)))
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._layout: dict[int, list[tuple[str, int, int, torch.dtype]]] = {}
+        self._layout: dict[int, Layout] = {}
         self._pool: Any = None
         n = self.buckets[-1]
-        dev = runner.device
-        self._ar32 = torch.arange(n + 1, dtype=torch.int32, device=dev)
-        self._ar64 = torch.arange(n, dtype=torch.int64, device=dev)
+        self._ar32 = torch.arange(n + 1, dtype=torch.int32, device=self.device)
+        self._ar64 = torch.arange(n, dtype=torch.int64, device=self.device)
         self.capture_seconds = 0.0
         self.replays = 0
 
@@ -121,15 +140,15 @@ class DecodeGraphs:
         cols: dict[str, Any] | None = None,
     ) -> dict:
         """Stage padded inputs of ``big`` rows. ``rows`` = (token ids, positions, slots,
-        source rows, block tables [b, nb]) of the ``b`` real rows, or None (capture);
-        ``cols``: their sampling columns (``StepInputBuilder.decode_step``), else computed
-        from ``seqs``. Each section is written in place in the staging buffer."""
-        r = self.runner
-        mbs = r.limits.max_blocks_per_seq
+        source rows, block tables [b, nb]) of the ``b`` real rows, or None (capture: the
+        bucket's layout is recorded); ``cols``: their sampling columns
+        (``StepInputBuilder.decode_step``), else computed from ``seqs``. Each section is
+        written in place in the staging buffer."""
+        mbs = self.inputs.limits.max_blocks_per_seq
         b = 0 if rows is None else len(rows[0])
         if cols is None:
             cols = smp.sampling_columns(seqs, offset_extra)
-        st = r.staging
+        st = self.inputs.staging
         st.begin()
         # (section, index in ``rows``, padding value)
         pads = (
@@ -162,13 +181,16 @@ class DecodeGraphs:
                 view = st.reserve(name, big, dt)
                 view[:b] = cols[name]
                 view[b:] = _PAD_COLUMN[name]
-        return st.upload()
+        dev = st.upload()
+        if rows is None:
+            self._layout[big] = _layout(dev)
+        return dev
 
     def _body(self, big: int, dev: dict[str, torch.Tensor]) -> None:
         """What one graph computes (also run eagerly as the warm-up)."""
-        r = self.runner
-        ws, mbs = r.workspace, r.limits.max_blocks_per_seq
-        r.gather_input_ids(ws["input_ids"][:big], dev["input_ids"], dev["src_rows"])
+        inputs = self.inputs
+        ws, mbs = inputs.workspace, inputs.limits.max_blocks_per_seq
+        inputs.gather_input_ids(ws["input_ids"][:big], dev["input_ids"], dev["src_rows"])
         for name in ("positions", "slot_mapping", "seq_lens"):
             ws[name][:big].copy_(dev[name])
         bt = ws["block_tables"].view(-1)[: big * mbs].view(big, mbs)
@@ -183,16 +205,14 @@ class DecodeGraphs:
             block_tables=bt,
             num_decode_seqs=big,
             max_query_len=1,
-            max_seq_len=r.limits.max_seq_len,
+            max_seq_len=inputs.limits.max_seq_len,
             partial_out=ws["attn_partial_out"],
             partial_lse=ws["attn_partial_lse"],
         )
         meta = SamplingMetadata(
             **{n: dev[n] for n in (*smp.INT64_COLUMNS, *smp.INT32_COLUMNS, *smp.FLOAT_COLUMNS)}
         )
-        from llmc.runtime.model_runner import _StepInputs
-
-        inp = _StepInputs(
+        inp = StepInputs(
             num_tokens=big,
             num_sampled=big,
             sampled=[],
@@ -201,20 +221,20 @@ class DecodeGraphs:
             logits_indices=ws["logits_indices"][:big],
             sampling=meta,
         )
-        logits = r._forward(inp)
+        logits = self.forward(inp)
         assert logits is not None
-        ids = r.backend.sample(logits, meta)
+        ids = self.backend.sample(logits, meta)
         ws["sampled_ids"][:big].copy_(ids)
 
     # ---- capture ---------------------------------------------------------------------
     def capture(self) -> None:
         """Warm up and capture every bucket, largest first, into one memory pool."""
-        r = self.runner
         t0 = time.perf_counter()
-        reserve = getattr(r.backend, "reserve", None)
+        be, spec = self.backend, self.inputs.spec
+        reserve = getattr(be, "reserve", None)
         if reserve is not None:
-            n = max(getattr(r.backend, "max_num_seqs", 0), self.buckets[-1])
-            reserve(n, r.spec.num_heads, r.spec.head_dim, vocab_rows=self.buckets[-1])
+            n = max(getattr(be, "max_num_seqs", 0), self.buckets[-1])
+            reserve(n, spec.num_heads, spec.head_dim, vocab_rows=self.buckets[-1])
         self._pool = torch.cuda.graph_pool_handle()
         # A garbage collection during capture can free an earlier runtime's pinned buffers
         # or events (cudaFreeHost / event calls are illegal while capturing and invalidate
@@ -230,17 +250,15 @@ class DecodeGraphs:
         self.capture_seconds = time.perf_counter() - t0
 
     def _capture_buckets(self) -> None:
-        r = self.runner
         for big in sorted(self.buckets, reverse=True):
             dev = self._stage(big, None, [])
-            self._layout[big] = list(r.staging._sections)
             self._body(big, dev)  # eager warm-up: kernel modules, cuBLAS handles
-            torch.cuda.synchronize(r.device)
+            torch.cuda.synchronize(self.device)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self._pool):
                 self._body(big, dev)
             self.graphs[big] = g
-        torch.cuda.synchronize(r.device)
+        torch.cuda.synchronize(self.device)
 
     # ---- replay ----------------------------------------------------------------------
     def bucket_for(self, n: int) -> int | None:
@@ -256,29 +274,22 @@ class DecodeGraphs:
             and graph_eligible(batch)
         )
 
-    def run(self, batch: ScheduledBatch) -> StepOutput:
-        """Run a decode-only ``batch`` (``can_run`` true) by graph replay."""
-        return self.launch(batch).result()
-
-    def launch(self, batch: ScheduledBatch, src_rows: list[int] | None = None) -> PendingStep:
-        """Stage and replay a decode-only ``batch`` (``can_run`` true) without waiting.
-
-        ``src_rows[i] >= 0``: row ``i``'s input token is row ``src_rows[i]`` of the previous
-        step's sampled ids, still on the device (async scheduling); its sampling offset then
-        counts that token too. The ids come back through ``PendingStep.result()``.
-        """
-        r = self.runner
-        t0 = time.perf_counter()
-        rows, cols, _ = r.decode_step(batch, src_rows)
+    def stage(self, batch: ScheduledBatch, src_rows: list[int] | None = None) -> tuple[int, int]:
+        """Stage a decode-only ``batch`` (``can_run`` true) for its bucket's graph; returns
+        (rows ``b``, bucket). ``src_rows[i] >= 0``: row ``i``'s input token is row
+        ``src_rows[i]`` of the previous step's sampled ids, still on the device (async
+        scheduling); its sampling offset then counts that token too."""
+        rows, cols, _ = self.inputs.decode_step(batch, src_rows)
         b = len(rows[0])
         big = self.bucket_for(b)
         assert big is not None
-        self._stage(big, rows, [], 1 if src_rows is not None else 0, cols)
-        if r.staging._sections != self._layout[big]:
+        dev = self._stage(big, rows, [], 1 if src_rows is not None else 0, cols)
+        if _layout(dev) != self._layout[big]:
             raise EngineError(f"CUDA graph bucket {big}: staging layout changed since capture")
-        t1 = time.perf_counter()
+        return b, big
+
+    def replay(self, big: int) -> None:
+        """Launch bucket ``big``'s graph on what ``stage`` staged; the sampled ids land in
+        the first rows of the workspace's ``sampled_ids`` (the caller reads them back)."""
         self.graphs[big].replay()
         self.replays += 1
-        pending = r.read_back_ids(b, {"prepare": t1 - t0})
-        pending.times["forward"] = time.perf_counter() - t1
-        return pending

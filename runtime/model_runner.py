@@ -9,14 +9,15 @@ Per ``step(batch)``:
    add+norm, gate_up, silu·mul, down, (add+norm fused with the next layer's norm)] →
    final add+norm → gather the sampled rows → lm_head (embed_tokens when tied) → logits.
    Steps of at most ``backend.fused_decode_max_tokens`` tokens run fused small-batch ops
-   instead (norm+qkv, o_proj+add, norm+gate_up+SiLU, down+add; see ``_forward``).
+   instead (norm+qkv, o_proj+add, norm+gate_up+SiLU, down+add; see ``forward``).
    Every op writes into a view of the workspace arena (the memory plan's offsets).
 3. sample: ``backend.sample`` → ``sampled_ids``; ONE device→host copy returns the ids (and,
    when a row asked for them, the log-probabilities packed in the same copy).
 
 After ``capture_cuda_graphs()``, decode-only steps (one new token per sequence, plain
 sampling) instead replay the CUDA graph of their batch-size bucket
-(``llmc.runtime.cuda_graphs``): one staging copy, one graph launch, one copy of the ids.
+(``llmc.runtime.cuda_graphs.DecodeGraphs``, built on the runner's StepInputBuilder,
+``forward`` and backend): one staging copy, one graph launch, one copy of the ids.
 
 Invariants: tokens are returned in the batch's order (one per sequence with ``sample``);
 the KV-cache tensors (``kv_cache``) are written only at the step's slots; on CUDA the only
@@ -32,7 +33,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from llmc.base.errors import EngineError
@@ -41,6 +41,7 @@ from llmc.compiler.memory_plan import PlannedBuffer, plan_workspace
 from llmc.compiler.spec import ModelSpec
 from llmc.cuda.backend import Backend
 from llmc.runtime import sampling as smp
+from llmc.runtime.cuda_graphs import DecodeGraphs
 from llmc.runtime.kv_tensors import KVCacheTensors, allocate_kv_cache
 from llmc.runtime.rope import cos_sin_tables
 from llmc.runtime.step_inputs import StepInputBuilder, StepInputs
@@ -56,9 +57,6 @@ class StepOutput:
     logprobs: list[smp.TokenLogprobs | None] | None = None
     phase_times: dict[str, float] = field(default_factory=dict)
     """Seconds of 'prepare', 'forward' and 'sample'."""
-
-
-_StepInputs = StepInputs  # the name llmc.runtime.cuda_graphs imports
 
 
 class ModelRunner:
@@ -98,16 +96,14 @@ class ModelRunner:
         self._host_ids = torch.empty(2, limits.max_batch_size, dtype=torch.int64, pin_memory=pin)
         self._launches = 0
         self._unread = 0  # launched steps whose ids were not read back yet
-        self.graphs: Any = None  # llmc.runtime.cuda_graphs.DecodeGraphs once captured
+        self.graphs: DecodeGraphs | None = None  # once captured
 
     def capture_cuda_graphs(self, buckets: tuple[int, ...] | None = None) -> float:
         """Capture decode-only CUDA graphs per batch-size bucket (default
         ``cuda_graphs.default_buckets``); later decode-only steps replay them. Returns the
         capture time in seconds. Needs a CUDA device and a backend whose launches are
         capturable (the CudaBackend)."""
-        from llmc.runtime.cuda_graphs import DecodeGraphs
-
-        graphs = DecodeGraphs(self, buckets)
+        graphs = DecodeGraphs(self.inputs, self.forward, self.backend, buckets)
         graphs.capture()
         self.graphs = graphs
         return graphs.capture_seconds
@@ -134,30 +130,10 @@ class ModelRunner:
             out["lm_head"] = out["embed_tokens"]
         return out
 
-    # ---- prepare (llmc.runtime.step_inputs) ------------------------------------------
-    def decode_rows(
-        self, batch: ScheduledBatch, src_rows: list[int] | None = None
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """``StepInputBuilder.decode_rows``: the checked rows of a decode-only batch."""
-        return self.inputs.decode_rows(batch, src_rows)
-
-    def decode_step(
-        self, batch: ScheduledBatch, src_rows: list[int] | None = None
-    ) -> tuple[tuple[np.ndarray, ...], dict[str, np.ndarray], np.ndarray]:
-        """``StepInputBuilder.decode_step``: decode rows + their sampling columns."""
-        return self.inputs.decode_step(batch, src_rows)
-
-    def gather_input_ids(self, out: torch.Tensor, staged: torch.Tensor, src: torch.Tensor) -> None:
-        """``StepInputBuilder.gather_input_ids``: staged ids, or the previous step's sampled
-        id where ``src >= 0`` (device-side; capturable in a CUDA graph)."""
-        self.inputs.gather_input_ids(out, staged, src)
-
-    def _prepare(self, batch: ScheduledBatch, src_rows: list[int] | None = None) -> StepInputs:
-        return self.inputs.prepare(batch, src_rows)
-
     # ---- forward -------------------------------------------------------------------
-    def _forward(self, inp: StepInputs) -> torch.Tensor | None:
-        """Run the layers; returns logits [S, V] float32 (a workspace view) or None if S = 0.
+    def forward(self, inp: StepInputs) -> torch.Tensor | None:
+        """Run the layers on inputs ``self.inputs`` prepared; returns logits [S, V] float32
+        (a workspace view) or None if S = 0. Captured as is by the CUDA graphs.
 
         Steps of ``0 < T <= backend.fused_decode_max_tokens`` tokens (attribute absent = 0)
         run each layer as norm_linear (input norm + qkv), rope + KV write, attention,
@@ -225,8 +201,8 @@ class ModelRunner:
     # ---- public --------------------------------------------------------------------
     def forward_logits(self, batch: ScheduledBatch) -> torch.Tensor:
         """Logits [S, V] float32 of the sampled rows (batch order); a copy (for tests)."""
-        inp = self._prepare(batch)
-        logits = self._forward(inp)
+        inp = self.inputs.prepare(batch)
+        logits = self.forward(inp)
         if logits is None:
             return torch.empty(0, self.spec.vocab_size, device=self.device)
         return logits.clone()
@@ -248,11 +224,17 @@ class ModelRunner:
         if batch.is_empty:
             return PendingStep(self, None, None, {}, token_ids=[])
         if self.graphs is not None and self.graphs.can_run(batch):
-            return self.graphs.launch(batch, src_rows)
+            t0 = time.perf_counter()
+            b, big = self.graphs.stage(batch, src_rows)
+            t1 = time.perf_counter()
+            self.graphs.replay(big)
+            pending = self._read_back_ids(b, {"prepare": t1 - t0})
+            pending.times["forward"] = time.perf_counter() - t1
+            return pending
         t0 = time.perf_counter()
-        inp = self._prepare(batch, src_rows)
+        inp = self.inputs.prepare(batch, src_rows)
         t1 = time.perf_counter()
-        logits = self._forward(inp)
+        logits = self.forward(inp)
         t2 = time.perf_counter()
         times: dict[str, Any] = {"prepare": t1 - t0, "forward": t2 - t1}
         if logits is None or inp.sampling is None:
@@ -268,11 +250,11 @@ class ModelRunner:
             logprobs = smp.unpack_logprobs(packed, [x.seq for x in inp.sampled])
             times["sample"] = time.perf_counter() - t2
             return PendingStep(self, None, None, times, token_ids=token_ids, logprobs=logprobs)
-        pending = self.read_back_ids(s, times)
+        pending = self._read_back_ids(s, times)
         times["sample"] = time.perf_counter() - t2  # sampling launch; result() adds the wait
         return pending
 
-    def read_back_ids(self, n: int, times: dict[str, Any]) -> PendingStep:
+    def _read_back_ids(self, n: int, times: dict[str, Any]) -> PendingStep:
         """Start the device→host copy of the first ``n`` sampled ids (pinned buffer, event)."""
         host = self._host_ids[self._launches % 2, :n]
         self._launches += 1

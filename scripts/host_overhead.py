@@ -7,7 +7,8 @@ returns a fixed id (never EOS: requests run to ``--osl``). Two step paths:
 
 - ``--path graph`` (default): decode-only steps go through ``DecodeGraphs`` with a replay
   that does nothing (the CUDA-graph path's host work: staging, replay call, id copy);
-- ``--path eager``: every step through ``ModelRunner._prepare`` / ``_forward`` (no-op ops).
+- ``--path eager``: every step through ``StepInputBuilder.prepare`` / ``ModelRunner.forward``
+  (no-op ops).
 
 Prints µs per phase (median over the decode-only steps after a warm-up), as the profile's
 phase table names them: schedule, prepare, forward, sample, update, and the whole step.
@@ -172,10 +173,8 @@ class MockGraphs(DecodeGraphs):
     """DecodeGraphs on CPU whose 'graphs' replay nothing (host work of the graph path)."""
 
     def capture(self) -> None:
-        r = self.runner
         for big in sorted(self.buckets, reverse=True):
-            self._stage(big, None, [])
-            self._layout[big] = list(r.staging._sections)
+            self._stage(big, None, [])  # records the bucket's staging layout
             self.graphs[big] = _NoopGraph()
 
 
@@ -215,7 +214,7 @@ def build(args: argparse.Namespace, wrap: Any = None) -> Executor:
         num_kv_blocks=num_blocks,
     )
     if args.path == "graph":
-        graphs = MockGraphs(runner, allow_cpu=True)
+        graphs = MockGraphs(runner.inputs, runner.forward, runner.backend, allow_cpu=True)
         graphs.capture()
         runner.graphs = graphs
     kv = KVCacheManager(num_blocks, tpb, enable_block_reuse=True)

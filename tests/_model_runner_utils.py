@@ -21,6 +21,7 @@ from llmc.compiler.limits import EngineLimits
 from llmc.compiler.spec import ModelSpec
 from llmc.compiler.weight_passes import to_engine_weights
 from llmc.cuda.torch_backend import TorchBackend
+from llmc.runtime.cuda_graphs import DecodeGraphs
 from llmc.runtime.model_runner import ModelRunner
 from llmc.runtime.types import SamplingParams, ScheduledBatch, ScheduledSequence, Sequence
 
@@ -46,6 +47,24 @@ def make_runner(spec, weights, **kw) -> ModelRunner:
     args = dict(backend=TorchBackend("cpu"), device="cpu", num_kv_blocks=200)
     args.update({k: v for k, v in kw.items() if k not in names})
     return ModelRunner(spec, weights, limits=make_limits(**limits), **args)
+
+
+class _EagerReplay:
+    def __init__(self, graphs: DecodeGraphs, big: int, dev: dict) -> None:
+        self.graphs, self.big, self.dev = graphs, big, dev
+
+    def replay(self) -> None:
+        self.graphs._body(self.big, self.dev)
+
+
+class EagerGraphs(DecodeGraphs):
+    """The decode-graph path on CPU: 'replay' runs the captured body eagerly on the same
+    (fixed-address) staging views, so layout, padding and the token gather are exercised."""
+
+    def capture(self) -> None:
+        for big in sorted(self.buckets, reverse=True):
+            dev = self._stage(big, None, [])  # records the bucket's staging layout
+            self.graphs[big] = _EagerReplay(self, big, dev)
 
 
 class BlockAllocator:

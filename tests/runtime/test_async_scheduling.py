@@ -8,11 +8,10 @@ CUDA-graph decode path (its staging and device-side token gather, replayed eager
 from __future__ import annotations
 
 import pytest
-from _model_runner_utils import load_engine
+from _model_runner_utils import EagerGraphs, load_engine
 from _runtime_helpers import load_tokenizer, one_torch_thread  # noqa: F401 (fixture)
 
 from llmc.compiler.limits import EngineLimits
-from llmc.runtime.cuda_graphs import DecodeGraphs
 from llmc.runtime.engine_runtime import EngineRuntime, RuntimeConfig
 from llmc.runtime.executor import Executor
 from llmc.runtime.types import Request, SamplingParams
@@ -24,26 +23,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 def tiny(tiny_llama_dir):
     spec, weights = load_engine(tiny_llama_dir)
     return spec, weights, load_tokenizer(tiny_llama_dir, (2,))
-
-
-class _EagerReplay:
-    def __init__(self, graphs: DecodeGraphs, big: int, dev: dict) -> None:
-        self.graphs, self.big, self.dev = graphs, big, dev
-
-    def replay(self) -> None:
-        self.graphs._body(self.big, self.dev)
-
-
-class EagerGraphs(DecodeGraphs):
-    """The decode-graph path on CPU: 'replay' runs the captured body eagerly on the same
-    (fixed-address) staging views, so layout, padding and the token gather are exercised."""
-
-    def capture(self) -> None:
-        r = self.runner
-        for big in sorted(self.buckets, reverse=True):
-            dev = self._stage(big, None, [])
-            self._layout[big] = list(r.staging._sections)
-            self.graphs[big] = _EagerReplay(self, big, dev)
 
 
 def make_runtime(tiny, *, graphs=False, num_blocks=64, max_num_tokens=64, **config):
@@ -67,7 +46,8 @@ def make_runtime(tiny, *, graphs=False, num_blocks=64, max_num_tokens=64, **conf
     )
     assert rt.async_scheduling is False  # CPU runs stay synchronous unless asked
     if graphs:
-        g = EagerGraphs(rt.runner, (1, 2, 4, 6), allow_cpu=True)
+        r = rt.runner
+        g = EagerGraphs(r.inputs, r.forward, r.backend, (1, 2, 4, 6), allow_cpu=True)
         g.capture()
         rt.runner.graphs = g
     return rt

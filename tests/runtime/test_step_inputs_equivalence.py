@@ -135,9 +135,9 @@ def ref_prepare_stage(self, batch, src_rows=None):
 
 
 def ref_graph_stage(graphs, big, batch, src_rows):
-    r = graphs.runner
+    r = graphs.inputs
     mbs = r.limits.max_blocks_per_seq
-    tok, p, sl, sr, bt = ref_decode_rows(r.inputs, batch, src_rows)
+    tok, p, sl, sr, bt = ref_decode_rows(r, batch, src_rows)
     b = len(tok)
     ids = np.zeros(big, dtype=np.int64)
     pos = np.zeros(big, dtype=np.int64)
@@ -195,7 +195,7 @@ def _compare(runner, graphs, batch: ScheduledBatch, src_rows) -> int:
         return 0
     big = graphs.bucket_for(len(batch.sequences))
     extra = 0 if src_rows is None else 1
-    rows, cols, _ = runner.decode_step(batch, src_rows)
+    rows, cols, _ = runner.inputs.decode_step(batch, src_rows)
     graphs._stage(big, rows, [], extra, cols)
     got = _snapshot(st)
     ref_graph_stage(graphs, big, batch, src_rows)
@@ -245,7 +245,7 @@ def test_staging_equals_reference_on_scheduler_batches(
         tokens_per_block=TPB,
         num_kv_blocks=num_blocks,
     )
-    graphs = DecodeGraphs(runner, allow_cpu=True)
+    graphs = DecodeGraphs(runner.inputs, runner.forward, runner.backend, allow_cpu=True)
     if small_cache:  # rows run out every few batches: the cache starts over
         runner.inputs.row_cache = DecodeRowCache(mbs + 3, runner.limits.max_blocks_per_seq)
     limits = make_limits(
