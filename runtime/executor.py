@@ -278,45 +278,41 @@ class Executor:
         with self._step_lock:
             return self._step_async() if self.async_scheduling else self._step()
 
-    def _schedule(self, t0: float) -> ScheduledBatch:
-        """Schedule a step (lock held) and stamp first-scheduled times."""
-        batch = self.scheduler.schedule()
-        for ss in batch.sequences:
-            rec = self._states[ss.seq.request_id].record
-            if rec.scheduled_time is None:
-                rec.scheduled_time = t0
-        if batch.is_empty:
-            raise RuntimeError(
-                f"step {batch.step_id}: the scheduler scheduled nothing although "
-                f"{self.scheduler.num_waiting} requests wait (scheduler bug)"
-            )
-        return batch
-
-    def _step(self) -> bool:
+    def _schedule_next(self) -> InFlight | None:
+        """Apply cancellations and schedule the next step (under the lock), stamping
+        first-scheduled times; None when nothing is left. The step is not launched yet."""
         t0 = _now()
         with self._cv:
             self._apply_cancels()
             if not self.scheduler.has_unfinished():
-                return False
-            batch = self._schedule(t0)
+                return None
+            batch = self.scheduler.schedule()
+            for ss in batch.sequences:
+                rec = self._states[ss.seq.request_id].record
+                if rec.scheduled_time is None:
+                    rec.scheduled_time = t0
+            if batch.is_empty:
+                raise RuntimeError(
+                    f"step {batch.step_id}: the scheduler scheduled nothing although "
+                    f"{self.scheduler.num_waiting} requests wait (scheduler bug)"
+                )
             used = self.scheduler.kv.num_used_blocks
-        t1 = _now()
-        out = self.runner.step(batch)
-        self._complete(InFlight(batch, None, t0, t1 - t0, used), out)
+        return InFlight(batch, None, t0, _now() - t0, used)
+
+    def _step(self) -> bool:
+        cur = self._schedule_next()
+        if cur is None:
+            return False
+        self._complete(cur, self.runner.step(cur.batch))
         return True
 
     def _step_async(self) -> bool:
         cur = self._inflight
         if cur is None:
-            t0 = _now()
-            with self._cv:
-                self._apply_cancels()
-                if not self.scheduler.has_unfinished():
-                    return False
-                batch = self._schedule(t0)
-                used = self.scheduler.kv.num_used_blocks
-            t1 = _now()
-            cur = InFlight(batch, self.runner.launch(batch), t0, t1 - t0, used)
+            cur = self._schedule_next()
+            if cur is None:
+                return False
+            cur.pending = self.runner.launch(cur.batch)
         self._inflight = None
         if ahead_ok(cur.batch):
             t0 = _now()

@@ -39,10 +39,11 @@ from llmc.runtime.types import Sequence
 
 @dataclass(frozen=True)
 class KVCacheStats:
-    """A snapshot of the pool. Reuse counts are in blocks (full blocks looked up at admission)."""
+    """A snapshot of the pool's counters; the numbers derived from them (used blocks, hit
+    rate, utilization) are properties, computed here only. Reuse counts are in blocks
+    (full blocks looked up at admission)."""
 
     total_blocks: int
-    used_blocks: int
     free_blocks: int
     peak_used_blocks: int
     reuse_hits: int
@@ -50,8 +51,16 @@ class KVCacheStats:
     cached_blocks: int
     """Blocks holding a registered hash (in use or free and reusable)."""
     tokens_per_block: int
-    hit_rate: float
-    """reuse_hits / (reuse_hits + reuse_misses); 0.0 before any lookup or with reuse off."""
+
+    @property
+    def used_blocks(self) -> int:
+        return self.total_blocks - self.free_blocks
+
+    @property
+    def hit_rate(self) -> float:
+        """reuse_hits / (reuse_hits + reuse_misses); 0.0 before any lookup or with reuse off."""
+        looked_up = self.reuse_hits + self.reuse_misses
+        return self.reuse_hits / looked_up if looked_up else 0.0
 
     @property
     def utilization(self) -> float:
@@ -60,6 +69,15 @@ class KVCacheStats:
     @property
     def peak_utilization(self) -> float:
         return self.peak_used_blocks / self.total_blocks
+
+
+@dataclass
+class _Counters:
+    """What the pool counts as it runs, named as in KVCacheStats (copied into each one)."""
+
+    peak_used_blocks: int = 0
+    reuse_hits: int = 0
+    reuse_misses: int = 0
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -88,9 +106,7 @@ class KVCacheManager:
         # chain) and how many leading blocks of its table already carry a hash.
         self._seq_hashes: dict[int, list[BlockHash]] = {}
         self._seq_registered: dict[int, int] = {}
-        self._peak_used = 0
-        self._hits = 0
-        self._misses = 0
+        self._counts = _Counters()
 
     # ---------------------------------------------------------------- free list (O(1))
     def _unlink(self, b: int) -> None:
@@ -131,8 +147,8 @@ class KVCacheManager:
 
     def _note_usage(self) -> None:
         used = self.total_blocks - self._num_free
-        if used > self._peak_used:
-            self._peak_used = used
+        if used > self._counts.peak_used_blocks:
+            self._counts.peak_used_blocks = used
 
     # ---------------------------------------------------------------- hashing
     def _hashes(self, seq: Sequence, num_blocks: int) -> list[BlockHash]:
@@ -225,8 +241,8 @@ class KVCacheManager:
         hits = self._lookup_prefix(seq)
         if self.enable_block_reuse:
             eligible = (seq.num_tokens - 1) // self.tokens_per_block
-            self._hits += len(hits)
-            self._misses += eligible - len(hits)
+            self._counts.reuse_hits += len(hits)
+            self._counts.reuse_misses += eligible - len(hits)
         for b in hits:
             if self._ref[b] == 0:
                 self._unlink(b)
@@ -318,16 +334,13 @@ class KVCacheManager:
         return self._ref[block_id]
 
     def stats(self) -> KVCacheStats:
+        """The pool's state and counters now (``KVCacheStats`` derives the rest)."""
         return KVCacheStats(
+            **vars(self._counts),
             total_blocks=self.total_blocks,
-            used_blocks=self.num_used_blocks,
             free_blocks=self._num_free,
-            peak_used_blocks=self._peak_used,
-            reuse_hits=self._hits,
-            reuse_misses=self._misses,
             cached_blocks=len(self._cached),
             tokens_per_block=self.tokens_per_block,
-            hit_rate=self._hits / (self._hits + self._misses) if self._hits + self._misses else 0.0,
         )
 
     def free_block_ids(self) -> list[int]:

@@ -10,9 +10,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from _model_runner_utils import load_engine, make_runner
+from _runtime_helpers import fake_parts
 
 from llmc.runtime.kv_cache import KVCacheManager
-from llmc.runtime.scheduler import Scheduler, SchedulerConfig
 from llmc.runtime.step_inputs import DecodeRowCache
 from llmc.runtime.types import SamplingParams, ScheduledBatch, ScheduledSequence, Sequence
 
@@ -43,15 +43,8 @@ def test_every_table_change_bumps_the_version() -> None:
 
 
 def test_preemption_resets_the_victims_table() -> None:
-    cfg = SchedulerConfig(
-        max_num_tokens=32,
-        max_batch_size=4,
-        max_seq_len=64,
-        max_input_len=32,
-        tokens_per_block=4,
-        policy="max_utilization",
-    )
-    s = Scheduler(cfg, KVCacheManager(6, 4, enable_block_reuse=False))
+    parts = fake_parts(num_blocks=6, max_num_tokens=32, max_batch_size=4, policy="max_utilization")
+    s = parts.scheduler
     a, b = mkseq(0, 8, max_new=12), mkseq(1, 8, max_new=10)
     s.add(a)
     s.add(b)
