@@ -90,7 +90,6 @@ class ModelRunner:
             workspace = plan_workspace(spec, limits)
         self.workspace = Workspace(workspace, self.device)
         self.inputs = StepInputBuilder(spec, self.workspace, self.device, limits)
-        self.staging = self.inputs.staging
         pin = self.device.type == "cuda"
         # two read-back buffers: step N+1 may be launched before step N's ids are read
         self._host_ids = torch.empty(2, limits.max_batch_size, dtype=torch.int64, pin_memory=pin)

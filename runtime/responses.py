@@ -21,6 +21,8 @@ class Response:
     exactly one final one (``is_final``), which also carries the whole output
     (``token_ids``, ``text``). ``logprobs`` holds one entry per token of ``new_token_ids``
     (``llmc.runtime.sampling.TokenLogprobs``) when the request asked for them.
+    ``finish_reason`` is the sequence's, as the Scheduler recorded it (``Scheduler.update``
+    for EOS / stop token ids / length, ``Scheduler.finish`` for stop strings and cancels).
     """
 
     request_id: int

@@ -184,7 +184,7 @@ def _outcome(fn):
 
 
 def _compare(runner, graphs, batch: ScheduledBatch, src_rows) -> int:
-    st = runner.staging
+    st = runner.inputs.staging
     new = _outcome(lambda: runner.inputs.prepare(batch, src_rows))
     new_bytes = _snapshot(st) if new[0] == "ok" else None
     ref = _outcome(lambda: ref_prepare_stage(runner.inputs, batch, src_rows))
