@@ -65,10 +65,8 @@ class DecodeRowCache:
     def __init__(self, capacity: int, width: int) -> None:
         self.capacity, self.width = capacity, width
         self.table = np.full((capacity, width), -1, dtype=np.int32)
-        self.filled = np.zeros(capacity, dtype=np.int64)
-        """Entries of ``table`` copied per row: min(len(block_table), width)."""
-        self.version = np.full(capacity, -1, dtype=np.int64)
-        """The ``block_table_version`` each row copied (-1: none yet)."""
+        self.filled = np.zeros(capacity, dtype=np.int64)  # min(len(block_table), width)
+        self.version = np.full(capacity, -1, dtype=np.int64)  # block_table_version copied
         self.seed = np.zeros(capacity, dtype=np.int64)
         self.top_k = np.zeros(capacity, dtype=np.int32)
         self.floats = np.zeros((capacity, len(smp.FLOAT_COLUMNS)), dtype=np.float32)
