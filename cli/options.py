@@ -36,10 +36,11 @@ Rules this module implements:
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import os
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +51,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from llmc.base.errors import LlmcError, UsageError, did_you_mean
+from llmc.runtime.engine_runtime import RuntimeConfig
 
 PROFILE_SECTIONS = ("description", "model", "build", "workload", "run", "profile")
 """Top-level keys a profile YAML may have; each command reads the section(s) it owns."""
@@ -295,23 +297,89 @@ def human_bytes(n: float | None) -> str:
     raise AssertionError
 
 
-# ---- runtime switches shared by run, bench and profile -------------------------------------
-CudaGraphs = Annotated[
-    bool | None,
-    typer.Option(
-        "--cuda_graphs/--no_cuda_graphs",
-        "--cuda-graphs/--no-cuda-graphs",
-        help="Replay CUDA graphs for decode-only steps (CUDA backend). Default: on.",
-        show_default=False,
-    ),
-]
-AsyncScheduling = Annotated[
-    bool | None,
-    typer.Option(
-        "--async_scheduling/--no_async_scheduling",
-        "--async-scheduling/--no-async-scheduling",
-        help="On CUDA, schedule and launch step N+1 while step N runs on the GPU (sampled ids "
-        "stay on the device). Default: on.",
-        show_default=False,
-    ),
-]
+# ---- flags as data: declared once, shared by the commands that take them -----------------
+@dataclass(frozen=True)
+class Flag:
+    """One command-line flag, declared once; every command that takes it uses this object.
+
+    ``type`` is the value's type (the option accepts ``type | None``, None = not given);
+    ``switch`` makes a bool a ``--name/--no_name`` pair (both spellings, as ``option``)."""
+
+    name: str
+    type: Any
+    help: str
+    metavar: str | None = None
+    switch: bool = False
+
+    def parameter(self) -> inspect.Parameter:
+        """The flag as a keyword parameter of a typer command (default None)."""
+        if self.switch:
+            dashed = self.name.replace("_", "-")
+            info = typer.Option(
+                f"--{self.name}/--no_{self.name}",
+                f"--{dashed}/--no-{dashed}",
+                help=self.help,
+                show_default=False,
+            )
+        else:
+            info = option(self.name, self.help, metavar=self.metavar)
+        annotation = Annotated[self.type | None, info]
+        kind = inspect.Parameter.KEYWORD_ONLY
+        return inspect.Parameter(self.name, kind, default=None, annotation=annotation)
+
+
+def with_flags(*groups: Sequence[Flag]) -> Callable[[F], F]:
+    """Decorator: the command takes these flags (in order, before its own parameters).
+
+    Typer reads the command's signature, so the decorator writes one (``__signature__``)
+    from the flags and the function's own parameters; the function receives the flags by
+    name in its ``**flags``. A name given twice is a bug caught here."""
+
+    def decorate(fn: F) -> F:
+        own = [
+            p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
+            for p in inspect.signature(fn, eval_str=True).parameters.values()
+            if p.kind is not inspect.Parameter.VAR_KEYWORD
+        ]
+        params = [f.parameter() for group in groups for f in group] + own
+        names = [p.name for p in params]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        assert not dup, f"{fn.__name__}: flags declared twice: {dup}"
+        fn.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+        return fn
+
+    return decorate
+
+
+ENGINE_DIR_FLAG = Flag("engine_dir", str, "Engine directory (built by llmc build). Required.")
+
+# fmt: off
+RUNTIME_FLAGS: tuple[Flag, ...] = (
+    Flag("device", str, "auto, cpu or cuda. Default: auto."),
+    Flag("backend", str, "auto (CUDA kernels on a GPU when the engine has them), torch or "
+         "cuda. Default: auto."),
+    Flag("max_batch_size", int, "Lower the engine's max_batch_size (requests per step). "
+         "Default: the engine's."),
+    Flag("max_num_tokens", int, "Lower the engine's per-step token budget. Default: the engine's."),
+    Flag("kv_cache_free_gpu_mem_fraction", float, "Share of free memory (after weights and "
+         "workspace) for the KV pool. Default: 0.9."),
+    Flag("max_kv_tokens", int, "Absolute KV pool size, tokens. Default: from the fraction."),
+    Flag("enable_block_reuse", bool, "Reuse KV blocks of shared prompt prefixes. Default: on.",
+         switch=True),
+    Flag("scheduler_policy", str, "guaranteed_no_evict or max_utilization (preempt by "
+         "recompute). Default: guaranteed_no_evict."),
+    Flag("cuda_graphs", bool, "Replay CUDA graphs for decode-only steps (CUDA backend). "
+         "Default: on.", switch=True),
+    Flag("async_scheduling", bool, "On CUDA, schedule and launch step N+1 while step N runs "
+         "on the GPU (sampled ids stay on the device). Default: on.", switch=True),
+)
+# fmt: on
+"""The runtime flags of ``llmc run``, ``bench`` and ``profile`` (``RuntimeConfig`` fields)."""
+
+RUNTIME_KEYS = RuntimeConfig.field_names()
+"""Every RuntimeConfig setting: the flags above, plus those only a profile section sets."""
+
+
+def runtime_config(settings: Mapping[str, Any]) -> RuntimeConfig:
+    """The RuntimeConfig of merged settings (keys not given keep the dataclass defaults)."""
+    return RuntimeConfig(**{k: settings[k] for k in RUNTIME_KEYS if settings.get(k) is not None})

@@ -1,7 +1,11 @@
-"""``llmc run``: prompts (flags or a file) through an engine's Executor; outputs and timings.
+"""``llmc run``: prompts (flags or a file) through the front door ``llmc.LLM``; outputs and
+timings.
 
-Flags → ``RuntimeConfig`` (device, backend, lowered limits, KV pool, policy) and default
-``SamplingParams``; precedence CLI > the profile's ``run:`` section > defaults. Requests come
+Flags → ``RuntimeConfig`` (device, backend, lowered limits, KV pool, policy; the runtime
+flags ``llmc bench`` and ``profile`` share, cli/options.py) and default ``SamplingParams``;
+precedence CLI > the profile's ``run:`` section > defaults. The requests go to
+``LLM.enqueue_request`` / ``await_responses``; timings come from ``LLM.request_records``,
+the summary from its step records and KV stats. Requests come
 from ``--prompt`` (repeatable) or ``--input_file``: plain text (one prompt per line) or JSONL
 (``prompt`` or ``input_ids``, optional ``chat`` and per-request sampling fields overriding
 the flags). A request that fails (bad sampling values, too long, ...) is reported with its
@@ -20,30 +24,34 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from llmc.base.errors import LlmcError, RequestError, UsageError, did_you_mean
 from llmc.cli.options import (
+    ENGINE_DIR_FLAG,
     JSON_OPTION,
     PROFILE_OPTION,
-    AsyncScheduling,
-    CudaGraphs,
+    RUNTIME_FLAGS,
+    RUNTIME_KEYS,
+    Flag,
     check_keys,
     err_console,
     handle_errors,
     merge_settings,
-    option,
     out_console,
     print_json,
     profile_section,
+    runtime_config,
+    with_flags,
 )
-from llmc.runtime.engine_runtime import RuntimeConfig
 from llmc.runtime.types import Request, SamplingParams
 
+if TYPE_CHECKING:
+    from llmc.api import LLM
+
 SAMPLING_KEYS = tuple(f.name for f in dataclasses.fields(SamplingParams))
-RUNTIME_KEYS = RuntimeConfig.field_names()
 RUN_KEYS = ("engine_dir", "prompt", "input_file", "chat", "stream", *SAMPLING_KEYS, *RUNTIME_KEYS)
 JSONL_KEYS = ("prompt", "input_ids", "prompt_token_ids", "chat", *SAMPLING_KEYS)
 
@@ -171,16 +179,16 @@ class _Printer:
         sys.stdout.flush()
 
 
-def run_requests(executor: Any, items: list[tuple[str, Request]], printer: _Printer | None):
+def run_requests(llm: LLM, items: list[tuple[str, Request]], printer: _Printer | None):
     """Enqueue every request, collect responses; returns {request_id: [responses]}."""
-    ids = [executor.enqueue_request(req) for _, req in items]
+    ids = [llm.enqueue_request(req) for _, req in items]
     got: dict[int, list[Any]] = {rid: [] for rid in ids}
     finals = 0
     if printer is not None:
         printer.order[:] = ids
         printer.buffers = {i: [] for i in ids}
     while finals < len(ids):
-        for r in executor.await_responses(ids):
+        for r in llm.await_responses(ids):
             got[r.request_id].append(r)
             finals += r.is_final
             if printer is not None:
@@ -188,113 +196,50 @@ def run_requests(executor: Any, items: list[tuple[str, Request]], printer: _Prin
     return ids, got
 
 
+# fmt: off
+RUN_FLAGS: tuple[Flag, ...] = (
+    ENGINE_DIR_FLAG,
+    Flag("prompt", list[str], "A prompt (repeatable). Default: none."),
+    Flag("input_file", str, "Prompts: text (one per line) or JSONL with prompt or input_ids "
+         "and per-request sampling fields. Default: none.", metavar="PATH"),
+    Flag("max_new_tokens", int, "Most tokens to generate. Default: 32."),
+    Flag("temperature", float, "Sampling temperature; 0 = greedy. Default: 0."),
+    Flag("top_k", int, "Top-k; 0 = off. Default: 0."),
+    Flag("top_p", float, "Top-p in (0, 1]. Default: 1."),
+    Flag("min_p", float, "Min-p in [0, 1]. Default: 0."),
+    Flag("repetition_penalty", float, "> 0; 1 = off. Default: 1."),
+    Flag("presence_penalty", float, "In [-2, 2]. Default: 0."),
+    Flag("frequency_penalty", float, "In [-2, 2]. Default: 0."),
+    Flag("seed", int, "Sampling seed per request. Default: from the request id."),
+    Flag("stop", list[str], "Stop string (repeatable); cut from the output."),
+    Flag("stop_token_ids", list[str], "Stop token ids (repeatable or a,b,c)."),
+    Flag("ignore_eos", bool, "Do not stop at EOS. Default: off."),
+    Flag("logprobs", int, "Return log-probabilities and this many top ones."),
+    Flag("clamp_max_new_tokens", bool, "Lower max_new_tokens to fit max_seq_len instead of "
+         "failing. Default: off."),
+    Flag("chat", bool, "Apply the engine's chat template. Default: off."),
+    Flag("stream", bool, "Print tokens as they come."),
+)
+# fmt: on
+
+
+@with_flags(RUN_FLAGS, RUNTIME_FLAGS)
 def run_command(
-    engine_dir: Annotated[
-        str | None, option("engine_dir", "Engine directory (from llmc build). Required.")
-    ] = None,
-    prompt: Annotated[
-        list[str] | None, option("prompt", "A prompt (repeatable). Default: none.")
-    ] = None,
-    input_file: Annotated[
-        str | None,
-        option(
-            "input_file",
-            "Prompts: text (one per line) or JSONL with prompt or input_ids and per-request "
-            "sampling fields. Default: none.",
-            metavar="PATH",
-        ),
-    ] = None,
-    max_new_tokens: Annotated[
-        int | None, option("max_new_tokens", "Most tokens to generate. Default: 32.")
-    ] = None,
-    temperature: Annotated[
-        float | None, option("temperature", "Sampling temperature; 0 = greedy. Default: 0.")
-    ] = None,
-    top_k: Annotated[int | None, option("top_k", "Top-k; 0 = off. Default: 0.")] = None,
-    top_p: Annotated[float | None, option("top_p", "Top-p in (0, 1]. Default: 1.")] = None,
-    min_p: Annotated[float | None, option("min_p", "Min-p in [0, 1]. Default: 0.")] = None,
-    repetition_penalty: Annotated[
-        float | None, option("repetition_penalty", "> 0; 1 = off. Default: 1.")
-    ] = None,
-    presence_penalty: Annotated[
-        float | None, option("presence_penalty", "In [-2, 2]. Default: 0.")
-    ] = None,
-    frequency_penalty: Annotated[
-        float | None, option("frequency_penalty", "In [-2, 2]. Default: 0.")
-    ] = None,
-    seed: Annotated[
-        int | None, option("seed", "Sampling seed per request. Default: from the request id.")
-    ] = None,
-    stop: Annotated[
-        list[str] | None, option("stop", "Stop string (repeatable); cut from the output.")
-    ] = None,
-    stop_token_ids: Annotated[
-        list[str] | None, option("stop_token_ids", "Stop token ids (repeatable or a,b,c).")
-    ] = None,
-    ignore_eos: Annotated[
-        bool | None, option("ignore_eos", "Do not stop at EOS. Default: off.")
-    ] = None,
-    logprobs: Annotated[
-        int | None, option("logprobs", "Return log-probabilities and this many top ones.")
-    ] = None,
-    clamp_max_new_tokens: Annotated[
-        bool | None,
-        option(
-            "clamp_max_new_tokens",
-            "Lower max_new_tokens to fit max_seq_len instead of failing. Default: off.",
-        ),
-    ] = None,
-    chat: Annotated[
-        bool | None, option("chat", "Apply the engine's chat template. Default: off.")
-    ] = None,
-    stream: Annotated[bool | None, option("stream", "Print tokens as they come.")] = None,
-    device: Annotated[str | None, option("device", "auto, cpu or cuda. Default: auto.")] = None,
-    backend: Annotated[
-        str | None,
-        option("backend", "auto (CUDA kernels on a GPU when built), torch or cuda. Default: auto."),
-    ] = None,
-    max_batch_size: Annotated[
-        int | None, option("max_batch_size", "Lower the engine's max_batch_size.")
-    ] = None,
-    max_num_tokens: Annotated[
-        int | None, option("max_num_tokens", "Lower the engine's per-step token budget.")
-    ] = None,
-    kv_cache_free_gpu_mem_fraction: Annotated[
-        float | None,
-        option("kv_cache_free_gpu_mem_fraction", "Share of free memory for KV. Default: 0.9."),
-    ] = None,
-    max_kv_tokens: Annotated[
-        int | None, option("max_kv_tokens", "KV pool size in tokens. Default: from fraction.")
-    ] = None,
-    enable_block_reuse: Annotated[
-        bool | None,
-        typer.Option(
-            "--enable_block_reuse/--no_enable_block_reuse",
-            "--enable-block-reuse/--no-enable-block-reuse",
-            help="Reuse KV blocks of shared prompt prefixes. Default: on.",
-            show_default=False,
-        ),
-    ] = None,
-    scheduler_policy: Annotated[
-        str | None,
-        option("scheduler_policy", "guaranteed_no_evict or max_utilization. Default: the first."),
-    ] = None,
-    cuda_graphs: CudaGraphs = None,
-    async_scheduling: AsyncScheduling = None,
     profile: Annotated[str | None, PROFILE_OPTION] = None,
     json_out: Annotated[bool, JSON_OPTION] = False,
+    **flags: Any,
 ) -> None:
     """Run prompts through an engine and print the outputs with per-request timings."""
-    cli = {k: v for k, v in locals().items() if k not in ("profile", "json_out")}
-    cli["stop"] = tuple(stop) if stop else None
-    cli["stop_token_ids"] = _int_list(stop_token_ids, "stop_token_ids")
+    cli = dict(flags)
+    cli["stop"] = tuple(cli["stop"]) if cli["stop"] else None
+    cli["stop_token_ids"] = _int_list(cli["stop_token_ids"], "stop_token_ids")
     section = profile_section(profile, "run")
     check_keys(section, RUN_KEYS, f"profile {profile} (run:)")
     settings = merge_settings(cli, section)
     if not settings.get("engine_dir"):
         raise UsageError("--engine_dir is required (an engine built with `llmc build`)")
     items = read_requests(settings)
-    config = RuntimeConfig(**{k: settings[k] for k in RUNTIME_KEYS if settings.get(k) is not None})
+    config = runtime_config(settings)
 
     from llmc.api import LLM
 
@@ -307,7 +252,7 @@ def run_command(
         llm.shutdown()
 
 
-def _serve(llm: Any, items: list, settings: dict[str, Any], json_out: bool, log: Any, t0: float):
+def _serve(llm: LLM, items: list, settings: dict[str, Any], json_out: bool, log: Any, t0: float):
     info = llm.summary()
     log.print(
         f"loaded {settings['engine_dir']} on {info['device']} ({info['backend']} backend) in "
@@ -315,14 +260,13 @@ def _serve(llm: Any, items: list, settings: dict[str, Any], json_out: bool, log:
         f"({info['kv_tokens']} tokens)",
         markup=False,
     )
-    ex = llm.executor
     good = [(label, r) for label, r in items if isinstance(r, Request)]
     streaming = bool(settings.get("stream"))
     printer = _Printer([], live=not json_out) if streaming else None
     t1 = time.perf_counter()
-    ids, got = run_requests(ex, good, printer)
+    ids, got = run_requests(llm, good, printer)
     wall = time.perf_counter() - t1
-    records = {r.request_id: r for r in ex.request_records}
+    records = {r.request_id: r for r in llm.request_records}
     outputs, it = [], iter(ids)
     for index, (label, req) in enumerate(items):
         if not isinstance(req, Request):
@@ -330,7 +274,7 @@ def _serve(llm: Any, items: list, settings: dict[str, Any], json_out: bool, log:
             continue
         rid = next(it)
         outputs.append(_output(index, label, got[rid], records[rid], streaming))
-    summary = _summary(ex, outputs, wall)
+    summary = _summary(llm, outputs, wall)
     if json_out:
         print_json({"outputs": outputs, "summary": summary, "runtime": info})
     else:
@@ -388,8 +332,9 @@ def _strip_id(error: str | None, request_id: int) -> str | None:
     return error[len(prefix) :] if error and error.startswith(prefix) else error
 
 
-def _summary(ex: Any, outputs: list[dict[str, Any]], wall: float) -> dict[str, Any]:
-    kv = ex.kv_stats()
+def _summary(llm: LLM, outputs: list[dict[str, Any]], wall: float) -> dict[str, Any]:
+    kv = llm.kv_stats()
+    steps = llm.step_records
     generated = sum(len(o["token_ids"]) for o in outputs)
     return {
         "num_requests": len(outputs),
@@ -397,12 +342,12 @@ def _summary(ex: Any, outputs: list[dict[str, Any]], wall: float) -> dict[str, A
         "generated_tokens": generated,
         "wall_s": wall,
         "tokens_per_s": generated / wall if wall > 0 else None,
-        "num_steps": len(ex.step_records),
+        "num_steps": len(steps),
         "peak_kv_utilization": kv.peak_utilization,
         "peak_kv_blocks": kv.peak_used_blocks,
         "kv_blocks": kv.total_blocks,
         "kv_reuse_hits": kv.reuse_hits,
-        "preemptions": sum(s.num_preempted for s in ex.step_records),
+        "preemptions": sum(s.num_preempted for s in steps),
     }
 
 

@@ -6,9 +6,14 @@ batching, streaming, cancellation, records). ``LLM(checkpoint_dir=...)`` first b
 checkpoint with ``llmc.compiler.builder.build`` into a cache directory keyed by the checkpoint
 (path, file sizes and mtimes) and the build config, and reuses that engine on later calls.
 
+``LLM`` is the one front door: ``llmc run`` drives it with ``enqueue_request`` /
+``await_responses`` and reads its records, ``llmc bench`` and ``llmc profile`` hand it to the
+measurement wing (``llmc.runtime.bench``, which reads it through its ``Served`` protocol).
+
 Invariants:
-- The executor loop runs in its background thread from construction to ``shutdown()``;
-  ``generate``, ``generate_async`` and ``llm.executor`` may be used from any thread.
+- The executor loop runs in its background thread from construction to ``shutdown()``
+  (paused only inside ``in_caller_thread()``); ``generate``, ``generate_async``, the request
+  verbs and ``llm.executor`` may be used from any thread.
 - Runtime limits may be lowered below the engine's build limits, never raised: the runtime
   refuses that with a ConfigError naming both values (engine_runtime._lowered).
 - ``shutdown()`` (also on leaving ``with LLM(...)``) cancels unfinished requests, stops the
@@ -19,13 +24,14 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import gc
 import hashlib
 import json
 import time
 import weakref
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +42,8 @@ from llmc.compiler.build_config import BuildConfig
 from llmc.runtime.bench.metrics import e2e, tpot, ttft
 from llmc.runtime.engine_runtime import EngineRuntime, RuntimeConfig
 from llmc.runtime.executor import Executor
+from llmc.runtime.kv_cache import KVCacheStats
+from llmc.runtime.records import RequestRecord, StepRecord
 from llmc.runtime.responses import RequestOutput, Response
 from llmc.runtime.types import Request, SamplingParams
 
@@ -274,10 +282,9 @@ class LLM:
     @property
     def executor(self) -> Executor:
         """The Executor: ``enqueue_request(Request) -> id``, ``await_responses(ids, timeout)``,
-        ``cancel_request(id)`` (its loop already runs in the background)."""
-        if self._executor is None:
-            raise EngineError(f"the LLM for {str(self.engine_dir)!r} has been shut down")
-        return self._executor
+        ``cancel_request(id)`` (its loop already runs in the background). The LLM's own
+        methods of the same names are the front door; this stays for existing users."""
+        return self._live()
 
     @property
     def runtime(self) -> EngineRuntime:
@@ -293,6 +300,59 @@ class LLM:
     def summary(self) -> dict[str, Any]:
         """Device, backend, limits in use and KV capacity (``EngineRuntime.summary``)."""
         return self.runtime.summary()
+
+    # ---- requests: the verbs llmc run, bench and profile use -------------------------------
+    def _live(self) -> Executor:
+        if self._executor is None:
+            raise EngineError(f"the LLM for {str(self.engine_dir)!r} has been shut down")
+        return self._executor
+
+    def enqueue_request(self, request: Request) -> int:
+        """Queue a ``Request``; returns its id. A request that cannot be served (bad sampling
+        values, too long, ...) is not an exception: its final Response carries the error."""
+        return self._live().enqueue_request(request)
+
+    def await_responses(
+        self, request_ids: int | Sequence[int] | None = None, timeout: float | None = None
+    ) -> list[Response]:
+        """The Responses ready for ``request_ids`` (every request when None), waiting up to
+        ``timeout`` seconds for at least one; [] on timeout or when the requests have nothing
+        more to say. A streaming request gets its deltas, the others only their final one."""
+        return self._live().await_responses(request_ids, timeout)
+
+    def cancel_request(self, request_id: int) -> bool:
+        """Cancel a queued or running request (applied at the next step, its KV blocks freed;
+        its final Response says ``cancelled``). False when it is unknown or already over."""
+        return self._live().cancel_request(request_id)
+
+    @property
+    def request_records(self) -> list[RequestRecord]:
+        """One RequestRecord per request so far (arrival, first-token, per-token and finish
+        times, token counts): what ``llmc run`` reports and bench/profile aggregate."""
+        return self._live().request_records
+
+    @property
+    def step_records(self) -> list[StepRecord]:
+        """One StepRecord per engine step so far (tokens, batch, KV blocks, phase times)."""
+        return self._live().step_records
+
+    def kv_stats(self) -> KVCacheStats:
+        """The KV pool now: total, used and free blocks, peak use, prefix-reuse hits."""
+        return self._live().kv_stats()
+
+    @contextlib.contextmanager
+    def in_caller_thread(self) -> Iterator[LLM]:
+        """Pause the background engine loop for the block: inside it, ``await_responses``
+        runs the engine steps in the calling thread, as ``llmc bench`` measures offline and
+        closed-loop runs (no second thread competes for the GIL, and every request enqueued
+        before the first wait joins the first step). The loop resumes when the block ends."""
+        ex = self._live()
+        ex.shutdown()  # stops the loop thread only; queued and running requests stay
+        try:
+            yield self
+        finally:
+            if self._executor is ex:
+                ex.start()
 
     # ---- generation ----------------------------------------------------------------------
     def _request(
@@ -391,6 +451,7 @@ class LLM:
         for rec in ex.request_records:
             if rec.finish_time is None:
                 ex.cancel_request(rec.request_id)
+        ex.start()  # a loop paused by in_caller_thread applies the cancels as well
         deadline = time.monotonic() + timeout
         while ex.has_work() and time.monotonic() < deadline:  # cancels apply at the next step
             time.sleep(0.002)

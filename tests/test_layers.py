@@ -27,7 +27,6 @@ import pytest
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 
 KNOWN_DEBT = {
-    ("llmc.profiler_api", "llmc.cli.profile_cmd"),
     ("llmc.compiler.gguf_tokenizer", "llmc.compiler.gguf_reader"),
 }
 """Edges the house issue removes; each must still exist (test_known_debt_is_current), so an

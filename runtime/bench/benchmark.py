@@ -1,14 +1,15 @@
-"""Drive an Executor with a workload and collect its records into a versioned BenchResult.
+"""Drive a served engine with a workload and collect its records into a versioned BenchResult.
 
-``run_workload`` sends the requests in the arrival mode asked for and returns the
-Executor's own RequestRecords and StepRecords of the measured part (warm-up requests run
-first, to completion, and are excluded). Modes:
+``run_workload`` sends the requests to a ``Served`` engine (``llmc.LLM``) in the arrival mode
+asked for and returns the engine's own RequestRecords and StepRecords of the measured part
+(warm-up requests run first, to completion, and are excluded). Modes:
 
-- offline: every request is enqueued at once; the engine loop runs in this thread.
+- offline: every request is enqueued at once; the engine loop runs in this thread
+  (``in_caller_thread``).
 - concurrency N: closed loop in this thread: N requests in flight, a finished one is
   replaced before the next step.
-- request_rate R: the engine loop runs in the Executor's background thread while this
-  thread enqueues each request at its scheduled arrival time (so arrival times are real).
+- request_rate R: the engine loop runs in its background thread while this thread enqueues
+  each request at its scheduled arrival time (so arrival times are real).
 
 Every request uses greedy sampling with ``ignore_eos`` and ``max_new_tokens`` = its output
 length, so output lengths are exact. The JSON schema (``SCHEMA``, ``SCHEMA_VERSION``) holds
@@ -18,18 +19,21 @@ optional peer run; bump the version when a field changes meaning.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import platform
 import subprocess
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from llmc.runtime.bench.metrics import Aggregates, aggregate, e2e, tpot, ttft
+from llmc.runtime.bench.served import Served
 from llmc.runtime.bench.workload import ArrivalSpec, WorkloadRequest, arrival_offsets
 from llmc.runtime.records import RequestRecord, StepRecord
 from llmc.runtime.types import Request, SamplingParams
@@ -43,7 +47,7 @@ ProgressFn = Callable[[int, int], None]
 
 @dataclass
 class WorkloadRun:
-    """The measured part of one run: the Executor's records and the window."""
+    """The measured part of one run: the engine's records and the window."""
 
     requests: list[RequestRecord]
     steps: list[StepRecord]
@@ -59,39 +63,41 @@ def to_request(w: WorkloadRequest) -> Request:
     return Request(prompt=w.prompt, sampling=sampling)
 
 
-def _drain(executor: Any, ids: set[int], timeout: float | None = None) -> list[int]:
+def _drain(engine: Served, ids: set[int], timeout: float | None = None) -> list[int]:
     """Final responses among ``ids`` (steps the engine in caller-thread mode)."""
     done = []
-    for r in executor.await_responses(list(ids), timeout=timeout):
+    for r in engine.await_responses(list(ids), timeout=timeout):
         if r.is_final:
             done.append(r.request_id)
     return done
 
 
 def _run_closed(
-    executor: Any, reqs: Sequence[WorkloadRequest], limit: int, progress: ProgressFn | None
+    engine: Served, reqs: Sequence[WorkloadRequest], limit: int, progress: ProgressFn | None
 ) -> dict[int, str]:
-    """Keep ``limit`` requests in flight until all are done (offline: limit = all)."""
+    """Keep ``limit`` requests in flight until all are done (offline: limit = all), the
+    engine stepped by this thread."""
     pending = list(reversed(reqs))
     inflight: set[int] = set()
     task_ids: dict[int, str] = {}
     finished = 0
-    while pending or inflight:
-        while pending and len(inflight) < limit:
-            w = pending.pop()
-            rid = executor.enqueue_request(to_request(w))
-            task_ids[rid] = w.task_id
-            inflight.add(rid)
-        for rid in _drain(executor, inflight):
-            inflight.discard(rid)
-            finished += 1
-        if progress is not None:
-            progress(finished, len(reqs))
+    with engine.in_caller_thread():
+        while pending or inflight:
+            while pending and len(inflight) < limit:
+                w = pending.pop()
+                rid = engine.enqueue_request(to_request(w))
+                task_ids[rid] = w.task_id
+                inflight.add(rid)
+            for rid in _drain(engine, inflight):
+                inflight.discard(rid)
+                finished += 1
+            if progress is not None:
+                progress(finished, len(reqs))
     return task_ids
 
 
 def _run_open(
-    executor: Any,
+    engine: Served,
     reqs: Sequence[WorkloadRequest],
     offsets: list[float],
     progress: ProgressFn | None,
@@ -100,82 +106,80 @@ def _run_open(
     task_ids: dict[int, str] = {}
     inflight: set[int] = set()
     finished = 0
-    executor.start()
-    try:
-        t0 = time.perf_counter()
-        for w, off in zip(reqs, offsets, strict=True):
-            while (wait := t0 + off - time.perf_counter()) > 0:
-                got = _drain(executor, inflight, timeout=wait) if inflight else []
-                if not inflight:
-                    time.sleep(wait)
-                inflight.difference_update(got)
-                finished += len(got)
-            rid = executor.enqueue_request(to_request(w))
-            task_ids[rid] = w.task_id
-            inflight.add(rid)
-        while inflight:
-            got = _drain(executor, inflight, timeout=1.0)
+    t0 = time.perf_counter()
+    for w, off in zip(reqs, offsets, strict=True):
+        while (wait := t0 + off - time.perf_counter()) > 0:
+            got = _drain(engine, inflight, timeout=wait) if inflight else []
+            if not inflight:
+                time.sleep(wait)
             inflight.difference_update(got)
             finished += len(got)
-            if progress is not None:
-                progress(finished, len(reqs))
-    finally:
-        executor.shutdown()
+        rid = engine.enqueue_request(to_request(w))
+        task_ids[rid] = w.task_id
+        inflight.add(rid)
+    while inflight:
+        got = _drain(engine, inflight, timeout=1.0)
+        inflight.difference_update(got)
+        finished += len(got)
+        if progress is not None:
+            progress(finished, len(reqs))
     return task_ids
 
 
 def run_workload(
-    executor: Any,
+    engine: Served,
     requests: Sequence[WorkloadRequest],
     arrival: ArrivalSpec,
     *,
     warmup: Sequence[WorkloadRequest] = (),
     progress: ProgressFn | None = None,
+    measure: AbstractContextManager[Any] | None = None,
 ) -> WorkloadRun:
-    """Run warm-up requests (excluded), then the measured requests in ``arrival`` mode."""
+    """Run warm-up requests (excluded), then the measured requests in ``arrival`` mode.
+    ``measure`` (a profiling session) is entered around the measured part only."""
     if warmup:
-        _run_closed(executor, warmup, len(warmup), None)
-    first_step = len(executor.step_records)
-    first_req = {r.request_id for r in executor.request_records}
-    start = time.perf_counter()
-    if arrival.mode == "request_rate":
-        offsets = arrival_offsets(len(requests), arrival)
-        assert offsets is not None
-        task_ids = _run_open(executor, requests, offsets, progress)
-    else:
-        limit = arrival.concurrency if arrival.mode == "concurrency" else len(requests)
-        task_ids = _run_closed(executor, requests, max(1, int(limit or 1)), progress)
-    end = time.perf_counter()
-    recs = [r for r in executor.request_records if r.request_id not in first_req]
-    return WorkloadRun(recs, list(executor.step_records[first_step:]), task_ids, start, end)
+        _run_closed(engine, warmup, len(warmup), None)
+    with measure if measure is not None else contextlib.nullcontext():
+        first_step = len(engine.step_records)
+        first_req = {r.request_id for r in engine.request_records}
+        start = time.perf_counter()
+        if arrival.mode == "request_rate":
+            offsets = arrival_offsets(len(requests), arrival)
+            assert offsets is not None
+            task_ids = _run_open(engine, requests, offsets, progress)
+        else:
+            limit = arrival.concurrency if arrival.mode == "concurrency" else len(requests)
+            task_ids = _run_closed(engine, requests, max(1, int(limit or 1)), progress)
+        end = time.perf_counter()
+    recs = [r for r in engine.request_records if r.request_id not in first_req]
+    return WorkloadRun(recs, list(engine.step_records[first_step:]), task_ids, start, end)
 
 
 # ---- result -----------------------------------------------------------------------------
 
 
-def git_commit() -> str | None:
-    """Commit of the llmc checkout (with '-dirty' when it has changes), None outside git."""
-    here = Path(__file__).resolve().parent
+def _git(*args: str) -> str | None:
+    """stdout of ``git ARGS`` run in the llmc checkout; None when it fails or is not git."""
     try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "--short=12", "HEAD"],
-            cwd=here,
+        out = subprocess.run(
+            ["git", *args],
+            cwd=Path(__file__).resolve().parent,
             capture_output=True,
             text=True,
             timeout=5,
         )
-        if sha.returncode != 0:
-            return None
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=here,
-            capture_output=True,
-            text=True,
-            timeout=5,
-        )
-        return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
         return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def git_commit() -> str | None:
+    """Commit of the llmc checkout (with '-dirty' when it has changes), None outside git."""
+    sha = _git("rev-parse", "--short=12", "HEAD")
+    if sha is None:
+        return None
+    dirty = _git("status", "--porcelain", "--untracked-files=no")
+    return sha + ("-dirty" if dirty else "")
 
 
 def _cpu_name() -> str:

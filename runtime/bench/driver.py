@@ -1,10 +1,11 @@
-"""One benchmark end to end: engine → workload → llmc run → (peer run) → BenchResult.
+"""One benchmark end to end: served engine → workload → run → (peer run) → BenchResult.
 
 The library entry point behind ``llmc bench`` (and the measured part of ``llmc profile``):
-``BenchSettings`` says what to run, ``run_bench`` loads the engine with a RuntimeConfig,
-builds the workload, runs it through the Executor, aggregates the Executor's own records,
-puts achieved rates beside the measured ceilings, then (with ``peer='hf'``) frees the
-engine and runs the same requests through transformers on the same device.
+``BenchSettings`` says what to run; ``run_bench`` takes an engine already loaded and served
+by the front door (``llmc.LLM``, read through ``Served``), builds the workload, runs it,
+aggregates the engine's own records, puts achieved rates beside the measured ceilings, then
+(with ``peer='hf'``) shuts the LLM down to free its memory and runs the same requests through
+transformers on the same device.
 
 Invariant: text prompts are tokenized once with the engine's tokenizer before anything
 runs, so llmc and the peer see identical token ids.
@@ -16,6 +17,7 @@ import dataclasses
 import gc
 import math
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +32,7 @@ from llmc.runtime.bench.benchmark import (
     run_workload,
 )
 from llmc.runtime.bench.metrics import DEFAULT_PERCENTILES, Aggregates, achieved, aggregate
+from llmc.runtime.bench.served import Served
 from llmc.runtime.bench.workload import (
     ArrivalSpec,
     SyntheticSpec,
@@ -172,29 +175,23 @@ class BenchOutcome:
 
     result: BenchResult
     run: WorkloadRun
-    runtime: Any
+    llm: Served
+    """The engine that ran (shut down when a peer ran after it)."""
 
 
 def run_bench(
-    engine_dir: str,
+    llm: Served,
     settings: BenchSettings,
-    runtime_config: Any,
     *,
     log: Callable[[str], None] = lambda m: None,
     progress: ProgressFn | None = None,
-    around_run: Callable[[Any], Any] | None = None,
-    keep_runtime: bool = False,
+    measure: AbstractContextManager[Any] | None = None,
 ) -> BenchOutcome:
-    """Run one benchmark. ``around_run(runtime)`` may return a context manager that wraps
-    the measured run (profile's op and kernel timers)."""
-    import contextlib
-
-    from llmc.runtime.engine_runtime import EngineRuntime
-
-    log(f"loading engine {engine_dir}")
-    rt = EngineRuntime.load(engine_dir, runtime_config)
+    """Run one benchmark on ``llm``. ``measure`` (a profiling session) is entered around
+    the measured requests (warm-up excluded)."""
+    rt = llm.runtime
     warm, reqs = build_requests(settings, rt.spec.vocab_size, rt.tokenizer)
-    summary = rt.summary()
+    summary = llm.summary()
     log(
         f"engine on {rt.device} ({rt.backend} backend): KV pool {summary['kv_tokens']:,} tokens; "
         f"{len(reqs)} requests + {len(warm)} warm-up, {settings.arrival.describe()}"
@@ -205,15 +202,12 @@ def run_bench(
 
         ceil = get_ceilings(rt.device)
         log(f"ceilings: {ceil.source}")
-    executor = rt.executor()
-    ctx = around_run(rt) if around_run is not None else contextlib.nullcontext()
-    with ctx:
-        run = run_workload(executor, reqs, settings.arrival, warmup=warm, progress=progress)
-    agg = aggregate_run(run, settings.percentiles, rt.limits.tokens_per_block)
+    run = run_workload(llm, reqs, settings.arrival, warmup=warm, progress=progress, measure=measure)
+    agg = aggregate_run(run, settings.percentiles, summary["tokens_per_block"])
     config = {
-        "engine_dir": str(engine_dir),
+        "engine_dir": str(llm.engine_dir),
         "engine": engine_config(rt),
-        "runtime": {**dataclasses.asdict(runtime_config), **summary},
+        "runtime": runtime_config(llm),
         "workload": workload_config(settings, warm, reqs),
         "arrival": {
             **dataclasses.asdict(settings.arrival),
@@ -230,19 +224,22 @@ def run_bench(
         achieved=_achieved(rt, agg, run, ceil),
     )
     if settings.peer == "hf":
-        device, engine = rt.device, rt.engine
-        limit = rt.limits.max_batch_size
-        if not keep_runtime:
-            del executor, rt
-            rt = None
-            _free(device)
+        device, engine, limit = rt.device, rt.engine, summary["max_batch_size"]
+        del rt
+        llm.shutdown()  # the peer gets the device memory
+        _free(device)
         failed = {run.task_ids.get(f.request_id) for f in agg.failures}
         served = [w for w in reqs if w.task_id not in failed]
         if len(served) < len(reqs):
             log(f"peer hf: skipping the {len(reqs) - len(served)} requests llmc could not serve")
         if served:
             result.peer = _run_peer(settings, engine, served, device, limit, log)
-    return BenchOutcome(result, run, rt)
+    return BenchOutcome(result, run, llm)
+
+
+def runtime_config(llm: Served) -> dict[str, Any]:
+    """The run's runtime settings and what was loaded (``config.runtime`` of the result)."""
+    return {**dataclasses.asdict(llm.config), **llm.summary()}
 
 
 def _free(device: str) -> None:

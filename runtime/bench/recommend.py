@@ -17,11 +17,14 @@ why. Nothing is suggested from missing data.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from llmc.compiler.limits import EngineLimits
+from llmc.runtime.bench.gpu_idle import GpuIdle
 from llmc.runtime.bench.metrics import Aggregates
+from llmc.runtime.records import RequestRecord
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,39 @@ class TuningInputs:
     cuda_graphs: bool | None = None
     async_scheduling: bool | None = None
 
+    @classmethod
+    def from_run(
+        cls,
+        limits: EngineLimits,
+        build_limits: EngineLimits,
+        engine: dict[str, Any],
+        runtime: dict[str, Any],
+        requests: Sequence[RequestRecord],
+        *,
+        max_in_flight: int | None = None,
+        idle: GpuIdle | None = None,
+    ) -> TuningInputs:
+        """The inputs of one observed run: its limits and the engine's; ``engine`` and
+        ``runtime`` are the bench result's ``config.engine`` / ``config.runtime`` dicts (memory
+        plan; pool settings and switches), ``requests`` the run's records, ``max_in_flight``
+        the most requests the workload could have in flight (None: all of ``requests``)."""
+        return cls(
+            limits=limits,
+            build_limits=build_limits,
+            max_kv_tokens=runtime.get("max_kv_tokens"),
+            kv_cache_free_gpu_mem_fraction=runtime.get("kv_cache_free_gpu_mem_fraction"),
+            max_request_tokens=max(
+                (r.num_prompt_tokens + r.num_output_tokens for r in requests), default=1
+            ),
+            max_prompt_tokens=max((r.num_prompt_tokens for r in requests), default=0) or 1,
+            max_in_flight=max(1, len(requests) if max_in_flight is None else max_in_flight),
+            kv_bytes_per_token=engine.get("kv_bytes_per_token"),
+            workspace_bytes=engine.get("workspace_bytes"),
+            gpu_decode_idle_share=idle.decode_idle_share if idle is not None else None,
+            cuda_graphs=runtime.get("cuda_graphs"),
+            async_scheduling=runtime.get("async_scheduling"),
+        )
+
 
 def _round_up(x: float, m: int) -> int:
     return int(math.ceil(x / m) * m)
@@ -76,10 +112,7 @@ KV_MEANING = "KV-cache pool (max_kv_tokens or kv_cache_free_gpu_mem_fraction)"
 MBS_MEANING = "most requests in one step (running batch)"
 
 
-def _max_num_tokens(agg: Aggregates, t: TuningInputs) -> Recommendation | None:
-    peak = agg.peak_tokens_per_step
-    if peak is None:
-        return None
+def _max_num_tokens(agg: Aggregates, t: TuningInputs, peak: int) -> Recommendation:
     m = t.limits.max_num_tokens
     observed = f"peak {peak:,} tokens in one step, mean {agg.mean_tokens_per_step or 0:,.1f}"
     want = _round_up(t.max_prompt_tokens + (agg.peak_batch_size or 0), 64)
@@ -128,10 +161,7 @@ def _max_num_tokens(agg: Aggregates, t: TuningInputs) -> Recommendation | None:
     )
 
 
-def _kv_pool(agg: Aggregates, t: TuningInputs) -> Recommendation | None:
-    used, total = agg.kv_peak_blocks_used, agg.kv_blocks_total
-    if used is None or not total:
-        return None
+def _kv_pool(agg: Aggregates, t: TuningInputs, used: int, total: int) -> Recommendation:
     b = t.limits.tokens_per_block
     current = (
         f"max_kv_tokens={t.max_kv_tokens:,}"
@@ -194,10 +224,7 @@ def _kv_pool(agg: Aggregates, t: TuningInputs) -> Recommendation | None:
     return Recommendation("KV pool", KV_MEANING, current, observed, "keep", reason)
 
 
-def _max_batch_size(agg: Aggregates, t: TuningInputs) -> Recommendation | None:
-    peak = agg.peak_batch_size
-    if peak is None:
-        return None
+def _max_batch_size(agg: Aggregates, t: TuningInputs, peak: int) -> Recommendation:
     m = t.limits.max_batch_size
     observed = f"peak {peak} requests in a step, mean {(agg.mean_batch_size or 0):.1f}"
     kv_bound = agg.num_preemptions > 0 or (
@@ -248,10 +275,7 @@ OVERLAP_MEANING = "host work hidden behind the GPU (CUDA graphs, async schedulin
 IDLE_OK = 0.05  # GPU idle share of the decode-only stretch that counts as hidden host work
 
 
-def _host_overlap(agg: Aggregates, t: TuningInputs) -> Recommendation | None:
-    idle = t.gpu_decode_idle_share
-    if idle is None:
-        return None
+def _host_overlap(agg: Aggregates, t: TuningInputs, idle: float) -> Recommendation:
     flags = f"cuda_graphs={t.cuda_graphs}, async_scheduling={t.async_scheduling}"
     observed = f"GPU idle {idle:.1%} of the decode-only stretch"
     setting = "cuda_graphs / async_scheduling"
@@ -286,12 +310,17 @@ def _host_overlap(agg: Aggregates, t: TuningInputs) -> Recommendation | None:
 
 
 def recommend(agg: Aggregates, t: TuningInputs) -> list[Recommendation]:
-    """Recommendations for max_num_tokens, the KV pool, max_batch_size and host overlap
-    (what the data allows)."""
-    out = [
-        _max_num_tokens(agg, t),
-        _kv_pool(agg, t),
-        _max_batch_size(agg, t),
-        _host_overlap(agg, t),
-    ]
-    return [r for r in out if r is not None]
+    """Recommendations for max_num_tokens, the KV pool, max_batch_size and host overlap.
+
+    Nothing is suggested from missing data: each rule runs only when the peak it reads was
+    observed (no steps: no budget, pool or batch advice; no kernel timing: no overlap)."""
+    out = []
+    if agg.peak_tokens_per_step is not None:
+        out.append(_max_num_tokens(agg, t, agg.peak_tokens_per_step))
+    if agg.kv_peak_blocks_used is not None and agg.kv_blocks_total:
+        out.append(_kv_pool(agg, t, agg.kv_peak_blocks_used, agg.kv_blocks_total))
+    if agg.peak_batch_size is not None:
+        out.append(_max_batch_size(agg, t, agg.peak_batch_size))
+    if t.gpu_decode_idle_share is not None:
+        out.append(_host_overlap(agg, t, t.gpu_decode_idle_share))
+    return out

@@ -220,7 +220,7 @@ def test_gpu_idle_merges_overlaps_and_measures_the_decode_stretch() -> None:
 
 
 def test_gpu_idle_line_names_both_shares() -> None:
-    from llmc.cli.profile_cmd import gpu_idle_line
+    from llmc.runtime.bench.profile_report import gpu_idle_line
     from llmc.runtime.bench.gpu_idle import GpuIdle
 
     text = gpu_idle_line(GpuIdle(2.0, 0.025, 1.5, 0.008))

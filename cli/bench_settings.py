@@ -1,0 +1,120 @@
+"""What ``llmc bench`` and ``llmc profile`` share: the workload flags, their merge with a
+profile's ``workload:`` section into ``BenchSettings`` + ``RuntimeConfig``, loading the
+engine through the front door (``llmc.LLM``), and writing the JSON result.
+
+Precedence: command line > the profile's ``workload:`` section > the command's defaults;
+every key of the section is checked (an unknown one is a UsageError with a suggestion).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rich.console import Console
+
+from llmc.base.errors import UsageError, did_you_mean
+from llmc.cli.options import (
+    RUNTIME_KEYS,
+    Flag,
+    merge_settings,
+    print_json,
+    profile_section,
+    runtime_config,
+)
+from llmc.runtime.bench.driver import BenchSettings, parse_percentiles
+from llmc.runtime.bench.workload import ArrivalSpec, SyntheticSpec
+from llmc.runtime.engine_runtime import RuntimeConfig
+
+if TYPE_CHECKING:
+    from llmc.api import LLM
+
+# fmt: off
+WORKLOAD_FLAGS: tuple[Flag, ...] = (
+    Flag("num_requests", int, "Measured requests. Default: 100 (profile: 16)."),
+    Flag("isl", int, "Mean input length, tokens. Default: 128 (profile: 64)."),
+    Flag("osl", int, "Output length, tokens (ignore_eos: exact). Default: 128 (profile: 32)."),
+    Flag("isl_stdev", float, "Stdev of input lengths, tokens. Default: 0."),
+    Flag("osl_stdev", float, "Stdev of output lengths, tokens. Default: 0."),
+    Flag("distribution", str, "Length distribution: normal or uniform. Default: normal."),
+    Flag("dataset", str, "trtllm-bench JSONL (task_id, prompt|input_ids, output_tokens) "
+         "instead of synthetic requests. Default: none.", metavar="FILE"),
+    Flag("concurrency", int, "Closed loop: keep N requests in flight. Default: offline (all "
+         "at once)."),
+    Flag("request_rate", float, "Open loop: R requests/s with gamma arrivals. Default: offline."),
+    Flag("burstiness", float, "Gamma shape of arrivals (1 = Poisson, <1 burstier). Default: 1."),
+    Flag("warmup", int, "Warm-up requests run first and excluded. Default: 2 (profile: 1)."),
+    Flag("seed", int, "Seed of token ids, lengths and arrivals. Default: 0."),
+    Flag("percentiles", str, "Latency percentiles to report. Default: 50,90,99.", metavar="LIST"),
+)
+# fmt: on
+"""The workload of one benchmark (``SyntheticSpec``, ``ArrivalSpec``, ``BenchSettings``)."""
+
+WORKLOAD_KEYS = tuple(f.name for f in WORKLOAD_FLAGS)
+BENCH_KEYS = ("peer", "peer_batch_size", "peer_cache", "max_failure_rate", "engine_dir")
+"""Keys a ``workload:`` section may hold beside the workload and the runtime settings."""
+
+
+def collect(cli: dict[str, Any], profile: str | None, defaults: dict[str, Any]) -> dict[str, Any]:
+    """CLI > profile ``workload:`` section > defaults, with every key checked."""
+    section = profile_section(profile, "workload")
+    allowed = (*WORKLOAD_KEYS, *BENCH_KEYS, *RUNTIME_KEYS)
+    for key in section:
+        if str(key).replace("-", "_") not in allowed:
+            raise UsageError(
+                f"profile {profile}: workload section: unknown setting {key!r}"
+                + did_you_mean(str(key), list(allowed))
+            )
+    return {**defaults, **merge_settings(cli, section)}
+
+
+def make_settings(s: dict[str, Any]) -> tuple[str, BenchSettings, RuntimeConfig]:
+    """(engine_dir, BenchSettings, RuntimeConfig) from merged settings."""
+    engine_dir = s.get("engine_dir")
+    if not engine_dir:
+        raise UsageError("--engine_dir is required (an engine built with `llmc build`)")
+    seed = int(s.get("seed", 0))
+    synthetic = SyntheticSpec(
+        num_requests=s["num_requests"],
+        isl=s["isl"],
+        osl=s["osl"],
+        isl_stdev=float(s.get("isl_stdev", 0.0)),
+        osl_stdev=float(s.get("osl_stdev", 0.0)),
+        distribution=s.get("distribution", "normal"),
+        seed=seed,
+    )
+    arrival = ArrivalSpec.from_flags(
+        s.get("concurrency"), s.get("request_rate"), float(s.get("burstiness", 1.0)), seed
+    )
+    pcts = s.get("percentiles", "50,90,99")
+    settings = BenchSettings(
+        synthetic=synthetic,
+        dataset=s.get("dataset"),
+        arrival=arrival,
+        warmup=int(s["warmup"]),
+        percentiles=parse_percentiles(pcts if isinstance(pcts, str) else list(pcts)),
+        peer=s.get("peer"),
+        peer_batch_size=s.get("peer_batch_size"),
+        peer_cache=s.get("peer_cache", "auto"),
+    )
+    return str(engine_dir), settings, runtime_config(s)
+
+
+def open_llm(engine_dir: str, runtime: RuntimeConfig, log: Console) -> LLM:
+    """Load the engine through the front door, saying so on the log console."""
+    from llmc.api import LLM
+
+    log.print(f"loading engine {engine_dir}", markup=False)
+    return LLM(engine_dir, runtime_config=runtime)
+
+
+def write_json(path: str, result: dict[str, Any], log: Console) -> None:
+    """The result as JSON to ``path`` ('-': stdout, which then holds nothing else)."""
+    if path == "-":
+        print_json(result)
+        return
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(result, indent=1, default=str))
+    log.print(f"results written to {p}", markup=False)
