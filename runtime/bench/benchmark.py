@@ -63,13 +63,31 @@ def to_request(w: WorkloadRequest) -> Request:
     return Request(prompt=w.prompt, sampling=sampling)
 
 
-def _drain(engine: Served, ids: set[int], timeout: float | None = None) -> list[int]:
-    """Final responses among ``ids`` (steps the engine in caller-thread mode)."""
-    done = []
-    for r in engine.await_responses(list(ids), timeout=timeout):
-        if r.is_final:
-            done.append(r.request_id)
-    return done
+class _InFlight:
+    """The requests a run has sent and not yet seen finish, with each one's task id."""
+
+    def __init__(self, engine: Served, total: int, progress: ProgressFn | None) -> None:
+        self.engine, self.total, self.progress = engine, total, progress
+        self.ids: set[int] = set()
+        self.task_ids: dict[int, str] = {}
+        self.finished = 0
+
+    def send(self, w: WorkloadRequest) -> None:
+        rid = self.engine.enqueue_request(to_request(w))
+        self.task_ids[rid] = w.task_id
+        self.ids.add(rid)
+
+    def collect(self, timeout: float | None = None) -> None:
+        """Take the responses ready (waiting up to ``timeout``; in caller-thread mode this
+        runs engine steps) and retire the requests whose final response came."""
+        for r in self.engine.await_responses(list(self.ids), timeout=timeout):
+            if r.is_final:
+                self.ids.discard(r.request_id)
+                self.finished += 1
+
+    def report(self) -> None:
+        if self.progress is not None:
+            self.progress(self.finished, self.total)
 
 
 def _run_closed(
@@ -77,23 +95,15 @@ def _run_closed(
 ) -> dict[int, str]:
     """Keep ``limit`` requests in flight until all are done (offline: limit = all), the
     engine stepped by this thread."""
+    flight = _InFlight(engine, len(reqs), progress)
     pending = list(reversed(reqs))
-    inflight: set[int] = set()
-    task_ids: dict[int, str] = {}
-    finished = 0
     with engine.in_caller_thread():
-        while pending or inflight:
-            while pending and len(inflight) < limit:
-                w = pending.pop()
-                rid = engine.enqueue_request(to_request(w))
-                task_ids[rid] = w.task_id
-                inflight.add(rid)
-            for rid in _drain(engine, inflight):
-                inflight.discard(rid)
-                finished += 1
-            if progress is not None:
-                progress(finished, len(reqs))
-    return task_ids
+        while pending or flight.ids:
+            while pending and len(flight.ids) < limit:
+                flight.send(pending.pop())
+            flight.collect()
+            flight.report()
+    return flight.task_ids
 
 
 def _run_open(
@@ -103,27 +113,19 @@ def _run_open(
     progress: ProgressFn | None,
 ) -> dict[int, str]:
     """Enqueue each request at its arrival time while the background loop runs."""
-    task_ids: dict[int, str] = {}
-    inflight: set[int] = set()
-    finished = 0
+    flight = _InFlight(engine, len(reqs), progress)
     t0 = time.perf_counter()
     for w, off in zip(reqs, offsets, strict=True):
         while (wait := t0 + off - time.perf_counter()) > 0:
-            got = _drain(engine, inflight, timeout=wait) if inflight else []
-            if not inflight:
+            if flight.ids:
+                flight.collect(timeout=wait)
+            else:
                 time.sleep(wait)
-            inflight.difference_update(got)
-            finished += len(got)
-        rid = engine.enqueue_request(to_request(w))
-        task_ids[rid] = w.task_id
-        inflight.add(rid)
-    while inflight:
-        got = _drain(engine, inflight, timeout=1.0)
-        inflight.difference_update(got)
-        finished += len(got)
-        if progress is not None:
-            progress(finished, len(reqs))
-    return task_ids
+        flight.send(w)
+    while flight.ids:
+        flight.collect(timeout=1.0)
+        flight.report()
+    return flight.task_ids
 
 
 def run_workload(

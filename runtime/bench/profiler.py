@@ -45,13 +45,20 @@ BACKEND_OPS = (
 
 @dataclass(frozen=True)
 class OpEvent:
+    """One backend op call (CPU) or CUDA kernel, on the step records' clock."""
+
     name: str
     start: float
+    """perf_counter seconds, like StepRecord.start_time (kernels are shifted onto it)."""
     end: float
     flops: float | None = None
+    """FLOPs of the call from its tensor shapes (None: unknown, e.g. a kernel)."""
     bytes: float | None = None
+    """Bytes it read and wrote (None: unknown)."""
     family: str | None = None
+    """``kernel_family`` of the name (matmul, attention, ...)."""
     stream: int = 0
+    """A kernel's GPU track (torch.profiler's device_index): its thread id in the trace."""
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The one profiler behind ``llmc profile`` and ``llmc.Profiler``: a session over a served engine.
 
 A ``ProfileSession`` watches one ``Served`` engine (``llmc.LLM``) between ``start()`` and
-``stop()`` (or as a context manager):
+``stop()`` (or around a block: ``measuring()``):
 
 - op timing is attached for the window: ``torch.profiler`` CUDA kernels on a GPU
   (``KernelProfiler``), wall-clock hooks on the backend's ops on CPU (``OpTimer``). A
@@ -21,8 +21,9 @@ Nothing is re-timed here: steps and requests are the engine's own records.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -135,11 +136,14 @@ class ProfileSession:
         self._flops = (f0, rt.spec.flops_per_token(1) - f0)
         return self
 
-    def __enter__(self) -> ProfileSession:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        if self.running:
+    @contextlib.contextmanager
+    def measuring(self) -> Iterator[ProfileSession]:
+        """The window around a block: ``start()`` before it, ``stop()`` after (also when
+        the block fails, so no op hook stays attached)."""
+        self.start()
+        try:
+            yield self
+        finally:
             self.stop()
 
     # ---- results (after stop) ------------------------------------------------------------
@@ -228,7 +232,7 @@ def profile_bench(
     if settings.peer is not None:
         raise ConfigError(f"peer {settings.peer!r}: profiling runs no peer (llmc bench does)")
     session = ProfileSession(llm)
-    outcome = run_bench(llm, settings, log=log, progress=progress, measure=session)
+    outcome = run_bench(llm, settings, log=log, progress=progress, measure=session.measuring())
     arr = settings.arrival
     in_flight = arr.concurrency if arr.mode == "concurrency" else None
     report = session.report(outcome.result.aggregates, max_in_flight=in_flight)

@@ -10,6 +10,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 import weakref
 from pathlib import Path
 
@@ -379,3 +380,41 @@ def test_cli_run_goes_through_the_llm_class(engine_dir, monkeypatch):
     )  # fmt: skip
     assert res.exit_code == 0, res.output
     assert len(seen) == 1 and seen[0].max_batch_size == 4 and seen[0].device == "cpu"
+
+
+def test_request_verbs_records_and_caller_thread_stepping(engine_dir):
+    """The front door's verbs: enqueue/await/cancel, records, KV stats; in_caller_thread
+    pauses the background loop (every request enqueued first joins the first step)."""
+    sp = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    with LLM(engine_dir, device="cpu") as llm:
+        with llm.in_caller_thread():
+            n0 = len(llm.step_records)
+            ids = [llm.enqueue_request(Request(prompt_token_ids=[3, 4, 5], sampling=sp))
+                   for _ in range(3)]  # fmt: skip
+            finals = {}
+            while len(finals) < 3:
+                finals.update({r.request_id: r for r in llm.await_responses(ids) if r.is_final})
+            assert llm.step_records[n0].batch_size == 3
+        assert all(len(finals[i].token_ids) == 4 for i in ids)
+        recs = {r.request_id: r for r in llm.request_records}
+        assert all(recs[i].num_output_tokens == 4 for i in ids)
+        long = SamplingParams(max_new_tokens=100, ignore_eos=True)
+        rid = llm.enqueue_request(Request(prompt_token_ids=[3], sampling=long))
+        for _ in range(500):  # the background loop runs again: no await needed to make steps
+            if recs_now := [
+                r for r in llm.request_records if r.request_id == rid and r.token_times
+            ]:
+                break
+            time.sleep(0.01)
+        assert recs_now
+        assert llm.cancel_request(rid)
+        got = []
+        while not any(r.is_final for r in got):
+            got += llm.await_responses(rid, timeout=5)
+        assert got[-1].finish_reason.value == "cancelled"
+        assert llm.kv_stats().free_blocks == llm.kv_stats().total_blocks
+    with LLM(engine_dir, device="cpu") as paused, paused.in_caller_thread():
+        paused.enqueue_request(Request(prompt_token_ids=[3], sampling=long))
+        t0 = time.monotonic()
+        paused.shutdown()  # cancels and stops even while the loop is paused
+        assert time.monotonic() - t0 < 5 and paused.closed

@@ -220,8 +220,8 @@ def test_gpu_idle_merges_overlaps_and_measures_the_decode_stretch() -> None:
 
 
 def test_gpu_idle_line_names_both_shares() -> None:
-    from llmc.runtime.bench.profile_report import gpu_idle_line
     from llmc.runtime.bench.gpu_idle import GpuIdle
+    from llmc.runtime.bench.profile_report import gpu_idle_line
 
     text = gpu_idle_line(GpuIdle(2.0, 0.025, 1.5, 0.008))
     assert "2.5% of the run" in text and "0.8% of the decode-only stretch" in text
@@ -251,3 +251,47 @@ def test_host_overlap_advice_from_gpu_idle() -> None:
     assert bound.suggested == "keep (host-bound)"
     assert "960" in bound.reason and "max_batch_size" in bound.reason
     assert "40.0%" in bound.observed
+
+
+def test_profiler_and_profile_cli_report_the_same_keys(engine, tmp_path) -> None:
+    """One profiler: `llmc profile`'s `profile` section and `Profiler.summary()` come from
+    the same ProfileSession, so they have the same keys, row fields and advice."""
+    from llmc import LLM, Profiler, SamplingParams
+    from llmc.runtime.bench.profile_report import PROFILE_KEYS
+
+    out = tmp_path / "p.json"
+    res = runner.invoke(app, [
+        "profile", "--engine_dir", str(engine), "--device", "cpu", "--num_requests", "3",
+        "--isl", "8", "--osl", "3", "--warmup", "0", "--json", str(out),
+    ])  # fmt: skip
+    assert res.exit_code == 0, res.stderr
+    cli = json.loads(out.read_text())["profile"]
+    with LLM(engine, device="cpu") as llm, Profiler(llm) as prof:
+        llm.generate([[3, 4, 5]] * 3, SamplingParams(max_new_tokens=3, ignore_eos=True))
+    lib = prof.summary()
+    assert list(cli) == list(PROFILE_KEYS)
+    assert set(lib) - set(PROFILE_KEYS) == {"window_s", "runtime", "aggregates"}
+    assert cli["op_source"] == lib["op_source"] == "wall-clock op hooks (CPU)"
+    for key in ("phases", "op_families", "ops", "recommendations"):
+        assert cli[key] and lib[key], key
+        assert set(cli[key][0]) == set(lib[key][0]), key
+    settings = {r["setting"] for r in cli["recommendations"]}
+    assert settings == {r["setting"] for r in lib["recommendations"]}
+    assert cli["peak_memory"]["kind"] == lib["peak_memory"]["kind"]
+    assert cli["gpu_idle"] is None and lib["gpu_idle"] is None  # no kernel timing on CPU
+
+
+def test_profile_times_only_the_measured_requests(engine, tmp_path) -> None:
+    """Warm-up requests are excluded from the op events as from the steps: every CPU op
+    of the trace falls inside a measured step."""
+    trace = tmp_path / "t.json"
+    res = runner.invoke(app, [
+        "profile", "--engine_dir", str(engine), "--device", "cpu", "--num_requests", "2",
+        "--isl", "8", "--osl", "2", "--warmup", "2", "--trace", str(trace), "--json", "-",
+    ])  # fmt: skip
+    assert res.exit_code == 0, res.stderr
+    prof = json.loads(res.stdout)["profile"]
+    ev = json.loads(trace.read_text())["traceEvents"]
+    nested = [e for e in ev if e.get("cat") == "op"]
+    calls = sum(r["count"] for r in prof["ops"])
+    assert nested and len(nested) == calls  # none dropped as "outside every step"

@@ -156,3 +156,52 @@ def test_peer_hf_same_run(engine, tmp_path) -> None:
     )
     res = runner.invoke(app, ["compare", str(out)])  # one file: llmc vs its peer
     assert res.exit_code == 0 and "llmc ÷ peer" in res.stdout
+
+
+def test_bench_drives_the_llm_not_its_executor(engine, monkeypatch, tmp_path) -> None:
+    """bench loads through llmc.LLM and runs closed and open loops with its verbs only."""
+    from llmc import api
+
+    def no_executor(self):
+        raise AssertionError("llmc bench reached into llm.executor")
+
+    monkeypatch.setattr(api.LLM, "executor", property(no_executor))
+    for mode in (("--concurrency", "2"), ("--request_rate", "500")):
+        code, stdout, stderr = bench(engine, "--num_requests", "3", "--isl", "4", "--osl", "2",
+                                     "--no_enable_block_reuse", *mode, "--json", "-")  # fmt: skip
+        assert code == 0, stderr
+        r = json.loads(stdout)
+        assert r["aggregates"]["num_completed"] == 3
+        assert r["config"]["runtime"]["enable_block_reuse"] is False
+
+
+def test_logs_and_the_progress_bar_share_one_console(engine, monkeypatch) -> None:
+    """On a terminal, log lines print through the console that draws the bar (so Rich puts
+    them above it instead of over it)."""
+    import io
+
+    import rich.progress
+    from rich.console import Console
+
+    from llmc.cli import bench_cmd
+
+    made: list[Console] = []
+
+    def terminal_console() -> Console:
+        made.append(Console(file=io.StringIO(), force_terminal=True, width=100))
+        return made[-1]
+
+    bars: list[Console] = []
+
+    class SpyProgress(rich.progress.Progress):
+        def __init__(self, *a, **k) -> None:
+            bars.append(k["console"])
+            super().__init__(*a, **k)
+
+    monkeypatch.setattr(bench_cmd, "err_console", terminal_console)
+    monkeypatch.setattr(rich.progress, "Progress", SpyProgress)
+    code, _, stderr = bench(engine, "--num_requests", "2", "--isl", "4", "--osl", "2")
+    assert code == 0, stderr
+    logs = [c for c in made if "loading engine" in c.file.getvalue()]
+    assert len(bars) == 1 and logs == [bars[0]]
+    assert "ceilings:" in bars[0].file.getvalue()

@@ -289,3 +289,34 @@ def test_profile_run_section_fills_flags_and_cli_wins(engine, tmp_path):
     prof.write_text("run:\n  max_new_token: 3\n")
     res = run("--profile", str(prof), "--engine_dir", str(engine), "--prompt", "a")
     assert res.exit_code == 2 and "did you mean 'max_new_tokens'" in res.stderr
+
+
+def test_run_drives_the_llm_not_its_executor(engine, monkeypatch):
+    """`llmc run` uses the front door's own verbs and records, never `llm.executor`."""
+    from llmc import api
+
+    def no_executor(self):
+        raise AssertionError("llmc run reached into llm.executor")
+
+    monkeypatch.setattr(api.LLM, "executor", property(no_executor))
+    doc = run_json(
+        "--engine_dir", str(engine), "--prompt", "hi", "--prompt", "there",
+        "--max_new_tokens", "3", "--ignore_eos", "--stream",
+    )  # fmt: skip
+    assert [len(o["token_ids"]) for o in doc["outputs"]] == [3, 3]
+    assert doc["summary"]["num_steps"] > 0 and doc["outputs"][0]["timings"]["ttft_s"] > 0
+
+
+def test_runtime_flags_are_declared_once_for_run_bench_and_profile():
+    import inspect
+
+    from llmc.cli import bench_cmd, profile_cmd, run_cmd
+    from llmc.cli.options import RUNTIME_FLAGS, with_flags
+
+    names = [f.name for f in RUNTIME_FLAGS]
+    assert set(names) <= set(RuntimeConfig.field_names())
+    for cmd in (run_cmd.run_command, bench_cmd.bench_command, profile_cmd.profile_command):
+        params = inspect.signature(cmd).parameters
+        assert [n for n in params if n in names] == names, cmd.__name__
+    with pytest.raises(AssertionError, match="declared twice"):
+        with_flags(RUNTIME_FLAGS)(lambda device=None, **flags: None)
