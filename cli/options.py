@@ -20,6 +20,10 @@ Rules this module implements:
   ``--max-num-tokens``. Options default to ``None`` ("not given") so that values merge with
   precedence **CLI > YAML profile > dataclass defaults** (``merge_settings``). Help texts
   state meaning, unit and default themselves.
+- A flag several commands take is declared once, as data (``Flag``), in a table such as
+  ``RUNTIME_FLAGS`` (run, bench, profile: the ``RuntimeConfig`` fields; ``runtime_config``
+  builds the config from merged settings); ``@with_flags(*tables)`` gives a command those
+  flags, which it receives in ``**flags``.
 - Profiles (``--profile NAME|PATH``): YAML mappings from ``llmc.profiles`` (by name) or a
   path, with sections ``PROFILE_SECTIONS`` (``model``: an HF-style config for dummy weights,
   ``build``: build settings, ``workload``/``run``/``profile``: settings of those commands).
@@ -29,7 +33,8 @@ Rules this module implements:
 - ``handle_errors``: an LlmcError becomes one red line on stderr and the class's exit code;
   anything else exits 1 with a one-line message (a traceback only with ``LLMC_DEBUG=1``).
 - Output: ``--json`` prints plain JSON on stdout (``print_json``) and nothing else there;
-  logs and progress always go to stderr (``err_console``); the Rich progress display is used
+  logs and progress always go to stderr (``err_console``), a command's logs through the same
+  console as its progress bar (so they print above it); the Rich progress display is used
   only when stderr is a terminal, plain lines otherwise (``progress_reporter``).
 """
 
