@@ -27,8 +27,6 @@ import asyncio
 import contextlib
 import dataclasses
 import gc
-import hashlib
-import json
 import time
 import weakref
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -36,9 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llmc.base import version
-from llmc.base.errors import CheckpointError, ConfigError, EngineError, LlmcError
+from llmc.base.errors import ConfigError, EngineError, LlmcError
 from llmc.compiler.build_config import BuildConfig
+from llmc.compiler.engine_cache import cached_build, rebuild
 from llmc.runtime.bench.metrics import e2e, tpot, ttft
 from llmc.runtime.engine_runtime import EngineRuntime, RuntimeConfig
 from llmc.runtime.executor import Executor
@@ -97,70 +95,6 @@ class GenerationOutput(RequestOutput):
     @classmethod
     def of(cls, out: RequestOutput) -> GenerationOutput:
         return cls(**{f.name: getattr(out, f.name) for f in dataclasses.fields(out)})
-
-
-# ---- the engine cache of LLM(checkpoint_dir=...) -------------------------------------------
-def _fingerprint(checkpoint: Path) -> list[tuple[str, int, int]]:
-    files = [checkpoint] if checkpoint.is_file() else sorted(checkpoint.rglob("*"))
-    out = []
-    for f in files:
-        if f.is_file():
-            st = f.stat()
-            name = f.name if f == checkpoint else f.relative_to(checkpoint).as_posix()
-            out.append((name, st.st_size, st.st_mtime_ns))
-    return out
-
-
-def engine_cache_dir(checkpoint_dir: str | Path, build_config: BuildConfig) -> Path:
-    """Where ``LLM(checkpoint_dir=...)`` keeps the engine built from this checkpoint and
-    config: ``$LLMC_CACHE/engines/<key>`` (default ``~/.cache/llmc``). The key hashes the
-    checkpoint's absolute path, every file's size and mtime, the build config (output_dir and
-    force aside) and the llmc and engine format versions, so any change builds anew."""
-    from llmc.compiler.model_cache import cache_dir
-
-    ckpt = Path(checkpoint_dir).expanduser().resolve()
-    if not ckpt.exists():
-        raise CheckpointError(f"checkpoint_dir {str(checkpoint_dir)!r} does not exist")
-    settings = {
-        k: v
-        for k, v in build_config.to_dict().items()
-        if k not in ("checkpoint_dir", "output_dir", "force")
-    }
-    key = {
-        "checkpoint": str(ckpt),
-        "files": _fingerprint(ckpt),
-        "build_config": settings,
-        "llmc_version": version.__version__,
-        "format_version": version.ENGINE_FORMAT_VERSION,
-    }
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
-    return cache_dir() / "engines" / f"{ckpt.name}-{digest}"
-
-
-def _cached_build(checkpoint_dir: str | Path, build_config: BuildConfig | None) -> Path:
-    """Build the checkpoint into its cache directory unless a complete engine is there."""
-    from llmc.compiler import builder
-
-    cfg = build_config or BuildConfig()
-    dest = engine_cache_dir(checkpoint_dir, cfg)
-    if (dest / "manifest.json").is_file():
-        return dest
-    cfg = cfg.replace(checkpoint_dir=str(checkpoint_dir), output_dir=str(dest), force=False)
-    try:
-        builder.build(cfg)
-    except ConfigError:
-        if not (dest / "manifest.json").is_file():  # not a concurrent build of the same key
-            raise
-    return dest
-
-
-def _rebuild(checkpoint_dir: str | Path, build_config: BuildConfig | None) -> Path:
-    from llmc.compiler import builder
-
-    cfg = build_config or BuildConfig()
-    dest = engine_cache_dir(checkpoint_dir, cfg)
-    builder.build(cfg.replace(checkpoint_dir=str(checkpoint_dir), output_dir=str(dest), force=True))
-    return dest
 
 
 def _error(code: int | None, message: str) -> LlmcError:
@@ -226,11 +160,11 @@ class LLM:
         )
         checkpoint = self._checkpoint_arg(engine_dir, checkpoint_dir, build_config)
         if checkpoint is not None:
-            engine_dir = _cached_build(checkpoint, build_config)
+            engine_dir = cached_build(checkpoint, build_config)
             try:
                 runtime = EngineRuntime.load(engine_dir, config)
             except EngineError:  # a stale or damaged cache entry: build it again, once
-                engine_dir = _rebuild(checkpoint, build_config)
+                engine_dir = rebuild(checkpoint, build_config)
                 runtime = EngineRuntime.load(engine_dir, config)
         else:
             assert engine_dir is not None
