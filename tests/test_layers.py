@@ -226,3 +226,29 @@ def test_known_debt_is_current():
 def test_cycle_finder():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def _source_files() -> list[Path]:
+    """Every source file of the package: its modules and the op layer's kernels."""
+    files = set(modules().values())
+    kernels = modules()["llmc.cuda"].parent
+    files |= {p for p in kernels.iterdir() if p.suffix in (".cu", ".cuh")}
+    return sorted(files)
+
+
+def test_no_source_file_over_500_lines():
+    long = [
+        f"{p}: {n} lines" for p in _source_files() if (n := len(p.read_text().splitlines())) > 500
+    ]
+    assert not long, "split by job: " + ", ".join(long)
+
+
+def test_architecture_doc_names_every_source_file():
+    doc = (PYPROJECT.parent / "docs" / "ARCHITECTURE.md").read_text()
+    root = PYPROJECT.parent
+    missing = [
+        str(p.relative_to(root))
+        for p in _source_files()
+        if p.name != "__init__.py" and f"`{p.relative_to(root)}`" not in doc
+    ]
+    assert not missing, f"docs/ARCHITECTURE.md does not name: {missing}"
