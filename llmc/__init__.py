@@ -22,8 +22,8 @@ from llmc.base.version import ENGINE_FORMAT_VERSION, __version__
 
 _LAZY: dict[str, tuple[str, str]] = {
     "LLM": ("llmc.api", "LLM"),
-    "GenerationOutput": ("llmc.api", "GenerationOutput"),
-    "RequestTimings": ("llmc.api", "RequestTimings"),
+    "GenerationOutput": ("llmc.runtime.responses", "RequestOutput"),
+    "RequestTimings": ("llmc.runtime.responses", "RequestTimings"),
     "SamplingParams": ("llmc.runtime.types", "SamplingParams"),
     "Request": ("llmc.runtime.types", "Request"),
     "RuntimeConfig": ("llmc.runtime.engine_runtime", "RuntimeConfig"),
@@ -47,11 +47,13 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time these come from __getattr__
-    from llmc.api import LLM, GenerationOutput, RequestTimings
+    from llmc.api import LLM
     from llmc.compiler.build_config import BuildConfig
     from llmc.compiler.builder import build
     from llmc.profiler_api import Profiler
     from llmc.runtime.engine_runtime import RuntimeConfig
+    from llmc.runtime.responses import RequestOutput as GenerationOutput
+    from llmc.runtime.responses import RequestTimings
     from llmc.runtime.types import Request, SamplingParams
 
 

@@ -25,19 +25,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import gc
 import time
 import weakref
 from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from llmc.base.errors import ConfigError, EngineError, LlmcError
 from llmc.compiler.build_config import BuildConfig
 from llmc.compiler.engine_cache import cached_build, rebuild
-from llmc.runtime.bench.metrics import e2e, tpot, ttft
 from llmc.runtime.engine_runtime import EngineRuntime, RuntimeConfig
 from llmc.runtime.executor import Executor
 from llmc.runtime.kv_cache import KVCacheStats
@@ -53,48 +50,6 @@ _LIVE: weakref.WeakSet[LLM] = weakref.WeakSet()
 def live_llms() -> list[LLM]:
     """Every LLM not yet shut down (what ``Profiler()`` without an argument attaches to)."""
     return [llm for llm in list(_LIVE) if not llm.closed]
-
-
-# ---- outputs ----------------------------------------------------------------------------
-@dataclass(frozen=True)
-class RequestTimings:
-    """Latencies of one request in seconds, from the executor's RequestRecord (None: no data)."""
-
-    queue_s: float | None
-    """Arrival to the first step that computed any of its tokens."""
-    ttft_s: float | None
-    """Time to first token: arrival to first output token (queueing and prefill included)."""
-    tpot_s: float | None
-    """Mean gap between output tokens after the first (None with one output token)."""
-    e2e_s: float | None
-    """Arrival to finish."""
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int
-    """Prompt tokens served from reused prefix KV blocks."""
-
-
-@dataclass
-class GenerationOutput(RequestOutput):
-    """One result of ``LLM.generate``: ``text``, ``token_ids``, ``finish_reason``, ``error``
-    and ``record`` as in ``RequestOutput``, plus ``timings``."""
-
-    @property
-    def timings(self) -> RequestTimings:
-        r = self.record
-        return RequestTimings(
-            queue_s=None if r.scheduled_time is None else r.scheduled_time - r.arrival_time,
-            ttft_s=ttft(r),
-            tpot_s=tpot(r),
-            e2e_s=e2e(r),
-            num_prompt_tokens=r.num_prompt_tokens,
-            num_output_tokens=r.num_output_tokens,
-            num_cached_tokens=r.num_cached_tokens,
-        )
-
-    @classmethod
-    def of(cls, out: RequestOutput) -> GenerationOutput:
-        return cls(**{f.name: getattr(out, f.name) for f in dataclasses.fields(out)})
 
 
 def _error(code: int | None, message: str) -> LlmcError:
@@ -315,7 +270,7 @@ class LLM:
         *,
         priority: int = 0,
         apply_chat_template: bool = False,
-    ) -> list[GenerationOutput]:
+    ) -> list[RequestOutput]:
         """Run prompts (text, or lists of token ids) to completion; one output per prompt, in
         order. ``sampling_params``: one for all, or one per prompt. A request that cannot be
         served gets an output with ``error`` set; the others still run."""
@@ -336,7 +291,7 @@ class LLM:
             self._request(p, sp, priority, apply_chat_template, False)
             for p, sp in zip(items, params, strict=True)
         ]
-        return [GenerationOutput.of(o) for o in self.executor.generate(reqs)]
+        return self.executor.generate(reqs)
 
     async def generate_async(
         self,

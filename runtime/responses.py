@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from llmc.runtime.records import RequestRecord
+from llmc.runtime.records import RequestRecord, e2e, tpot, ttft
 from llmc.runtime.types import FinishReason
 
 
@@ -40,9 +40,29 @@ class Response:
     """Final response only: the whole output text."""
 
 
+@dataclass(frozen=True)
+class RequestTimings:
+    """Latencies of one request in seconds, from the executor's RequestRecord (None: no data)."""
+
+    queue_s: float | None
+    """Arrival to the first step that computed any of its tokens."""
+    ttft_s: float | None
+    """Time to first token: arrival to first output token (queueing and prefill included)."""
+    tpot_s: float | None
+    """Mean gap between output tokens after the first (None with one output token)."""
+    e2e_s: float | None
+    """Arrival to finish."""
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    """Prompt tokens served from reused prefix KV blocks."""
+
+
 @dataclass
 class RequestOutput:
-    """The result of one request of ``Executor.generate``."""
+    """The result of one request of ``Executor.generate`` / ``LLM.generate`` (exported as
+    ``llmc.GenerationOutput`` too): text, token ids, finish reason, error, the timing
+    record and its ``timings``."""
 
     request_id: int
     prompt: Any
@@ -58,6 +78,19 @@ class RequestOutput:
     @property
     def ok(self) -> bool:
         return self.error is None
+
+    @property
+    def timings(self) -> RequestTimings:
+        r = self.record
+        return RequestTimings(
+            queue_s=None if r.scheduled_time is None else r.scheduled_time - r.arrival_time,
+            ttft_s=ttft(r),
+            tpot_s=tpot(r),
+            e2e_s=e2e(r),
+            num_prompt_tokens=r.num_prompt_tokens,
+            num_output_tokens=r.num_output_tokens,
+            num_cached_tokens=r.num_cached_tokens,
+        )
 
 
 @dataclass

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from llmc.runtime.records import RequestRecord, StepRecord
+from llmc.runtime.records import RequestRecord, StepRecord, e2e, itls, tpot, ttft
 
 DEFAULT_PERCENTILES: tuple[float, ...] = (50.0, 90.0, 99.0)
 
@@ -85,37 +85,6 @@ def summarize(values: Iterable[float], percentiles: Sequence[float]) -> Distribu
 
 def is_failed(r: RequestRecord) -> bool:
     return r.error is not None or r.finish_reason == "error"
-
-
-def ttft(r: RequestRecord) -> float | None:
-    if r.first_token_time is None:
-        return None
-    return r.first_token_time - r.arrival_time
-
-
-def last_token_time(r: RequestRecord) -> float | None:
-    if r.token_times:
-        return r.token_times[-1]
-    return r.finish_time if r.num_output_tokens == 1 else None
-
-
-def tpot(r: RequestRecord) -> float | None:
-    """Mean time per output token after the first; None below two output tokens."""
-    last = last_token_time(r)
-    if r.first_token_time is None or last is None or r.num_output_tokens < 2:
-        return None
-    return (last - r.first_token_time) / (r.num_output_tokens - 1)
-
-
-def itls(r: RequestRecord) -> list[float]:
-    t = r.token_times
-    return [b - a for a, b in zip(t, t[1:], strict=False)]
-
-
-def e2e(r: RequestRecord) -> float | None:
-    if r.finish_time is None:
-        return None
-    return r.finish_time - r.arrival_time
 
 
 # ---- aggregates -------------------------------------------------------------------------
