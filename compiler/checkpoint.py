@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from llmc.base.errors import CheckpointError, UnsupportedError
-from llmc.compiler import gguf_reader, hf_reader
+from llmc.compiler import gguf_header, gguf_reader, hf_reader
 from llmc.compiler.spec import ModelSpec
 from llmc.compiler.weight_passes import validate_hf_tensors
 
@@ -48,7 +48,7 @@ def checkpoint_format(path: str | Path) -> str:
             magic = f.read(4)
     except OSError as e:
         raise CheckpointError(f"{p}: cannot read checkpoint ({e})") from None
-    if magic == gguf_reader.GGUF_MAGIC:
+    if magic == gguf_header.GGUF_MAGIC:
         return "gguf"
     raise CheckpointError(
         f"{p}: not a checkpoint (expected a HuggingFace directory with config.json, "
@@ -79,7 +79,7 @@ def read_model_spec(path: str | Path) -> tuple[ModelSpec, dict[str, Any]]:
     if checkpoint_format(p) == "hf":
         cfg = hf_reader.read_hf_config(p)
         return _hf_spec(p, cfg), cfg
-    cfg = gguf_reader.gguf_hf_config(gguf_reader.read_gguf_header(p))
+    cfg = gguf_reader.gguf_hf_config(gguf_header.read_gguf_header(p))
     return ModelSpec.from_hf_config(cfg), cfg
 
 

@@ -1,10 +1,7 @@
-"""GGUF checkpoints (llama.cpp's format): header parsing, dequantization, and HF conversion.
+"""GGUF checkpoints (llama.cpp's format): dequantization and HF conversion.
 
-What this module owns:
-- ``read_gguf_header``: the metadata and tensor table, parsed straight from a memory map.
-  Large string arrays (the vocabulary and merges) are skipped unless asked for, so reading a
-  model's spec takes milliseconds. Every tensor's byte range is checked against the file
-  size, so a truncated file fails here, before any data is read.
+The header (metadata and tensor table) is read by gguf_header.py and the tokenizer rebuilt by
+gguf_tokenizer.py; this module joins them into a checkpoint. What it owns:
 - ``gguf_hf_config``: a HuggingFace ``config.json`` dictionary rebuilt from the metadata.
 - ``read_gguf_tensors``: every tensor dequantized to float32 (``gguf.quants``, vectorised in
   numpy) under its HuggingFace name, with llama.cpp's rotary row permutation of the Q and K
@@ -20,13 +17,10 @@ SmolLM2 through logits); any malformed file raises CheckpointError naming the fi
 from __future__ import annotations
 
 import json
-import math
 import mmap
 import os
 import shutil
-import struct
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,19 +28,17 @@ import numpy as np
 import torch
 
 from llmc.base.errors import CheckpointError, UnsupportedError
+from llmc.compiler.gguf_header import (
+    TOKENIZER_ARRAYS,
+    GGUFHeader,
+    GGUFTensorInfo,
+    open_map,
+    read_gguf_header,
+)
+from llmc.compiler.gguf_tokenizer import gguf_tokenizer_files
 
-GGUF_MAGIC = b"GGUF"
 ROPE_FREQS = "rope_freqs.weight"  # llama3 RoPE scaling; folded into the config, not a weight
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-# Metadata string arrays that are large; read only when a caller asks for them.
-TOKENIZER_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges")
-
-# GGUF metadata value types (gguf.GGUFValueType) with a fixed size: id → struct format.
-_SCALAR_FORMATS = {
-    0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i",
-    6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d",
-}  # fmt: skip
-_STRING, _ARRAY = 8, 9
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -67,149 +59,6 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-
-
-@dataclass(frozen=True)
-class GGUFTensorInfo:
-    """One tensor of the file: torch-order shape, ggml type id, absolute byte range."""
-
-    name: str
-    shape: tuple[int, ...]
-    ggml_type: int
-    offset: int
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class GGUFHeader:
-    path: Path
-    version: int
-    metadata: dict[str, Any]
-    tensors: tuple[GGUFTensorInfo, ...]
-
-    @property
-    def architecture(self) -> str:
-        return str(self.metadata.get("general.architecture", "<missing>"))
-
-    def get(self, key: str, default: Any = None) -> Any:
-        """Architecture-scoped key: ``get('block_count')`` reads ``llama.block_count``."""
-        return self.metadata.get(f"{self.architecture}.{key}", default)
-
-
-class _Cursor:
-    """Bounds-checked little-endian reads from a buffer."""
-
-    def __init__(self, buf: mmap.mmap, path: Path) -> None:
-        self.buf, self.pos, self.size, self.path = buf, 0, len(buf), path
-
-    def unpack(self, fmt: str) -> tuple:
-        values = struct.unpack_from(fmt, self.buf, self.pos)  # struct.error past the end
-        self.pos += struct.calcsize(fmt)
-        return values
-
-    def string(self) -> str:
-        (n,) = self.unpack("<Q")
-        if self.pos + n > self.size:
-            raise CheckpointError(f"{self.path}: truncated or corrupt GGUF (string past the end)")
-        s = self.buf[self.pos : self.pos + n].decode("utf-8")
-        self.pos += n
-        return s
-
-    def value(self, vtype: int, keep_strings: bool) -> Any:
-        if vtype in _SCALAR_FORMATS:
-            return self.unpack(_SCALAR_FORMATS[vtype])[0]
-        if vtype == _STRING:
-            return self.string()
-        if vtype != _ARRAY:
-            raise CheckpointError(f"{self.path}: corrupt GGUF (unknown metadata type {vtype})")
-        etype, count = self.unpack("<IQ")
-        if count > self.size - self.pos:  # every element takes at least one byte
-            raise CheckpointError(f"{self.path}: corrupt GGUF (array of {count} elements)")
-        if etype in _SCALAR_FORMATS:
-            fmt = _SCALAR_FORMATS[etype]
-            values = struct.unpack_from(f"<{count}{fmt[1]}", self.buf, self.pos)
-            self.pos += count * struct.calcsize(fmt)
-            return list(values)
-        if etype == _ARRAY:
-            return [self.value(_ARRAY, keep_strings) for _ in range(count)]
-        if etype != _STRING:
-            raise CheckpointError(f"{self.path}: corrupt GGUF (unknown array type {etype})")
-        if keep_strings:
-            return [self.string() for _ in range(count)]
-        buf, pos, unpack = self.buf, self.pos, struct.unpack_from
-        for _ in range(count):  # skip without decoding; only the count is kept
-            pos += 8 + unpack("<Q", buf, pos)[0]
-        if pos > self.size:
-            raise CheckpointError(f"{self.path}: truncated or corrupt GGUF (array past the end)")
-        self.pos = pos
-        return count
-
-
-def _open_map(path: Path) -> mmap.mmap:
-    try:
-        with open(path, "rb") as f:
-            if f.seek(0, 2) < 24:
-                raise CheckpointError(f"{path}: too small to be a GGUF file (truncated?)")
-            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot read GGUF file: {e}") from e
-
-
-def read_gguf_header(path: str | Path, string_arrays: tuple[str, ...] = ()) -> GGUFHeader:
-    """Parse metadata and tensor table; string arrays not in ``string_arrays`` become counts."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    path = Path(path)
-    buf = _open_map(path)
-    cur = _Cursor(buf, path)
-    try:
-        if buf[:4] != GGUF_MAGIC:
-            raise CheckpointError(f"{path}: not a GGUF file (bad magic {bytes(buf[:4])!r})")
-        cur.pos = 4
-        version, n_tensors, n_kv = cur.unpack("<IQQ")
-        if version not in (2, 3):
-            raise UnsupportedError(f"{path}: GGUF version {version} is not supported (2 or 3)")
-        metadata: dict[str, Any] = {}
-        for _ in range(n_kv):
-            key = cur.string()
-            (vtype,) = cur.unpack("<I")
-            metadata[key] = cur.value(vtype, key in string_arrays)
-        raw = []
-        for _ in range(n_tensors):
-            name = cur.string()
-            (ndim,) = cur.unpack("<I")
-            if ndim > 8:
-                raise CheckpointError(f"{path}: corrupt GGUF (tensor {name!r} has {ndim} dims)")
-            dims = cur.unpack(f"<{ndim}Q")
-            ggml_type, offset = cur.unpack("<IQ")
-            raw.append((name, tuple(reversed(dims)), ggml_type, offset))
-    except (struct.error, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: truncated or corrupt GGUF header ({e})") from e
-    alignment = metadata.get("general.alignment", 32)
-    if not isinstance(alignment, int) or alignment <= 0:
-        raise CheckpointError(f"{path}: corrupt GGUF (general.alignment = {alignment!r})")
-    if len({name for name, *_ in raw}) != len(raw):
-        raise CheckpointError(f"{path}: corrupt GGUF (a tensor name appears twice)")
-    data_start = -(-cur.pos // alignment) * alignment
-    tensors = []
-    for name, shape, ggml_type, offset in raw:
-        try:
-            block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
-        except (ValueError, KeyError):
-            raise UnsupportedError(
-                f"{path}: tensor {name!r} has unknown ggml type {ggml_type}"
-            ) from None
-        n = math.prod(shape)  # Python ints: a corrupt huge dim cannot wrap around
-        if shape and shape[-1] % block:
-            raise CheckpointError(f"{path}: tensor {name!r} row length {shape[-1]} % {block} != 0")
-        info = GGUFTensorInfo(name, shape, ggml_type, data_start + offset, n // block * type_size)
-        if info.offset + info.nbytes > cur.size:
-            raise CheckpointError(
-                f"{path}: truncated GGUF: tensor {name!r} needs bytes up to "
-                f"{info.offset + info.nbytes}, file has {cur.size}"
-            )
-        tensors.append(info)
-    return GGUFHeader(path, version, metadata, tuple(tensors))
 
 
 def _float32_repr(x: float) -> float:
@@ -300,7 +149,7 @@ def _llama3_scaling(
     Llama 3.x always used low/high frequency factors 1 and 4 over an 8192-token original
     context; the factor is the largest divisor. Anything else is refused, not guessed.
     """
-    factors = _dequantize(_open_map(header.path), info).astype(np.float64)
+    factors = _dequantize(open_map(header.path), info).astype(np.float64)
     scaling = {
         "rope_type": "llama3",
         "factor": float(np.float32(factors.max())),
@@ -355,7 +204,7 @@ def _dequantize(buf: mmap.mmap, info: GGUFTensorInfo) -> np.ndarray:
 
 def read_gguf_tensors(header: GGUFHeader, config: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Every tensor as float32 under its HF name, Q/K un-permuted for ``llama``."""
-    buf = _open_map(header.path)
+    buf = open_map(header.path)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     out: dict[str, torch.Tensor] = {}
     for info in header.tensors:
@@ -391,7 +240,6 @@ def load_gguf(
     ``files`` are tokenizer.json, tokenizer_config.json and generation_config.json. The tensor
     table is validated against the config before any tensor is dequantized.
     """
-    from llmc.compiler.gguf_tokenizer import gguf_tokenizer_files
     from llmc.compiler.spec import ModelSpec
     from llmc.compiler.weight_passes import validate_hf_tensors
 

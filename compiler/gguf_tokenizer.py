@@ -21,7 +21,7 @@ from functools import cache
 from typing import Any
 
 from llmc.base.errors import CheckpointError, UnsupportedError
-from llmc.compiler.gguf_reader import GGUFHeader
+from llmc.compiler.gguf_header import GGUFHeader
 
 _CONTROL, _USER_DEFINED = 3, 4
 

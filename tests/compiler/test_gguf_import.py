@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 
 from llmc.base.errors import CheckpointError, UnsupportedError
 from llmc.compiler.checkpoint import load_checkpoint, read_model_spec
-from llmc.compiler.gguf_reader import TOKENIZER_ARRAYS, import_gguf, read_gguf_header
+from llmc.compiler.gguf_header import TOKENIZER_ARRAYS, read_gguf_header
+from llmc.compiler.gguf_reader import import_gguf
 
 # ---- SmolLM2 (the real Q4_1/Q8_0 file) against transformers ----------------------------
 
