@@ -9,7 +9,8 @@ Phases, reported through the ``progress`` callback as ``BuildEvent``s:
               fit raises CapacityError here, before any weight is read.
 - ``convert`` the checkpoint's tensors are read and turned into engine tensors (fused, cast);
               nothing for ``load_format='dummy'`` (the manifest stores the seed).
-- ``compile`` kernels for a CUDA target (``llmc.cuda.build``; empty until it exists).
+- ``compile`` cubins for a CUDA target (``llmc.cuda.build``: nvcc where it is on the PATH,
+              else CuPy's NVRTC, else UnsupportedError); none for ``target='cpu'``.
 - ``write``   the engine files, manifest last, then an atomic rename (engine_format.py).
 
 ``dry_run`` stops after ``plan`` and writes nothing.
@@ -39,6 +40,7 @@ from llmc.compiler.engine_format import (
 from llmc.compiler.memory_plan import MemoryPlan, plan_memory
 from llmc.compiler.resolve import ResolvedBuild, detect_gpu, device_memory, resolve_build
 from llmc.compiler.spec import ModelSpec
+from llmc.cuda.build import compile_engine_kernels
 
 PHASES = ("read", "plan", "convert", "compile", "write")
 TOKENIZER_FILES = (
@@ -157,12 +159,6 @@ def _compile_kernels(spec: ModelSpec, dtype: str, target: str, out_dir: Path) ->
     out_dir.mkdir(exist_ok=True)
     if not target.startswith("sm_"):
         return []
-    try:
-        from llmc.cuda.build import compile_engine_kernels
-    except ModuleNotFoundError as e:  # the CUDA backend is not there yet
-        if e.name in ("llmc.cuda.build",):
-            return []
-        raise
     paths = compile_engine_kernels(spec, dtype, target, out_dir)
     return sorted(Path(p).resolve().relative_to(out_dir.resolve()).as_posix() for p in paths)
 

@@ -3,8 +3,12 @@
 ``compile_engine_kernels(spec, dtype, arch, out_dir)`` writes one cubin per kernel family
 (named by ``llmc.cuda.kernels.cubin_name``) into ``out_dir`` and returns their paths. It
 uses ``nvcc -cubin -arch=<arch>`` when nvcc is on the PATH (in parallel, one process per
-family), else NVRTC through CuPy's bindings (``cupy.cuda.nvrtc``). The run time loads
-these cubins without compiling (``KernelLibrary(kernel_dir=...)``).
+family; no GPU needed: a CPU machine cross-compiles), else NVRTC through CuPy's bindings
+(``cupy.cuda.nvrtc``); with neither, it raises UnsupportedError before compiling anything
+(build for ``--target cpu`` there). The run time loads these cubins without compiling
+(``KernelLibrary(kernel_dir=...)``).
+
+Invariant: importing this module needs neither CuPy nor a GPU (the engine builder imports it).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import shutil
 import subprocess
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
+from importlib.util import find_spec
 from pathlib import Path
 
 from llmc.base.errors import UnsupportedError
@@ -63,6 +68,21 @@ def nvrtc_compile(src: str, arch: str, out: Path) -> None:
         nvrtc.destroyProgram(prog)
 
 
+def kernel_compiler() -> str:
+    """``"nvcc"`` when it is on the PATH, else ``"nvrtc"`` when CuPy is installed.
+
+    UnsupportedError when neither is: a CUDA target cannot be built on this machine.
+    """
+    if shutil.which("nvcc") is not None:
+        return "nvcc"
+    if find_spec("cupy") is not None:
+        return "nvrtc"
+    raise UnsupportedError(
+        "cannot compile kernels for a CUDA target: nvcc is not on the PATH and CuPy (NVRTC) "
+        "is not installed; install the CUDA toolkit or cupy-cuda12x, or build --target cpu"
+    )
+
+
 def compile_engine_kernels(spec, dtype: str, arch: str, out_dir: Path) -> list[Path]:
     """Compile every kernel family for ``spec`` / ``dtype`` / ``arch`` into ``out_dir``.
 
@@ -72,7 +92,7 @@ def compile_engine_kernels(spec, dtype: str, arch: str, out_dir: Path) -> list[P
     cfg = KernelConfig.from_spec(spec, dtype)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    use_nvcc = shutil.which("nvcc") is not None
+    use_nvcc = kernel_compiler() == "nvcc"
     jobs = [(f, out_dir / cubin_name(f, cfg, arch)) for f in families_for(cfg)]
 
     def one(job: tuple[str, Path]) -> Path:

@@ -18,64 +18,72 @@ __all__ = [
     "RequestError",
     "BenchFailure",
     "did_you_mean",
+    "error_class",
 ]
 
 
+_BY_EXIT_CODE: dict[int, type[LlmcError]] = {}
+
+
 class LlmcError(Exception):
-    """Base class; ``exit_code`` is the process exit status the CLI uses."""
+    """Base class; ``exit_code`` is the process exit status the CLI uses.
+
+    A subclass names its own code in its class line (``class X(LlmcError, exit_code=N)``);
+    one that names none shares its parent's. A code already taken is a TypeError at import,
+    so two kinds of failure never share an exit status.
+    """
 
     exit_code = 1
 
+    def __init_subclass__(cls, *, exit_code: int | None = None, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if exit_code is None:
+            return
+        if exit_code in _BY_EXIT_CODE or exit_code in (0, 1):  # 0 success, 1 internal error
+            owner = getattr(_BY_EXIT_CODE.get(exit_code), "__name__", "success/internal error")
+            raise TypeError(f"{cls.__name__}: exit code {exit_code} is taken ({owner})")
+        cls.exit_code = exit_code
+        _BY_EXIT_CODE[exit_code] = cls
 
-class UsageError(LlmcError):
+
+def error_class(exit_code: int | None) -> type[LlmcError]:
+    """The error class of an exit code (LlmcError for 1 or a code no class has)."""
+    return _BY_EXIT_CODE.get(exit_code, LlmcError) if exit_code is not None else LlmcError
+
+
+class UsageError(LlmcError, exit_code=2):
     """Bad command line: unknown flag, unknown YAML key, YAML that is not a mapping."""
 
-    exit_code = 2
 
-
-class ConfigError(LlmcError):
+class ConfigError(LlmcError, exit_code=3):
     """A value that is out of range or inconsistent (max_input_len > max_seq_len, ...)."""
 
-    exit_code = 3
 
-
-class CheckpointError(LlmcError):
+class CheckpointError(LlmcError, exit_code=4):
     """A checkpoint that is missing, truncated, corrupt, or has wrong/missing tensors."""
 
-    exit_code = 4
 
-
-class UnsupportedError(LlmcError):
+class UnsupportedError(LlmcError, exit_code=5):
     """An architecture, dtype or target llmc does not support."""
 
-    exit_code = 5
 
-
-class CapacityError(LlmcError):
+class CapacityError(LlmcError, exit_code=6):
     """The configuration does not fit in device memory (one max_seq_len request must fit)."""
 
-    exit_code = 6
 
-
-class EngineError(LlmcError):
+class EngineError(LlmcError, exit_code=7):
     """An engine directory that is incomplete, corrupt, or built for another version/target."""
 
-    exit_code = 7
 
-
-class RequestError(LlmcError):
+class RequestError(LlmcError, exit_code=8):
     """A request that cannot be served (too long, bad sampling values, ...).
 
     Raised per request; the runtime keeps serving the others.
     """
 
-    exit_code = 8
 
-
-class BenchFailure(LlmcError):
+class BenchFailure(LlmcError, exit_code=9):
     """A benchmark in which requests failed (above --max_failure_rate)."""
-
-    exit_code = 9
 
 
 def did_you_mean(name: str, choices: list[str] | tuple[str, ...]) -> str:

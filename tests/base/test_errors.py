@@ -1,0 +1,59 @@
+"""llmc.base.errors: one exit code per error class, declared once, looked up both ways."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from llmc.base import errors
+from llmc.base.errors import BenchFailure, ConfigError, LlmcError, UsageError, error_class
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def _classes() -> list[type[LlmcError]]:
+    return [getattr(errors, n) for n in errors.__all__ if n[0].isupper() and n != "LlmcError"]
+
+
+def test_each_class_has_its_own_code():
+    codes = [cls.exit_code for cls in _classes()]
+    assert LlmcError.exit_code == 1
+    assert sorted(codes) == list(range(2, 2 + len(codes)))
+    assert UsageError.exit_code == 2 and BenchFailure.exit_code == 9
+
+
+def test_error_class_inverts_exit_code():
+    for cls in _classes():
+        assert error_class(cls.exit_code) is cls
+    assert error_class(1) is LlmcError
+    assert error_class(None) is LlmcError
+    assert error_class(99) is LlmcError
+
+
+def test_a_taken_code_is_refused():
+    with pytest.raises(TypeError, match=r"exit code 3 is taken \(ConfigError\)"):
+
+        class Again(LlmcError, exit_code=3):
+            pass
+
+    with pytest.raises(TypeError, match="exit code 1 is taken"):
+
+        class Internal(LlmcError, exit_code=1):
+            pass
+
+    assert error_class(3) is ConfigError
+
+
+def test_a_subclass_without_code_shares_its_parents():
+    class TooBig(ConfigError):
+        pass
+
+    assert TooBig.exit_code == ConfigError.exit_code
+    assert error_class(ConfigError.exit_code) is ConfigError
+
+
+def test_readme_documents_every_code():
+    table = dict(re.findall(r"^\| (\d+) \| (.+?) \|$", README.read_text(), re.M))
+    assert set(table) == {"0", "1"} | {str(cls.exit_code) for cls in _classes()}
