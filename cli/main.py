@@ -1,8 +1,24 @@
-"""The ``llmc`` typer app. Each subcommand lives in its own module and registers itself."""
+"""The ``llmc`` typer app: every subcommand module registers itself; ``--version`` is here.
+
+Importing this module (``llmc --version``, ``llmc --help``) must not import torch: the command
+modules import the compiler and runtime lazily, inside their commands.
+"""
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
+
+from llmc.base.version import ENGINE_FORMAT_VERSION, __version__
+from llmc.cli import (
+    bench_cmd,
+    build_cmd,
+    compare_cmd,
+    import_cmd,
+    profile_cmd,
+    run_cmd,
+)
 
 app = typer.Typer(
     name="llmc",
@@ -14,20 +30,36 @@ app = typer.Typer(
 )
 
 
-def _register() -> None:
-    import importlib
-
-    for mod in ("build_cmd", "import_cmd", "run_cmd", "bench_cmd", "profile_cmd", "compare_cmd"):
-        try:
-            module = importlib.import_module(f"llmc.cli.{mod}")
-        except ModuleNotFoundError as e:  # a command not written yet
-            if e.name == f"llmc.cli.{mod}":
-                continue
-            raise
-        module.register(app)
+def version_line() -> str:
+    """What ``llmc --version`` prints: the release and the engine format it reads and writes."""
+    return f"llmc {__version__} (engine format {ENGINE_FORMAT_VERSION})"
 
 
-_register()
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(version_line())
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            "-V",
+            help="Print the llmc version and engine format version, then exit.",
+            callback=_print_version,
+            is_eager=True,
+        ),
+    ] = False,
+) -> None:
+    # The app's options only (its help text is the Typer's); commands run after this.
+    del version
+
+
+for _command in (build_cmd, import_cmd, run_cmd, bench_cmd, profile_cmd, compare_cmd):
+    _command.register(app)
 
 
 def main() -> None:
