@@ -38,6 +38,8 @@ from typing import Protocol
 
 import torch
 
+from llmc.base.errors import ConfigError
+
 
 @dataclass
 class AttentionMetadata:
@@ -76,6 +78,16 @@ class SamplingMetadata:
     prompt_mask: torch.Tensor | None = None
     all_greedy: bool = False
     num_logprobs: int | None = None  # max top-logprobs requested by any row, None = none
+
+
+def check_fused_decode_max_tokens(n: object, backend: str, most: int | None = None) -> int:
+    """``n`` when it is a valid ``fused_decode_max_tokens`` for ``backend`` (an integer, not
+    a bool, in 0..``most``; no upper bound when ``most`` is None), else ConfigError."""
+    is_int = isinstance(n, int) and not isinstance(n, bool)
+    if is_int and n >= 0 and (most is None or n <= most):
+        return n
+    allowed = ">= 0" if most is None else f"in 0..{most}"
+    raise ConfigError(f"{backend}: fused_decode_max_tokens must be an integer {allowed}, got {n!r}")
 
 
 class Backend(Protocol):

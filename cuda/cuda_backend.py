@@ -35,8 +35,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from llmc.base.errors import ConfigError, UnsupportedError
-from llmc.cuda.backend import AttentionMetadata, SamplingMetadata
+from llmc.base.errors import UnsupportedError
+from llmc.cuda.backend import AttentionMetadata, SamplingMetadata, check_fused_decode_max_tokens
 from llmc.cuda.gemv_ops import FUSED_DECODE_DEFAULT, GEMV_MAX_TOKENS, GEMV_SMEM_BYTES, GemvOps
 from llmc.cuda.kernels import KernelConfig, KernelLibrary
 from llmc.cuda.launch_args import aligned as _aligned
@@ -69,15 +69,10 @@ class CudaBackend(GemvOps):
         max_num_seqs: int = 256,
         fused_decode_max_tokens: int = FUSED_DECODE_DEFAULT,
     ) -> None:
-        n = fused_decode_max_tokens
-        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= GEMV_MAX_TOKENS:
-            raise ConfigError(
-                f"CudaBackend: fused_decode_max_tokens must be an integer in "
-                f"0..{GEMV_MAX_TOKENS}, got {n!r}"
-            )
+        self.fused_decode_max_tokens = check_fused_decode_max_tokens(
+            fused_decode_max_tokens, "CudaBackend", GEMV_MAX_TOKENS
+        )
         import cupy
-
-        self.fused_decode_max_tokens = n
 
         self.device = torch.device(device)
         if self.device.type != "cuda":

@@ -1,11 +1,11 @@
 """TorchBackend: the Backend protocol on plain torch ops (the reference; CPU and CUDA).
 
-Every op is the function of the same name in ``llmc.cuda.reference``; when ``out`` (a view
-of the step's workspace arena) is given the result is written there and ``out`` returned.
-Matrix products and the embedding gather write straight into ``out`` (``torch.mm`` /
-``torch.addmm`` / ``index_select`` with ``out=``); the other ops compute in float32
-temporaries that torch allocates internally and copy the result into ``out``. That is the
-accepted cost of a reference backend; the CUDA backend allocates nothing per step.
+Every op IS the function of the same name in ``llmc.cuda.reference`` (``attention`` is
+``paged_attention``): ``_reference_op`` turns the function into a method that takes the
+protocol's optional ``out`` (a view of the step's workspace arena) and copies the result
+there when it is given, so the reference and the backend cannot drift apart. Each op
+computes into a temporary that torch allocates and copies it into ``out``: the accepted
+cost of a reference backend; the CUDA backend allocates nothing per step.
 
 ``fused_decode_max_tokens`` (default 0: off) lets CPU tests run the ModelRunner's fused
 small-step op sequence (``norm_linear``, ``norm_gate_up_silu``, ``linear_residual_add``),
@@ -14,18 +14,49 @@ whose reference functions compose the unfused ops, so both sequences give the sa
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
-from llmc.base.errors import ConfigError
 from llmc.cuda import reference as ref
-from llmc.cuda.backend import AttentionMetadata, SamplingMetadata
+from llmc.cuda.backend import check_fused_decode_max_tokens
 
 
 def _into(out: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
+    """``value``, or ``out`` holding a copy of it (viewed as ``value``'s shape where the
+    op's result has another shape than the workspace buffer, as rotated q does)."""
     if out is None:
         return value
-    out.copy_(value.view(out.shape))
+    if out.shape != value.shape:
+        out = out.view(value.shape)
+    out.copy_(value)
     return out
+
+
+def _reference_op(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The backend method of reference function ``fn``: ``fn``'s arguments, then ``out``
+    (keyword or one positional argument past ``fn``'s own); the result — the first of a
+    tuple — is written into ``out`` when given."""
+    sig = inspect.signature(fn)
+    arity = len(sig.parameters)
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    out_param = inspect.Parameter("out", kind, default=None, annotation="torch.Tensor | None")
+
+    @functools.wraps(fn)
+    def op(self: TorchBackend, *args: Any, out: torch.Tensor | None = None) -> Any:
+        if len(args) > arity:  # ``out`` passed positionally, as the protocol allows
+            *args, out = args
+        value = fn(*args)
+        if isinstance(value, tuple):
+            return (_into(out, value[0]), *value[1:])
+        return _into(out, value)
+
+    params = [inspect.Parameter("self", kind), *sig.parameters.values(), out_param]
+    op.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
+    return op
 
 
 class TorchBackend:
@@ -36,109 +67,20 @@ class TorchBackend:
     def __init__(
         self, device: torch.device | str = "cpu", fused_decode_max_tokens: int = 0
     ) -> None:
-        n = fused_decode_max_tokens
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            raise ConfigError(f"fused_decode_max_tokens must be an integer >= 0, got {n!r}")
         self.device = torch.device(device)
-        self.fused_decode_max_tokens = n
+        self.fused_decode_max_tokens = check_fused_decode_max_tokens(
+            fused_decode_max_tokens, "TorchBackend"
+        )
 
-    def embedding(
-        self, ids: torch.Tensor, table: torch.Tensor, out: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        if out is None:
-            return ref.embedding(ids, table)
-        return torch.index_select(table, 0, ids, out=out)
-
-    def rms_norm(
-        self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        return _into(out, ref.rms_norm(x, weight, eps))
-
-    def add_rms_norm(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor,
-        weight: torch.Tensor,
-        eps: float,
-        out: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        normed, residual = ref.add_rms_norm(x, residual, weight, eps)
-        return _into(out, normed), residual
-
-    def linear(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None = None,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        if out is None:
-            return ref.linear(x, weight, bias)
-        if out.dtype != x.dtype:  # e.g. float32 logits from bfloat16 weights
-            return _into(out, ref.linear(x, weight, bias))
-        if bias is None:
-            return torch.mm(x, weight.t(), out=out)
-        return torch.addmm(bias, x, weight.t(), out=out)
-
-    def norm_linear(
-        self,
-        residual: torch.Tensor,
-        norm_weight: torch.Tensor,
-        eps: float,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None = None,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return _into(out, ref.norm_linear(residual, norm_weight, eps, weight, bias))
-
-    def norm_gate_up_silu(
-        self,
-        residual: torch.Tensor,
-        norm_weight: torch.Tensor,
-        eps: float,
-        gate_up_weight: torch.Tensor,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return _into(out, ref.norm_gate_up_silu(residual, norm_weight, eps, gate_up_weight))
-
-    def linear_residual_add(
-        self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor
-    ) -> torch.Tensor:
-        return ref.linear_residual_add(x, weight, residual)
-
-    def rope_and_cache_write(
-        self,
-        qkv: torch.Tensor,
-        positions: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        q = ref.rope_and_cache_write(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping)
-        if out is None:
-            return q
-        out = out.view(q.shape)
-        out.copy_(q)
-        return out
-
-    def attention(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return _into(out, ref.paged_attention(q, k_cache, v_cache, meta))
-
-    def silu_and_mul(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        if out is None:
-            return ref.silu_and_mul(x)
-        gate, up = x.chunk(2, dim=-1)
-        return torch.mul(torch.nn.functional.silu(gate), up, out=out)
-
-    def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        return ref.sample(logits, meta)
+    embedding = _reference_op(ref.embedding)
+    rms_norm = _reference_op(ref.rms_norm)
+    add_rms_norm = _reference_op(ref.add_rms_norm)  # (normed → out, residual updated in place)
+    linear = _reference_op(ref.linear)
+    rope_and_cache_write = _reference_op(ref.rope_and_cache_write)
+    attention = _reference_op(ref.paged_attention)
+    silu_and_mul = _reference_op(ref.silu_and_mul)
+    norm_linear = _reference_op(ref.norm_linear)
+    norm_gate_up_silu = _reference_op(ref.norm_gate_up_silu)
+    # in place on ``residual`` / a fresh id tensor: no ``out`` in the protocol
+    linear_residual_add = staticmethod(ref.linear_residual_add)
+    sample = staticmethod(ref.sample)

@@ -16,7 +16,7 @@ from transformers.models.llama import modeling_llama as hf_llama
 
 from llmc.compiler.spec import ModelSpec
 from llmc.cuda import reference as ref
-from llmc.cuda.backend import AttentionMetadata
+from llmc.cuda.backend import AttentionMetadata, Backend
 from llmc.cuda.torch_backend import TorchBackend
 from llmc.runtime.rope import cos_sin_tables
 
@@ -225,6 +225,37 @@ def test_torch_backend_writes_into_out_views():
     table, ids = torch.randn(10, 4), torch.tensor([1, 9, 1])
     out = torch.empty(3, 4)
     assert be.embedding(ids, table, out=out) is out and torch.equal(out, table[ids])
+
+
+def test_torch_backend_ops_are_the_reference_functions():
+    """Each protocol op of TorchBackend is the reference function of its name, plus ``out``."""
+    import inspect
+
+    ops = [n for n, v in vars(Backend).items() if callable(v) and not n.startswith("_")]
+    assert {"rms_norm", "attention", "norm_linear", "sample"} <= set(ops)
+    for name in ops:
+        method = inspect.getattr_static(TorchBackend, name)
+        fn = getattr(method, "__wrapped__", getattr(method, "__func__", None))
+        assert fn is getattr(ref, "paged_attention" if name == "attention" else name), name
+        want = list(inspect.signature(getattr(Backend, name)).parameters)
+        got = list(inspect.signature(getattr(TorchBackend, name)).parameters)
+        if isinstance(method, staticmethod):
+            got = ["self", *got]
+        assert len(got) == len(want) and got[0] == "self", (name, got, want)
+        assert ("out" in got) == ("out" in want), name
+
+
+def test_torch_backend_takes_out_positionally():
+    be = TorchBackend("cpu")
+    x, w = torch.randn(5, 8), torch.randn(8)
+    out = torch.full((5, 8), float("nan"))
+    assert be.rms_norm(x, w, 1e-5, out) is out
+    assert torch.equal(out, ref.rms_norm(x, w, 1e-5))
+    res = x.clone()
+    normed, back = be.add_rms_norm(torch.ones(5, 8), res, w, 1e-5, out)
+    assert normed is out and back is res and torch.equal(res, x + 1)
+    with pytest.raises(TypeError):
+        be.rms_norm(x, w, 1e-5, out, out)
 
 
 # Random123 tests/kat_vectors, "philox4x32 10" lines: counter words, key words, output words.
