@@ -150,19 +150,29 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-// Sum over the block (any blockDim multiple of 32, <= 1024); every thread gets the result.
-// `scratch` holds 33 floats of shared memory; safe to call repeatedly.
-__device__ __forceinline__ float block_sum(float v, float* scratch) {
+// Reduction over the block (any blockDim multiple of 32, <= 1024) by WARP_OP (warp_sum,
+// warp_max) with its identity; every thread gets the result. `scratch` holds 33 floats of
+// shared memory; safe to call repeatedly.
+template <float (*WARP_OP)(float)>
+__device__ __forceinline__ float block_reduce(float v, float identity, float* scratch) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    v = warp_sum(v);
+    v = WARP_OP(v);
     __syncthreads();
     if (lane == 0) scratch[warp] = v;
     __syncthreads();
     if (warp == 0) {
-        float t = lane < (int)(blockDim.x >> 5) ? scratch[lane] : 0.f;
-        t = warp_sum(t);
+        float t = lane < (int)(blockDim.x >> 5) ? scratch[lane] : identity;
+        t = WARP_OP(t);
         if (lane == 0) scratch[32] = t;
     }
     __syncthreads();
     return scratch[32];
+}
+
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    return block_reduce<warp_sum>(v, 0.f, scratch);
+}
+
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+    return block_reduce<warp_max>(v, LLMC_NEG_INF, scratch);
 }

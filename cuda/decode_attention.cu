@@ -193,6 +193,80 @@ __device__ __forceinline__ void merge_warp_streams(float (&m)[G], float (&l)[G],
     }
 }
 
+// One CTA's pass over keys [kbeg, kend) of token t for the G query heads of kv head kvh:
+// q (pre-scaled into the log2 domain) against the keys in streams of LPK lanes, the
+// streams' online-softmax states merged per warp, and each warp's state written to
+// sm_ml / sm_acc (combine them with combine_warp_states after a __syncthreads()).
+template <int NWARPS>
+__device__ __forceinline__ void attend_cta(
+    const scalar_t* __restrict__ q, const scalar_t* __restrict__ k_cache,
+    const scalar_t* __restrict__ v_cache, const int* __restrict__ bt, int block_size,
+    int bs_shift, int t, int kvh, float scale_log2, int kbeg, int kend,
+    float (&sm_ml)[NWARPS][G][2], float (&sm_acc)[NWARPS][G][HD]) {
+    constexpr int lpk = LPK, dpl = DPL, kg = KG;
+    constexpr int dv = vec_width_for(dpl);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int sub = lane % lpk, grp = lane / lpk;
+    const int stream = warp * kg + grp;
+
+    float qf[G][dpl];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+#pragma unroll
+        for (int d = 0; d < dpl; d += dv)
+            load_vec<dv>(q + ((long long)t * NQ + kvh * G + g) * HD + sub * dpl + d, qf[g] + d);
+#pragma unroll
+        for (int d = 0; d < dpl; ++d) qf[g][d] *= scale_log2;
+    }
+    float m[G], l[G], acc[G][dpl];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        m[g] = LLMC_NEG_INF;
+        l[g] = 0.f;
+#pragma unroll
+        for (int d = 0; d < dpl; ++d) acc[g][d] = 0.f;
+    }
+    if (bs_shift >= 0)
+        attend_keys<true, NWARPS>(k_cache, v_cache, bt, block_size, bs_shift, kvh, sub, stream,
+                                  kbeg, kend, qf, m, l, acc);
+    else
+        attend_keys<false, NWARPS>(k_cache, v_cache, bt, block_size, bs_shift, kvh, sub, stream,
+                                   kbeg, kend, qf, m, l, acc);
+    merge_warp_streams(m, l, acc);
+    if (grp == 0) {
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            if (sub == 0) {
+                sm_ml[warp][g][0] = m[g];
+                sm_ml[warp][g][1] = l[g];
+            }
+#pragma unroll
+            for (int d = 0; d < dpl; ++d) sm_acc[warp][g][sub * dpl + d] = acc[g][d];
+        }
+    }
+}
+
+// The CTA's (max M, sum L, unnormalised acc A) of head g, dim d from its NWARPS warps'
+// states (written by attend_cta, visible after a __syncthreads()).
+template <int NWARPS>
+__device__ __forceinline__ void combine_warp_states(const float (&sm_ml)[NWARPS][G][2],
+                                                    const float (&sm_acc)[NWARPS][G][HD], int g,
+                                                    int d, float& M, float& L, float& A) {
+    M = LLMC_NEG_INF;
+#pragma unroll
+    for (int w = 0; w < NWARPS; ++w) M = fmaxf(M, sm_ml[w][g][0]);
+    L = 0.f;
+    A = 0.f;
+    if (M != LLMC_NEG_INF) {
+#pragma unroll
+        for (int w = 0; w < NWARPS; ++w) {
+            const float f = exp2f(sm_ml[w][g][0] - M);
+            L += sm_ml[w][g][1] * f;
+            A += sm_acc[w][g][d] * f;
+        }
+    }
+}
+
 // Launch: grid (tokens, NKV, max splits), block NW * 32.  min_keys: a sequence runs as
 // ceil(kv_len / min_keys) splits (at least 1, at most gridDim.z); bs_shift: log2 of
 // block_size, or -1.  counters: NKV ints per token, zero before the launch and after it.
@@ -204,15 +278,10 @@ paged_attention_kernel(const scalar_t* __restrict__ q, const scalar_t* __restric
                        int decode_mode, scalar_t* __restrict__ out, float* __restrict__ part_acc,
                        float* __restrict__ part_ml, float scale_log2, int min_keys,
                        int bs_shift, int* __restrict__ counters) {
-    constexpr int lpk = LPK, dpl = DPL, kg = KG;
-    constexpr int dv = vec_width_for(dpl);
     const int tl = blockIdx.x;
     const int t = token_begin + tl;
     const int kvh = blockIdx.y;
     const int split = blockIdx.z, nsplit_max = gridDim.z;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int sub = lane % lpk, grp = lane / lpk;
-    const int stream = warp * kg + grp;
 
     const int s = decode_mode ? t : find_seq(cu_seqlens_q, num_seqs, t);
     const int q0 = cu_seqlens_q[s];
@@ -229,63 +298,16 @@ paged_attention_kernel(const scalar_t* __restrict__ q, const scalar_t* __restric
     const int kend = min(kv_len, kbeg + chunk);
     const int* bt = block_tables + (long long)s * max_blocks_per_seq;
 
-    float qf[G][dpl];
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-#pragma unroll
-        for (int d = 0; d < dpl; d += dv)
-            load_vec<dv>(q + ((long long)t * NQ + kvh * G + g) * HD + sub * dpl + d, qf[g] + d);
-#pragma unroll
-        for (int d = 0; d < dpl; ++d) qf[g][d] *= scale_log2;
-    }
-
-    float m[G], l[G], acc[G][dpl];
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-        m[g] = LLMC_NEG_INF;
-        l[g] = 0.f;
-#pragma unroll
-        for (int d = 0; d < dpl; ++d) acc[g][d] = 0.f;
-    }
-
-    if (bs_shift >= 0)
-        attend_keys<true>(k_cache, v_cache, bt, block_size, bs_shift, kvh, sub, stream, kbeg,
-                          kend, qf, m, l, acc);
-    else
-        attend_keys<false>(k_cache, v_cache, bt, block_size, bs_shift, kvh, sub, stream, kbeg,
-                           kend, qf, m, l, acc);
-
-    merge_warp_streams(m, l, acc);
-
     __shared__ float sm_ml[NW][G][2];
     __shared__ float sm_acc[NW][G][HD];
     __shared__ int sm_last;
-    if (grp == 0) {
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-            if (sub == 0) {
-                sm_ml[warp][g][0] = m[g];
-                sm_ml[warp][g][1] = l[g];
-            }
-#pragma unroll
-            for (int d = 0; d < dpl; ++d) sm_acc[warp][g][sub * dpl + d] = acc[g][d];
-        }
-    }
+    attend_cta<NW>(q, k_cache, v_cache, bt, block_size, bs_shift, t, kvh, scale_log2, kbeg, kend,
+                   sm_ml, sm_acc);
     __syncthreads();
     for (int idx = threadIdx.x; idx < G * HD; idx += blockDim.x) {
         const int g = idx / HD, d = idx % HD;
-        float M = LLMC_NEG_INF;
-#pragma unroll
-        for (int w = 0; w < NW; ++w) M = fmaxf(M, sm_ml[w][g][0]);
-        float L = 0.f, A = 0.f;
-        if (M != LLMC_NEG_INF) {
-#pragma unroll
-            for (int w = 0; w < NW; ++w) {
-                const float f = exp2f(sm_ml[w][g][0] - M);
-                L += sm_ml[w][g][1] * f;
-                A += sm_acc[w][g][d] * f;
-            }
-        }
+        float M, L, A;
+        combine_warp_states<NW>(sm_ml, sm_acc, g, d, M, L, A);
         const int h = kvh * G + g;
         if (nsplit == 1) {
             out[((long long)t * NQ + h) * HD + d] = from_float(L > 0.f ? A / L : 0.f);
@@ -368,14 +390,9 @@ paged_attention_cluster_kernel(const scalar_t* __restrict__ q,
                                int block_size, const int* __restrict__ seq_lens,
                                scalar_t* __restrict__ out, float scale_log2, int min_keys,
                                int bs_shift) {
-    constexpr int lpk = LPK, dpl = DPL, kg = KG;
-    constexpr int dv = vec_width_for(dpl);
     const int t = blockIdx.x;
     const int kvh = blockIdx.y;
     const int split = blockIdx.z;  // == the CTA's rank in its cluster
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int sub = lane % lpk, grp = lane / lpk;
-    const int stream = warp * kg + grp;
 
     const int sl = seq_lens[t];
     const int kv_len = sl > 0 ? sl : 0;  // graph padding rows (seq_len <= 0) write zeros
@@ -385,62 +402,18 @@ paged_attention_cluster_kernel(const scalar_t* __restrict__ q,
     const int kend = split < nsplit ? min(kv_len, kbeg + chunk) : 0;
     const int* bt = block_tables + (long long)t * max_blocks_per_seq;
 
-    float qf[G][dpl];
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-#pragma unroll
-        for (int d = 0; d < dpl; d += dv)
-            load_vec<dv>(q + ((long long)t * NQ + kvh * G + g) * HD + sub * dpl + d, qf[g] + d);
-#pragma unroll
-        for (int d = 0; d < dpl; ++d) qf[g][d] *= scale_log2;
-    }
-    float m[G], l[G], acc[G][dpl];
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-        m[g] = LLMC_NEG_INF;
-        l[g] = 0.f;
-#pragma unroll
-        for (int d = 0; d < dpl; ++d) acc[g][d] = 0.f;
-    }
-    if (bs_shift >= 0)
-        attend_keys<true, CNW>(k_cache, v_cache, bt, block_size, bs_shift, kvh, sub, stream,
-                               kbeg, kend, qf, m, l, acc);
-    else
-        attend_keys<false, CNW>(k_cache, v_cache, bt, block_size, bs_shift, kvh, sub, stream,
-                                kbeg, kend, qf, m, l, acc);
-    merge_warp_streams(m, l, acc);
-
     // This CTA's state (max, sum, unnormalised acc) per head, from its warps' states.
     __shared__ float sm_ml[CNW][G][2];
     __shared__ float sm_acc[CNW][G][HD];
     __shared__ float cta_ml[G][2];
     __shared__ float cta_acc[G][HD];
-    if (grp == 0) {
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-            if (sub == 0) {
-                sm_ml[warp][g][0] = m[g];
-                sm_ml[warp][g][1] = l[g];
-            }
-#pragma unroll
-            for (int d = 0; d < dpl; ++d) sm_acc[warp][g][sub * dpl + d] = acc[g][d];
-        }
-    }
+    attend_cta<CNW>(q, k_cache, v_cache, bt, block_size, bs_shift, t, kvh, scale_log2, kbeg,
+                    kend, sm_ml, sm_acc);
     __syncthreads();
     for (int idx = threadIdx.x; idx < G * HD; idx += blockDim.x) {
         const int g = idx / HD, d = idx % HD;
-        float M = LLMC_NEG_INF;
-#pragma unroll
-        for (int w = 0; w < CNW; ++w) M = fmaxf(M, sm_ml[w][g][0]);
-        float L = 0.f, A = 0.f;
-        if (M != LLMC_NEG_INF) {
-#pragma unroll
-            for (int w = 0; w < CNW; ++w) {
-                const float f = exp2f(sm_ml[w][g][0] - M);
-                L += sm_ml[w][g][1] * f;
-                A += sm_acc[w][g][d] * f;
-            }
-        }
+        float M, L, A;
+        combine_warp_states<CNW>(sm_ml, sm_acc, g, d, M, L, A);
         cta_acc[g][d] = A;
         if (d == 0) {
             cta_ml[g][0] = M;

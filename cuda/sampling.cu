@@ -17,10 +17,10 @@
 // thread (rows whose length or base is not 16-byte aligned: scalar loads)
 // (one row per CTA is latency-bound otherwise: ~50 us for a 128256-entry row on the H200).
 // Launch: grid S, block SAMPLE_THREADS.
+#include "common.cuh"
 
 #define SAMPLE_THREADS 512
 #define GREEDY_ILP 4  // 16-byte logits loads in flight per thread (plain greedy path)
-#define NEG_INF (__int_as_float(0xff800000))
 
 struct alignas(16) greedy_vec {  // 4 logits (own type: NVRTC needs no CUDA headers)
     float x, y, z, w;
@@ -77,38 +77,17 @@ __device__ __forceinline__ float proc_value(const RowCtx& c, int v) {
     return l;
 }
 
-__device__ __forceinline__ float blk_sum(float v, float* sh) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-    __syncthreads();
-    if (lane == 0) sh[w] = v;
-    __syncthreads();
-    if (w == 0) {
-        float t = lane < (int)(blockDim.x >> 5) ? sh[lane] : 0.f;
-        for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
-        if (lane == 0) sh[32] = t;
+// This thread's running argmax over its indices, which arrive in increasing order: a larger
+// value (or the first one) takes the place, so ties keep the first index.
+__device__ __forceinline__ void argmax_take(float x, int v, float& best, int& bi) {
+    if (x > best || bi == 0x7fffffff) {
+        best = x;
+        bi = v;
     }
-    __syncthreads();
-    return sh[32];
 }
 
-__device__ __forceinline__ float blk_max(float v, float* sh) {
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-    __syncthreads();
-    if (lane == 0) sh[w] = v;
-    __syncthreads();
-    if (w == 0) {
-        float t = lane < (int)(blockDim.x >> 5) ? sh[lane] : NEG_INF;
-        for (int o = 16; o > 0; o >>= 1) t = fmaxf(t, __shfl_xor_sync(0xffffffffu, t, o));
-        if (lane == 0) sh[32] = t;
-    }
-    __syncthreads();
-    return sh[32];
-}
-
-// Block argmax: largest value, smallest index among equal values.
-__device__ __forceinline__ int blk_argmax(float v, int idx, float* shv, int* shi) {
+// Warp argmax: largest value, smallest index among equal values.
+__device__ __forceinline__ void warp_argmax(float& v, int& idx) {
     for (int o = 16; o > 0; o >>= 1) {
         const float ov = __shfl_xor_sync(0xffffffffu, v, o);
         const int oi = __shfl_xor_sync(0xffffffffu, idx, o);
@@ -117,6 +96,11 @@ __device__ __forceinline__ int blk_argmax(float v, int idx, float* shv, int* shi
             idx = oi;
         }
     }
+}
+
+// Block argmax: largest value, smallest index among equal values.
+__device__ __forceinline__ int blk_argmax(float v, int idx, float* shv, int* shi) {
+    warp_argmax(v, idx);
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     __syncthreads();
     if (lane == 0) {
@@ -125,20 +109,39 @@ __device__ __forceinline__ int blk_argmax(float v, int idx, float* shv, int* shi
     }
     __syncthreads();
     if (w == 0) {
-        v = lane < (int)(blockDim.x >> 5) ? shv[lane] : NEG_INF;
+        v = lane < (int)(blockDim.x >> 5) ? shv[lane] : LLMC_NEG_INF;
         idx = lane < (int)(blockDim.x >> 5) ? shi[lane] : 0x7fffffff;
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, v, o);
-            const int oi = __shfl_xor_sync(0xffffffffu, idx, o);
-            if (ov > v || (ov == v && oi < idx)) {
-                v = ov;
-                idx = oi;
-            }
-        }
+        warp_argmax(v, idx);
         if (lane == 0) shi[32] = idx;
     }
     __syncthreads();
     return shi[32];
+}
+
+// This thread's argmax of a plain row (no penalties, no temperature): GREEDY_ILP 16-byte
+// loads in flight; rows whose length or base is not 16-byte aligned read scalars.
+__device__ __forceinline__ void greedy_argmax(const float* __restrict__ logits, int V,
+                                              float& best, int& bi) {
+    const int step = GREEDY_ILP * 4 * (int)blockDim.x;
+    const bool vec = (V & 3) == 0 && ((unsigned long long)logits & 15ull) == 0;
+    const int vend = vec ? V : 0;  // unaligned rows: all scalar (tail loop below)
+    for (int base = 4 * threadIdx.x; base < vend; base += step) {
+        greedy_vec l[GREEDY_ILP];
+#pragma unroll
+        for (int u = 0; u < GREEDY_ILP; ++u) {
+            const int v = base + u * 4 * (int)blockDim.x;
+            if (v < V) l[u] = *reinterpret_cast<const greedy_vec*>(logits + v);
+        }
+#pragma unroll
+        for (int u = 0; u < GREEDY_ILP; ++u) {  // this thread's indices in increasing order
+            const int v = base + u * 4 * (int)blockDim.x;
+            if (v >= V) continue;
+            const float e[4] = {l[u].x, l[u].y, l[u].z, l[u].w};
+#pragma unroll
+            for (int i = 0; i < 4; ++i) argmax_take(e[i], v + i, best, bi);
+        }
+    }
+    for (int v = vend + threadIdx.x; v < V; v += blockDim.x) argmax_take(logits[v], v, best, bi);
 }
 
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
@@ -166,62 +169,23 @@ sample_kernel(const float* __restrict__ logits, int V, const float* __restrict__
     c.temp = temp;
     c.scaled = temp > 0.f;
 
-    if (!c.scaled && !has_pen) {  // plain greedy: GREEDY_ILP 16-byte loads per thread
-        float best = NEG_INF;
+    if (!c.scaled) {  // greedy: argmax of the (penalised) logits
+        float best = LLMC_NEG_INF;
         int bi = 0x7fffffff;
-        const int step = GREEDY_ILP * 4 * (int)blockDim.x;
-        const bool vec = (V & 3) == 0 && ((unsigned long long)c.logits & 15ull) == 0;
-        const int vend = vec ? V : 0;  // unaligned rows: all scalar (tail loop below)
-        for (int base = 4 * threadIdx.x; base < vend; base += step) {
-            greedy_vec l[GREEDY_ILP];
-#pragma unroll
-            for (int u = 0; u < GREEDY_ILP; ++u) {
-                const int v = base + u * 4 * (int)blockDim.x;
-                if (v < V) l[u] = *reinterpret_cast<const greedy_vec*>(c.logits + v);
-            }
-#pragma unroll
-            for (int u = 0; u < GREEDY_ILP; ++u) {  // this thread's indices in increasing order
-                const int v = base + u * 4 * (int)blockDim.x;
-                if (v >= V) continue;
-                const float e[4] = {l[u].x, l[u].y, l[u].z, l[u].w};
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    if (e[i] > best || bi == 0x7fffffff) {
-                        best = e[i];
-                        bi = v + i;
-                    }
-                }
-            }
-        }
-        for (int v = vend + threadIdx.x; v < V; v += blockDim.x) {
-            const float l = c.logits[v];
-            if (l > best || bi == 0x7fffffff) {
-                best = l;
-                bi = v;
-            }
-        }
-        const int tok = blk_argmax(best, bi, shf, shi);
-        if (threadIdx.x == 0) out[s] = tok;
-        return;
-    }
-    if (!c.scaled) {  // greedy with penalties
-        float best = NEG_INF;
-        int bi = 0x7fffffff;
-        for (int v = threadIdx.x; v < V; v += blockDim.x) {
-            const float l = proc_value(c, v);
-            if (l > best || bi == 0x7fffffff) {
-                best = l;
-                bi = v;
-            }
+        if (has_pen) {
+            for (int v = threadIdx.x; v < V; v += blockDim.x)
+                argmax_take(proc_value(c, v), v, best, bi);
+        } else {
+            greedy_argmax(c.logits, V, best, bi);  // GREEDY_ILP 16-byte loads per thread
         }
         const int tok = blk_argmax(best, bi, shf, shi);
         if (threadIdx.x == 0) out[s] = tok;
         return;
     }
 
-    float mx = NEG_INF;
+    float mx = LLMC_NEG_INF;
     for (int v = threadIdx.x; v < V; v += blockDim.x) mx = fmaxf(mx, proc_value(c, v));
-    const float M = blk_max(mx, shf);
+    const float M = block_max(mx, shf);
 
     // top-k: kth key = the largest key x with count(key >= x) >= k.
     unsigned kth = 0u;
@@ -233,7 +197,7 @@ sample_kernel(const float* __restrict__ logits, int V, const float* __restrict__
             float cnt = 0.f;
             for (int v = threadIdx.x; v < V; v += blockDim.x)
                 cnt += order_key(proc_value(c, v)) >= mid ? 1.f : 0.f;
-            if (blk_sum(cnt, shf) >= (float)k) lo = mid; else hi = mid - 1u;
+            if (block_sum(cnt, shf) >= (float)k) lo = mid; else hi = mid - 1u;
         }
         kth = lo;
     }
@@ -250,7 +214,7 @@ sample_kernel(const float* __restrict__ logits, int V, const float* __restrict__
                 const float l = proc_value(c, v);
                 if (order_key(l) >= kth) z += expf(l - M);
             }
-            const float target = p * blk_sum(z, shf);
+            const float target = p * block_sum(z, shf);
             unsigned lo = kth, hi = 0xffffffffu;
             while (lo < hi) {
                 const unsigned mid = lo + ((hi - lo) >> 1);
@@ -259,7 +223,7 @@ sample_kernel(const float* __restrict__ logits, int V, const float* __restrict__
                     const float l = proc_value(c, v);
                     if (order_key(l) > mid) m += expf(l - M);
                 }
-                if (blk_sum(m, shf) < target) hi = mid; else lo = mid + 1u;
+                if (block_sum(m, shf) < target) hi = mid; else lo = mid + 1u;
             }
             tau = lo;
         }
@@ -267,18 +231,14 @@ sample_kernel(const float* __restrict__ logits, int V, const float* __restrict__
     const float mp = min_p[s];
     const unsigned long long seed = (unsigned long long)seeds[s];
     const unsigned long long off = (unsigned long long)offsets[s];
-    float best = NEG_INF;
+    float best = LLMC_NEG_INF;
     int bi = 0x7fffffff;
     for (int v = threadIdx.x; v < V; v += blockDim.x) {
         const float l = proc_value(c, v);
         if (order_key(l) < tau) continue;
         if (mp > 0.f && expf(l - M) < mp) continue;
         const float u = philox_uniform(seed, off, (unsigned)v);
-        const float key = l - logf(-logf(u));
-        if (key > best || bi == 0x7fffffff) {
-            best = key;
-            bi = v;
-        }
+        argmax_take(l - logf(-logf(u)), v, best, bi);
     }
     const int tok = blk_argmax(best, bi, shf, shi);
     if (threadIdx.x == 0) out[s] = tok;
