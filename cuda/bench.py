@@ -77,20 +77,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     bw, mm = ceil["copy_GBps"], ceil["matmul_TFLOPs"]
     rows: list[dict[str, Any]] = []
 
-    def mem_row(name, shape, nbytes, ms, target):
-        gbps = nbytes / ms / 1e6
-        rows.append(
-            dict(
-                kernel=name,
-                shape=shape,
-                ms=ms,
-                MB=nbytes / 1e6,
-                achieved=gbps,
-                unit="GB/s",
-                fraction=gbps / bw,
-                target=target,
-            )
-        )
+    def add_row(name, shape, ms, achieved, unit, ceiling, target, **extra) -> None:
+        row = dict(kernel=name, shape=shape, ms=ms, **extra)
+        row.update(achieved=achieved, unit=unit, fraction=achieved / ceiling, target=target)
+        rows.append(row)
+
+    def mem_row(name, shape, nbytes, ms, target) -> None:  # GB/s against the copy ceiling
+        add_row(name, shape, ms, nbytes / ms / 1e6, "GB/s", bw, target, MB=nbytes / 1e6)
+
+    def flops_row(name, shape, flops, ms, target) -> None:  # TFLOP/s against the matmul ceiling
+        add_row(name, shape, ms, flops / ms / 1e9, "TFLOP/s", mm, target)
 
     # RMSNorm / fused add + RMSNorm: 16384 x 4096 bf16 (128 MiB per tensor)
     t, h = 16384, 4096
@@ -204,18 +200,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ao = torch.empty(tq, nq * hd, device=DEV, dtype=BF16)
         flops = 4.0 * nq * hd * tq * (tq + 1) / 2
         ms = time_ms(lambda q=q, kc=kc, vc=vc, meta=meta, ao=ao: be.attention(q, kc, vc, meta, ao))
-        tf = flops / ms / 1e9
-        rows.append(
-            dict(
-                kernel="prefill_attention",
-                shape=f"{tq} tok causal 32/8x128 bf16",
-                ms=ms,
-                achieved=tf,
-                unit="TFLOP/s",
-                fraction=tf / mm,
-                target=0.35,
-            )
-        )
+        flops_row("prefill_attention", f"{tq} tok causal 32/8x128 bf16", flops, ms, 0.35)
         # torch SDPA on contiguous K/V, for comparison (not paged)
         qs = q.transpose(0, 1)[None]
         ks = kc.view(tq, nkv, hd).transpose(0, 1)[None]
@@ -227,18 +212,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     qs, ks, vs, is_causal=True, enable_gqa=True
                 )
             )
-            tf = flops / ms / 1e9
-            rows.append(
-                dict(
-                    kernel="torch_sdpa (reference point)",
-                    shape=f"{tq} tok causal",
-                    ms=ms,
-                    achieved=tf,
-                    unit="TFLOP/s",
-                    fraction=tf / mm,
-                    target=None,
-                )
-            )
+            flops_row("torch_sdpa (reference point)", f"{tq} tok causal", flops, ms, None)
         except Exception as e:  # pragma: no cover - informational only
             print("sdpa comparison skipped:", e)
 
