@@ -14,12 +14,15 @@ A ``chat_template.jinja`` (how transformers 5 saves a template) is folded into
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from llmc.base.errors import CheckpointError, UnsupportedError
+
+T = TypeVar("T")
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -91,43 +94,42 @@ def _open(shard: Path):
         raise CheckpointError(f"{shard}: cannot read safetensors file ({e})") from None
 
 
-def hf_tensor_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
-    """Name → shape of every tensor, from the safetensors headers only (no data read)."""
-    shapes: dict[str, tuple[int, ...]] = {}
+def _read_tensors(model_dir: str | Path, read: Callable[[Path, Any, str], T]) -> dict[str, T]:
+    """``read(shard, handle, name)`` for every tensor of every shard, by name.
+
+    Each shard must hold every tensor the index names for it, and no name may appear in two
+    shards (CheckpointError otherwise).
+    """
+    out: dict[str, T] = {}
     for shard, names in shard_map(model_dir).items():
         with _open(shard) as f:
             keys = list(f.keys())
-            _check_index(shard, names, keys)
+            absent = sorted(set(names or ()) - set(keys))
+            if absent:
+                name = absent[0]
+                raise CheckpointError(f"{shard}: tensor {name!r} named in the index is not in it")
             for k in keys:
-                if k in shapes:
+                if k in out:
                     raise CheckpointError(f"{shard}: tensor {k!r} also appears in another shard")
-                shapes[k] = tuple(f.get_slice(k).get_shape())
-    return shapes
+                out[k] = read(shard, f, k)
+    return out
 
 
-def _check_index(shard: Path, names: list[str] | None, keys: list[str]) -> None:
-    if names is None:
-        return
-    absent = sorted(set(names) - set(keys))
-    if absent:
-        raise CheckpointError(f"{shard}: tensor {absent[0]!r} named in the index is not in it")
+def hf_tensor_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
+    """Name → shape of every tensor, from the safetensors headers only (no data read)."""
+    return _read_tensors(model_dir, lambda shard, f, k: tuple(f.get_slice(k).get_shape()))
 
 
 def load_hf_tensors(model_dir: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint, in its stored dtype."""
-    tensors: dict[str, torch.Tensor] = {}
-    for shard, names in shard_map(model_dir).items():
-        with _open(shard) as f:
-            keys = list(f.keys())
-            _check_index(shard, names, keys)
-            for k in keys:
-                if k in tensors:
-                    raise CheckpointError(f"{shard}: tensor {k!r} also appears in another shard")
-                try:
-                    tensors[k] = f.get_tensor(k)
-                except Exception as e:
-                    raise CheckpointError(f"{shard}: cannot read tensor {k!r} ({e})") from None
-    return tensors
+
+    def read(shard: Path, f: Any, k: str) -> torch.Tensor:
+        try:
+            return f.get_tensor(k)
+        except Exception as e:
+            raise CheckpointError(f"{shard}: cannot read tensor {k!r} ({e})") from None
+
+    return _read_tensors(model_dir, read)
 
 
 def read_tokenizer_files(model_dir: str | Path) -> dict[str, bytes]:
