@@ -18,7 +18,6 @@ Phases, reported through the ``progress`` callback as ``BuildEvent``s:
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -97,27 +96,25 @@ class BuildResult:
 def read_model_config(path: str | Path) -> dict[str, Any]:
     """An HF-style model config from config.json, or from YAML (either the config itself or a
     profile whose ``model:`` section holds it)."""
+    from llmc.compiler.hf_reader import read_json  # imports torch: only when a path is given
+
     p = Path(path)
     if not p.is_file():
         raise CheckpointError(f"model config {str(p)!r} does not exist")
-    text = p.read_text()
-    if p.suffix in (".yaml", ".yml"):
-        import yaml
-
-        try:
-            d = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            raise UsageError(f"{p}: not valid YAML: {e}") from e
-        if isinstance(d, dict) and isinstance(d.get("model"), dict):
-            d = d["model"]
-    else:
-        try:
-            d = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{p}: not valid JSON: {e}") from e
+    d = _read_yaml_model(p) if p.suffix in (".yaml", ".yml") else read_json(p)
     if not isinstance(d, dict):
         raise UsageError(f"{p}: the model config must be a mapping, got {type(d).__name__}")
     return d
+
+
+def _read_yaml_model(p: Path) -> Any:
+    import yaml
+
+    try:
+        d = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise UsageError(f"{p}: not valid YAML: {e}") from e
+    return d["model"] if isinstance(d, dict) and isinstance(d.get("model"), dict) else d
 
 
 def _read_spec(
