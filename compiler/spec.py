@@ -25,7 +25,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmc.base.errors import CheckpointError, ConfigError, UnsupportedError
+from llmc.base.errors import CheckpointError, ConfigError, UnsupportedError, check_positive_ints
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -68,19 +68,9 @@ class ModelSpec:
                 f"architecture {self.architecture!r} is not supported; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_layers",
-            "num_heads",
-            "num_kv_heads",
-            "head_dim",
-            "max_position_embeddings",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"model config: {name} must be a positive integer, got {value!r}")
+        sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads")
+        sizes += ("num_kv_heads", "head_dim", "max_position_embeddings")
+        check_positive_ints({n: getattr(self, n) for n in sizes}, "model config", ConfigError)
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"model config: num_attention_heads ({self.num_heads}) must be a multiple of "

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llmc.base.errors import UnsupportedError
+from llmc.base.errors import UnsupportedError, check_positive_ints
 
 CUDA_DIR = Path(__file__).resolve().parent
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
@@ -58,10 +58,8 @@ class KernelConfig:
                 f"kernel dtype {self.dtype!r} is not supported; choose one of "
                 f"{', '.join(DTYPE_CODES)}"
             )
-        for name in ("head_dim", "num_q_heads", "num_kv_heads"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v <= 0:
-                raise UnsupportedError(f"kernel config: {name} must be a positive int, got {v!r}")
+        heads = ("head_dim", "num_q_heads", "num_kv_heads")
+        check_positive_ints({n: getattr(self, n) for n in heads}, "kernel config", UnsupportedError)
         if self.num_q_heads % self.num_kv_heads:
             raise UnsupportedError(
                 f"kernel config: num_q_heads ({self.num_q_heads}) is not a multiple of "

@@ -7,6 +7,8 @@ with the class's ``exit_code``; the codes are documented in README.md and never 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 __all__ = [
     "LlmcError",
     "UsageError",
@@ -17,6 +19,7 @@ __all__ = [
     "EngineError",
     "RequestError",
     "BenchFailure",
+    "check_positive_ints",
     "did_you_mean",
     "error_class",
 ]
@@ -94,3 +97,11 @@ def did_you_mean(name: str, choices: list[str] | tuple[str, ...]) -> str:
     if not close:
         close = difflib.get_close_matches(name.replace("-", "_"), list(choices), n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def check_positive_ints(values: Mapping[str, object], where: str, error: type[LlmcError]) -> None:
+    """Raise ``error`` naming the first of ``values`` that is not an int > 0 (bools, being
+    ints, pass as 1 / fail as 0, as ``isinstance`` sees them)."""
+    for name, value in values.items():
+        if not isinstance(value, int) or value <= 0:
+            raise error(f"{where}: {name} must be a positive integer, got {value!r}")

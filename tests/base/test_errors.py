@@ -57,3 +57,21 @@ def test_a_subclass_without_code_shares_its_parents():
 def test_readme_documents_every_code():
     table = dict(re.findall(r"^\| (\d+) \| (.+?) \|$", README.read_text(), re.M))
     assert set(table) == {"0", "1"} | {str(cls.exit_code) for cls in _classes()}
+
+
+def test_check_positive_ints_names_the_first_bad_value():
+    from llmc.base.errors import check_positive_ints
+
+    check_positive_ints({"a": 1, "b": 7}, "cfg", ConfigError)
+    with pytest.raises(ConfigError, match=r"^cfg: b must be a positive integer, got 0$"):
+        check_positive_ints({"a": 1, "b": 0, "c": -1}, "cfg", ConfigError)
+    with pytest.raises(UsageError, match="a must be a positive integer, got '2'"):
+        check_positive_ints({"a": "2"}, "cfg", UsageError)
+
+
+def test_model_and_kernel_configs_share_the_rule():
+    from llmc.base.errors import UnsupportedError
+    from llmc.cuda.kernels import KernelConfig
+
+    with pytest.raises(UnsupportedError, match="kernel config: num_kv_heads must be a positive"):
+        KernelConfig("float32", 64, 4, 0)
