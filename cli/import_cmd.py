@@ -6,7 +6,6 @@ built with ``llmc build --checkpoint_dir DIR`` or loaded by transformers.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Annotated
 
@@ -36,7 +35,7 @@ def import_command(
     json_out: Annotated[bool, JSON_OPTION] = False,
 ) -> None:
     """Convert a GGUF file into a HuggingFace checkpoint directory."""
-    from llmc.compiler.engine_format import check_output_dir, commit_engine_dir, temp_engine_dir
+    from llmc.compiler.engine_format import check_output_dir
     from llmc.compiler.gguf_reader import import_gguf
 
     if gguf is None or output_dir is None:
@@ -48,14 +47,7 @@ def import_command(
     check_output_dir(out, force)
     if not json_out:
         err_console().print(f"llmc import: {gguf} -> {out}", markup=False)
-    tmp = temp_engine_dir(out)
-    try:
-        import_gguf(gguf, tmp)
-        tmp.chmod(0o755)
-        commit_engine_dir(tmp, out, force)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    import_gguf(gguf, out, force=force)
     files = sorted(p.name for p in out.iterdir())
     if json_out:
         print_json({"output_dir": str(out), "files": files})

@@ -36,18 +36,13 @@ from llmc.compiler.engine_format import (
     temp_engine_dir,
     write_engine_files,
 )
+from llmc.compiler.hf_reader import TOKENIZER_FILES, read_json
 from llmc.compiler.memory_plan import MemoryPlan, plan_memory
 from llmc.compiler.resolve import ResolvedBuild, detect_gpu, device_memory, resolve_build
 from llmc.compiler.spec import ModelSpec
 from llmc.cuda.build import compile_engine_kernels
 
 PHASES = ("read", "plan", "convert", "compile", "write")
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "generation_config.json",
-    "special_tokens_map.json",
-)
 
 
 @dataclass(frozen=True)
@@ -96,8 +91,6 @@ class BuildResult:
 def read_model_config(path: str | Path) -> dict[str, Any]:
     """An HF-style model config from config.json, or from YAML (either the config itself or a
     profile whose ``model:`` section holds it)."""
-    from llmc.compiler.hf_reader import read_json  # imports torch: only when a path is given
-
     p = Path(path)
     if not p.is_file():
         raise CheckpointError(f"model config {str(p)!r} does not exist")

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import json
 import mmap
-import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -251,16 +249,21 @@ def load_gguf(
     return config, read_gguf_tensors(header, config), files
 
 
-def import_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
-    """Write a HuggingFace checkpoint directory (float32 safetensors) for a GGUF file."""
+def import_gguf(gguf_path: str | Path, out_dir: str | Path, force: bool = False) -> Path:
+    """Write a HuggingFace checkpoint directory (float32 safetensors) for a GGUF file.
+
+    ``out_dir`` must be absent or empty unless ``force`` (then it is replaced). The directory
+    appears whole or not at all (engine_format's temporary directory and rename).
+    """
     from safetensors.torch import save_file
 
+    from llmc.compiler.engine_format import commit_engine_dir, temp_engine_dir
+
     out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if not force and out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CheckpointError(f"{out}: output directory exists and is not empty")
     config, tensors, tokenizer_files = load_gguf(gguf_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    tmp = temp_engine_dir(out)
     try:
         files = {**tokenizer_files, "config.json": json.dumps(config, indent=2).encode()}
         for name, data in files.items():
@@ -269,7 +272,7 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
         for f in tmp.iterdir():
             f.chmod(0o644)
         tmp.chmod(0o755)
-        os.replace(tmp, out)  # a failed import leaves no half-written directory behind
+        commit_engine_dir(tmp, out, force=True)  # absent, empty, or replaced as asked
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

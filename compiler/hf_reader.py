@@ -16,11 +16,12 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
-
-import torch
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from llmc.base.errors import CheckpointError, UnsupportedError
+
+if TYPE_CHECKING:  # safetensors makes the tensors; importing this module needs no torch
+    import torch
 
 T = TypeVar("T")
 
@@ -28,6 +29,8 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 REQUIRED_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 OPTIONAL_FILES = ("generation_config.json", "special_tokens_map.json")
+TOKENIZER_FILES = REQUIRED_TOKENIZER_FILES + OPTIONAL_FILES
+"""What the engine takes from an HF directory besides config and weights."""
 
 
 def read_json(path: Path) -> Any:

@@ -478,3 +478,17 @@ def test_logits_match_from_pretrained_gguf_file(smollm2_hf_dir, smollm2_gguf):
         a, b = ours(ids).logits, ref(ids).logits
     torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
     assert a.abs().max() > 1
+
+
+def test_import_into_empty_dir_and_force_replace(tiny_gguf, tmp_path):
+    out = tmp_path / "hf"
+    out.mkdir()
+    assert import_gguf(tiny_gguf, out) == out  # an empty directory is filled
+    names = sorted(p.name for p in out.iterdir())
+    assert "config.json" in names and "model.safetensors" in names
+    (out / "stale.txt").write_text("old")
+    with pytest.raises(CheckpointError, match="not empty"):
+        import_gguf(tiny_gguf, out)
+    import_gguf(tiny_gguf, out, force=True)
+    assert sorted(p.name for p in out.iterdir()) == names  # replaced whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "tiny.gguf"]  # no temp left
