@@ -33,8 +33,9 @@ S = sequences sampled this step, H = hidden, V = vocab, nq/nkv = heads, hd = hea
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -90,109 +91,45 @@ def check_fused_decode_max_tokens(n: object, backend: str, most: int | None = No
     raise ConfigError(f"{backend}: fused_decode_max_tokens must be an integer {allowed}, got {n!r}")
 
 
+BackendOp = Callable[..., Any]
+"""One op of a backend: a method taking the parameters of the op's reference function
+(``llmc.cuda.reference``; same names, same order), then ``out`` unless the op is in
+``OPS_WITHOUT_OUT``."""
+
+REFERENCE_NAMES = {"attention": "paged_attention"}
+"""Backend op → the name of its reference function, where the two differ."""
+
+OPS_WITHOUT_OUT = frozenset({"linear_residual_add", "sample"})
+"""Ops that take no ``out``: the residual is updated in place; sampled ids are the backend's."""
+
+
 class Backend(Protocol):
-    """Ops of one decoder forward step. Inputs are torch tensors on ``self.device``."""
+    """Ops of one decoder forward step. Inputs are torch tensors on ``self.device``.
+
+    Each op's parameters, shapes and meaning are those of its reference function in
+    ``llmc.cuda.reference`` (one home for the contract; tests/cuda/test_reference_ops.py
+    checks that every backend's methods take exactly those parameters). Every op but
+    ``OPS_WITHOUT_OUT`` also takes an optional ``out`` (a view into the step's workspace
+    arena from the engine's memory plan): when given, the result is written there and
+    ``out`` returned (``add_rms_norm``: its normed result; rotated q may come back as a
+    ``[T, nq, hd]`` view of it).
+    """
 
     device: torch.device
 
-    # Every op takes an optional ``out`` (a view into the step's workspace arena from the
-    # engine's memory plan); when given, the result is written there and ``out`` returned.
+    embedding: BackendOp  # ids [T] → [T, H]
+    rms_norm: BackendOp  # x [T, H] → rms-normed x
+    add_rms_norm: BackendOp  # residual += x in place → (rms_norm(residual), residual)
+    linear: BackendOp  # x [T, in] @ weight [out, in].T (+ bias)
+    rope_and_cache_write: BackendOp  # qkv → rotated q [T, nq, hd]; k, v into the cache
+    attention: BackendOp  # q [T, nq, hd] → [T, nq * hd] over the paged cache
+    silu_and_mul: BackendOp  # [T, 2I] gate | up → [T, I]
+    # small-step fusions (needed only when ``fused_decode_max_tokens`` > 0)
+    norm_linear: BackendOp  # linear(rms_norm(residual), weight, bias)
+    norm_gate_up_silu: BackendOp  # silu_and_mul(linear(rms_norm(residual), gate_up))
+    linear_residual_add: BackendOp  # residual += linear(x, weight) in place → residual
+    sample: BackendOp  # logits [S, V] float32 → token ids [S] int64
 
-    def embedding(
-        self, ids: torch.Tensor, table: torch.Tensor, out: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """ids [T] int64, table [V, H] → [T, H]."""
-        ...
 
-    def rms_norm(
-        self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """x [T, H] → x / rms(x) * weight (computed in float32, returned in x.dtype)."""
-        ...
-
-    def add_rms_norm(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor,
-        weight: torch.Tensor,
-        eps: float,
-        out: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """residual += x (in place); returns (rms_norm(residual), residual)."""
-        ...
-
-    def linear(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None = None,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """x [T, in], weight [out, in] → x @ weight.T (+ bias) [T, out]."""
-        ...
-
-    def rope_and_cache_write(
-        self,
-        qkv: torch.Tensor,
-        positions: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """qkv [T, (nq + 2 nkv) hd] → rotated q [T, nq, hd]; writes rotated k and v to the cache."""
-        ...
-
-    def attention(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """q [T, nq, hd] → [T, nq * hd], paged causal attention over each sequence's cache."""
-        ...
-
-    def silu_and_mul(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """x [T, 2I] (gate | up) → silu(gate) * up [T, I]."""
-        ...
-
-    # ---- small-step fusions (needed only when ``fused_decode_max_tokens`` > 0) ----------
-    # fused_decode_max_tokens: int  -- steps of at most this many tokens use the ops below
-
-    def norm_linear(
-        self,
-        residual: torch.Tensor,
-        norm_weight: torch.Tensor,
-        eps: float,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None = None,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """residual [T, K] → linear(rms_norm(residual, norm_weight), weight, bias) [T, N]."""
-        ...
-
-    def norm_gate_up_silu(
-        self,
-        residual: torch.Tensor,
-        norm_weight: torch.Tensor,
-        eps: float,
-        gate_up_weight: torch.Tensor,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """residual [T, K], gate_up_weight [2I, K] (gate rows | up rows) →
-        silu_and_mul(linear(rms_norm(residual, norm_weight), gate_up_weight)) [T, I]."""
-        ...
-
-    def linear_residual_add(
-        self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor
-    ) -> torch.Tensor:
-        """residual [T, N] += linear(x [T, K], weight [N, K]) in place; returns residual."""
-        ...
-
-    def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """logits [S, V] (float32) → token ids [S] int64."""
-        ...
+BACKEND_OPS: tuple[str, ...] = tuple(n for n in Backend.__annotations__ if n != "device")
+"""Every op of the protocol, in the order of one forward step."""

@@ -16,7 +16,7 @@ from transformers.models.llama import modeling_llama as hf_llama
 
 from llmc.compiler.spec import ModelSpec
 from llmc.cuda import reference as ref
-from llmc.cuda.backend import AttentionMetadata, Backend
+from llmc.cuda.backend import BACKEND_OPS, OPS_WITHOUT_OUT, REFERENCE_NAMES, AttentionMetadata
 from llmc.cuda.torch_backend import TorchBackend
 from llmc.runtime.rope import cos_sin_tables
 
@@ -227,22 +227,37 @@ def test_torch_backend_writes_into_out_views():
     assert be.embedding(ids, table, out=out) is out and torch.equal(out, table[ids])
 
 
+def _reference(op: str):
+    return getattr(ref, REFERENCE_NAMES.get(op, op))
+
+
 def test_torch_backend_ops_are_the_reference_functions():
-    """Each protocol op of TorchBackend is the reference function of its name, plus ``out``."""
     import inspect
 
-    ops = [n for n, v in vars(Backend).items() if callable(v) and not n.startswith("_")]
-    assert {"rms_norm", "attention", "norm_linear", "sample"} <= set(ops)
-    for name in ops:
-        method = inspect.getattr_static(TorchBackend, name)
-        fn = getattr(method, "__wrapped__", getattr(method, "__func__", None))
-        assert fn is getattr(ref, "paged_attention" if name == "attention" else name), name
-        want = list(inspect.signature(getattr(Backend, name)).parameters)
-        got = list(inspect.signature(getattr(TorchBackend, name)).parameters)
-        if isinstance(method, staticmethod):
-            got = ["self", *got]
-        assert len(got) == len(want) and got[0] == "self", (name, got, want)
-        assert ("out" in got) == ("out" in want), name
+    assert {"rms_norm", "attention", "norm_linear", "sample"} <= set(BACKEND_OPS)
+    for op in BACKEND_OPS:
+        method = inspect.getattr_static(TorchBackend, op)
+        assert getattr(method, "__wrapped__", getattr(method, "__func__", None)) is _reference(op)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cuda"])
+def test_backend_ops_take_the_reference_parameters(backend):
+    """The protocol's one rule for signatures: the reference function's parameters, same
+    names and order, then ``out`` (not for OPS_WITHOUT_OUT)."""
+    import inspect
+
+    if backend == "cuda":
+        from llmc.cuda.cuda_backend import CudaBackend as cls  # no GPU needed to import
+    else:
+        cls = TorchBackend
+    for op in BACKEND_OPS:
+        want = list(inspect.signature(_reference(op)).parameters)
+        want += [] if op in OPS_WITHOUT_OUT else ["out"]
+        got = list(inspect.signature(getattr(cls, op)).parameters)
+        if not isinstance(inspect.getattr_static(cls, op), staticmethod):
+            assert got[0] == "self", (op, got)
+            got = got[1:]
+        assert got == want, (backend, op)
 
 
 def test_torch_backend_takes_out_positionally():
