@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from llmc.base.errors import ConfigError, EngineError, LlmcError
+from llmc.base.errors import ConfigError, EngineError, error_class
 from llmc.compiler.build_config import BuildConfig
 from llmc.compiler.engine_cache import cached_build, rebuild
 from llmc.runtime.engine_runtime import EngineRuntime, RuntimeConfig
@@ -50,17 +50,6 @@ _LIVE: weakref.WeakSet[LLM] = weakref.WeakSet()
 def live_llms() -> list[LLM]:
     """Every LLM not yet shut down (what ``Profiler()`` without an argument attaches to)."""
     return [llm for llm in list(_LIVE) if not llm.closed]
-
-
-def _error(code: int | None, message: str) -> LlmcError:
-    """The llmc.base.errors class with this exit code (LlmcError when none has it)."""
-    stack: list[type[LlmcError]] = [LlmcError]
-    while stack:
-        cls = stack.pop()
-        if cls.exit_code == code:
-            return cls(message)
-        stack.extend(cls.__subclasses__())
-    return LlmcError(message)
 
 
 # ---- LLM ---------------------------------------------------------------------------------
@@ -324,7 +313,7 @@ class LLM:
                 for r in responses:
                     done = done or r.is_final
                     if r.error is not None:
-                        raise _error(r.error_code, r.error)
+                        raise error_class(r.error_code)(r.error)
                     yield r
         finally:
             if not done:

@@ -25,22 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from llmc.cuda.backend import BACKEND_OPS
 from llmc.runtime.records import StepRecord
 
 PHASES = ("schedule", "prepare", "forward", "sample", "update")
-BACKEND_OPS = (
-    "embedding",
-    "rms_norm",
-    "add_rms_norm",
-    "linear",
-    "rope_and_cache_write",
-    "attention",
-    "silu_and_mul",
-    "norm_linear",
-    "norm_gate_up_silu",
-    "linear_residual_add",
-    "sample",
-)
 
 
 @dataclass(frozen=True)
