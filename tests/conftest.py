@@ -1,72 +1,49 @@
-"""Shared fixtures: tiny random HF checkpoints written by transformers itself."""
+"""Shared fixtures of the whole suite; how the tests are laid out and how to add one.
+
+Layout: one folder per source folder (tests/compiler, tests/runtime, tests/bench for the
+measurement wing runtime/bench, tests/cuda, tests/cli, tests/api for llmc/api.py and
+llmc/profiler_api.py); tests/test_layers.py walks the package's imports. Test module names are
+unique across folders (no ``__init__.py``: pytest puts each test's folder on ``sys.path``).
+
+Where things live:
+- fixtures: here when more than one folder uses them, in a folder's conftest.py when only that
+  folder does (tests/runtime/conftest.py); a test module never imports a fixture;
+- plain helpers (functions, fakes, constants): the ``helpers`` package (tests/helpers/),
+  imported as ``from helpers.engines import make_limits``, see its docstring.
+
+Fixtures here:
+- ``tiny_llama_dir`` / ``tiny_qwen2_dir`` (session): tiny random HF checkpoints;
+- ``smollm2_gguf`` / ``smollm2_hf_dir`` (session): the real SmolLM2-135M (downloaded once into
+  the model cache) and its import into a float32 HF directory;
+- ``tiny_engine`` (session): ``tiny_engine(checkpoint, **fields) -> engine dir``, a float32 CPU
+  ``llmc build`` (``helpers.engines.tiny_build_config``), built once per distinct arguments
+  in the session. Pass the limits your test depends on (``**SMALL_LIMITS`` when any small
+  engine will do, so that tests share it). The directory is shared: copy it before you change
+  a file in it;
+- ``one_torch_thread`` (module; opt in with
+  ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``): one intra-op torch thread for
+  modules that run tiny models op by op, the fast setting on the 2-core CI machine;
+- ``small_ceilings`` (opt in the same way): hardware ceilings measured with small buffers into a
+  private cache, for the modules that run ``llmc bench`` / ``llmc profile``.
+
+Markers: ``cuda`` (needs an NVIDIA GPU with CuPy; deselected by default, run by
+``make device-test``) and ``slow`` (more than a few seconds on a 2-core CPU).
+
+A new test: put it in the folder of the source it tests, take checkpoints and engines from the
+fixtures above (never a hand-written ``BuildConfig(...)`` for a tiny engine), limits from
+``helpers.engines.make_limits``, and mark it ``cuda`` if it needs the GPU.
+"""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
-import torch
-
-TINY_LLAMA = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=160,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    rms_norm_eps=1e-5,
-    rope_theta=10000.0,
-    tie_word_embeddings=False,
-    bos_token_id=1,
-    eos_token_id=2,
-)
-
-
-def _write_tokenizer(path: Path, vocab_size: int) -> None:
-    """A byte-level BPE tokenizer with exactly ``vocab_size`` entries (no merges needed)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    for ch in sorted(alphabet):
-        if len(vocab) >= vocab_size:
-            break
-        vocab[ch] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(
-        '{"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", '
-        "\"chat_template\": \"{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\\n"
-        '{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"}'
-    )
-
-
-def make_hf_checkpoint(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
-    """Write a tiny random LlamaForCausalLM / Qwen2ForCausalLM checkpoint to ``path``."""
-    import transformers
-
-    torch.manual_seed(seed)
-    cfg_kwargs = {**TINY_LLAMA, **overrides}
-    if arch == "llama":
-        cfg = transformers.LlamaConfig(**cfg_kwargs)
-        model = transformers.LlamaForCausalLM(cfg)
-    elif arch == "qwen2":
-        cfg = transformers.Qwen2Config(**cfg_kwargs)
-        model = transformers.Qwen2ForCausalLM(cfg)
-    else:
-        raise ValueError(arch)
-    with torch.no_grad():  # non-trivial norms and biases so that a wrong mapping shows
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                p.add_(torch.randn_like(p) * 0.1)
-    model.eval()
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True)
-    _write_tokenizer(path, cfg_kwargs["vocab_size"])
-    return path
+from helpers.checkpoints import make_hf_checkpoint
+from helpers.engines import tiny_build_config
 
 
 @pytest.fixture(scope="session")
@@ -92,3 +69,46 @@ def smollm2_hf_dir(smollm2_gguf, tmp_path_factory) -> Path:
     from llmc.compiler.gguf_reader import import_gguf
 
     return import_gguf(smollm2_gguf, tmp_path_factory.mktemp("smollm2_hf") / "model")
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tmp_path_factory) -> Callable[..., Path]:
+    """``tiny_engine(checkpoint, **fields)``: the directory of a float32 CPU build of
+    ``checkpoint`` with BuildConfig ``fields``; identical builds are made once a session."""
+    from llmc.compiler.builder import build
+
+    built: dict[str, Path] = {}
+
+    def make(checkpoint: Path, **fields: Any) -> Path:
+        config = tiny_build_config(checkpoint, **fields)
+        key = json.dumps(config.to_dict(), sort_keys=True)
+        if key not in built:
+            out = tmp_path_factory.mktemp("tiny_engine") / "engine"
+            assert build(config.replace(output_dir=str(out))).output_dir == out
+            built[key] = out
+        return built[key]
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """Tiny models run op by op: on a 2-core machine (often shared with other test
+    processes) torch's intra-op threads only add synchronisation, so use one for the module."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def small_ceilings(tmp_path_factory, monkeypatch) -> None:
+    """Ceilings measured with small buffers into a private cache (fast, still measured)."""
+    import llmc.runtime.bench.ceilings as ceilings
+
+    cache = tmp_path_factory.getbasetemp() / "llmc_cache"
+    monkeypatch.setenv("LLMC_CACHE", str(cache))
+    real = ceilings.measure
+    monkeypatch.setattr(ceilings, "measure", lambda device, *a, **k: real(device, 16 << 20, 256))

@@ -16,25 +16,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.engines import tiny_build_config
 
 import llmc
-from llmc import LLM, BuildConfig, Profiler, Request, SamplingParams, build
+from llmc import LLM, BuildConfig, Profiler, Request, SamplingParams
 from llmc.base.errors import ConfigError, EngineError, RequestError
 
-TINY_BUILD = dict(
-    dtype="float32", target="cpu", max_batch_size=4, max_seq_len=128, max_num_tokens=64,
-    tokens_per_block=16,
-)  # fmt: skip
+API_LIMITS = dict(max_batch_size=4, max_seq_len=128, max_num_tokens=64, tokens_per_block=16)
+"""Built for 4 sequences: the tests ask for 8 (refused) and 1, 2 (lowered)."""
 
 
 @pytest.fixture(scope="module")
-def engine_dir(tiny_llama_dir, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("api") / "engine"
-    result = build(
-        BuildConfig(checkpoint_dir=str(tiny_llama_dir), output_dir=str(out), **TINY_BUILD)
-    )
-    assert result.output_dir == out
-    return out
+def engine_dir(tiny_engine, tiny_llama_dir) -> Path:
+    return tiny_engine(tiny_llama_dir, **API_LIMITS)
 
 
 @pytest.fixture(scope="module")
@@ -242,7 +236,7 @@ def test_on_the_fly_build_reuses_its_cache(tiny_llama_dir, tmp_path, monkeypatch
         return real(config, *a, **k)
 
     monkeypatch.setattr(builder, "build", spy)
-    cfg = BuildConfig(**TINY_BUILD)
+    cfg = tiny_build_config(**API_LIMITS)
     sp = SamplingParams(max_new_tokens=4, ignore_eos=True)
     with LLM(checkpoint_dir=ckpt, build_config=cfg, device="cpu") as a:
         first = a.generate([3, 4, 5], sp)[0].token_ids

@@ -7,13 +7,11 @@ import json
 from pathlib import Path
 
 import pytest
-from _bench_helpers import build_tiny_engine, small_ceilings  # noqa: F401
-from _runtime_helpers import make_limits
+from helpers.engines import SMALL_LIMITS, make_limits, pop_limits
 from typer.testing import CliRunner
 
 from llmc.base.errors import UsageError
 from llmc.cli.main import app
-from llmc.compiler.limits import EngineLimits
 from llmc.runtime.bench.metrics import aggregate
 from llmc.runtime.bench.profiler import (
     OpEvent,
@@ -25,6 +23,8 @@ from llmc.runtime.bench.profiler import (
 )
 from llmc.runtime.bench.recommend import TuningInputs, recommend
 from llmc.runtime.records import StepRecord
+
+pytestmark = pytest.mark.usefixtures("small_ceilings")
 
 runner = CliRunner()
 
@@ -102,7 +102,7 @@ def _inputs(**kw) -> TuningInputs:
     built = make_limits(
         max_batch_size=256, max_num_tokens=8192, max_seq_len=256, tokens_per_block=32
     )
-    run = {k: kw.pop(k) for k in EngineLimits.field_names() if k in kw}
+    run = pop_limits(kw)
     base = dict(
         limits=dataclasses.replace(built, **run), build_limits=built, max_kv_tokens=None,
         kv_cache_free_gpu_mem_fraction=0.9, max_request_tokens=256, max_prompt_tokens=128,
@@ -143,8 +143,8 @@ def test_kv_pool_advice_never_goes_below_one_max_seq_len_request() -> None:
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_llama_dir, tmp_path_factory) -> Path:
-    return build_tiny_engine(tiny_llama_dir, tmp_path_factory.mktemp("prof") / "eng")
+def engine(tiny_engine, tiny_llama_dir) -> Path:
+    return tiny_engine(tiny_llama_dir, **SMALL_LIMITS)
 
 
 def test_profile_cli_trace_and_report(engine, tmp_path) -> None:

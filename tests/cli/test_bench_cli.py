@@ -6,18 +6,20 @@ import json
 from pathlib import Path
 
 import pytest
-from _bench_helpers import build_tiny_engine, small_ceilings  # noqa: F401
+from helpers.engines import SMALL_LIMITS
 from typer.testing import CliRunner
 
 from llmc.base.errors import BenchFailure, UsageError
 from llmc.cli.main import app
 
+pytestmark = pytest.mark.usefixtures("small_ceilings")
+
 runner = CliRunner()
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_llama_dir, tmp_path_factory) -> Path:
-    return build_tiny_engine(tiny_llama_dir, tmp_path_factory.mktemp("bench") / "eng")
+def engine(tiny_engine, tiny_llama_dir) -> Path:
+    return tiny_engine(tiny_llama_dir, **SMALL_LIMITS)
 
 
 def bench(engine: Path, *args: str) -> tuple[int, str, str]:

@@ -7,12 +7,9 @@ import json
 import shutil
 
 import pytest
-from _runtime_helpers import one_torch_thread  # noqa: F401
 from typer.testing import CliRunner
 
 from llmc.cli.main import app
-from llmc.compiler.build_config import BuildConfig
-from llmc.compiler.builder import build
 from llmc.runtime.engine_runtime import EngineRuntime, RuntimeConfig
 from llmc.runtime.tokenizer import Tokenizer
 from llmc.runtime.types import SamplingParams
@@ -21,22 +18,16 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_llama_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("run_cli") / "engine"
-    build(
-        BuildConfig(
-            checkpoint_dir=str(tiny_llama_dir),
-            output_dir=str(out),
-            dtype="float32",
-            target="cpu",
-            max_seq_len=64,
-            max_input_len=40,
-            max_batch_size=4,
-            max_num_tokens=64,
-            tokens_per_block=8,
-        )
+def engine(tiny_engine, tiny_llama_dir):
+    # the error tests name max_batch_size=4; a 40-token prompt limit under max_seq_len 64
+    return tiny_engine(
+        tiny_llama_dir,
+        max_seq_len=64,
+        max_input_len=40,
+        max_batch_size=4,
+        max_num_tokens=64,
+        tokens_per_block=8,
     )
-    return out
 
 
 def run(*args: str):

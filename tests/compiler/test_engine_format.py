@@ -10,27 +10,14 @@ import pytest
 
 import llmc
 from llmc.base.errors import EngineError
-from llmc.compiler import builder
-from llmc.compiler.build_config import BuildConfig
 from llmc.compiler.engine_format import load_engine, rebuild_command
 from llmc.compiler.memory_plan import MemoryPlan
 
 
 @pytest.fixture(scope="module")
-def engine_dir(tiny_llama_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("engines") / "tiny"
-    builder.build(
-        BuildConfig(
-            checkpoint_dir=str(tiny_llama_dir),
-            output_dir=str(out),
-            dtype="float32",
-            max_seq_len=256,
-            max_num_tokens=128,
-            max_batch_size=8,
-            target="cpu",
-        )
-    )
-    return out
+def engine_dir(tiny_engine, tiny_llama_dir):
+    # shared: the tests that break a file take engine_copy; the rebuild command names these
+    return tiny_engine(tiny_llama_dir, max_seq_len=256, max_num_tokens=128, max_batch_size=8)
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from _runtime_helpers import make_limits
+from helpers.engines import make_limits
 
 from llmc.base.errors import ConfigError
 from llmc.compiler.build_config import BuildConfig

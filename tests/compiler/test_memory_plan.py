@@ -6,7 +6,7 @@ import dataclasses
 import json
 
 import pytest
-from _runtime_helpers import make_limits
+from helpers.engines import make_limits, pop_limits
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -88,8 +88,7 @@ def _limits(**kw) -> EngineLimits:
 
 def _plan(**kw):
     """plan_memory for LLAMA3_8B; ``kw``: its arguments or EngineLimits fields."""
-    limit_kw = {k: kw.pop(k) for k in EngineLimits.field_names() if k in kw}
-    return plan_memory(LLAMA3_8B, _limits(**limit_kw), **kw)
+    return plan_memory(LLAMA3_8B, _limits(**pop_limits(kw)), **kw)
 
 
 def test_llama3_8b_buffers_and_sizes():

@@ -8,10 +8,9 @@ CUDA-graph decode path (its staging and device-side token gather, replayed eager
 from __future__ import annotations
 
 import pytest
-from _model_runner_utils import EagerGraphs, load_engine
-from _runtime_helpers import load_tokenizer, one_torch_thread  # noqa: F401 (fixture)
+from helpers.engines import make_limits
+from helpers.runner import EagerGraphs
 
-from llmc.compiler.limits import EngineLimits
 from llmc.runtime.engine_runtime import EngineRuntime, RuntimeConfig
 from llmc.runtime.executor import Executor
 from llmc.runtime.types import Request, SamplingParams
@@ -20,21 +19,18 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_llama_dir):
-    spec, weights = load_engine(tiny_llama_dir)
-    return spec, weights, load_tokenizer(tiny_llama_dir, (2,))
+def tiny(tiny_llama_weights, tiny_tok):
+    return (*tiny_llama_weights, tiny_tok)
 
 
 def make_runtime(tiny, *, graphs=False, num_blocks=64, max_num_tokens=64, **config):
     spec, weights, tok = tiny
-    limits = EngineLimits(
+    limits = make_limits(
         max_batch_size=6,
         max_input_len=48,
         max_seq_len=96,
         max_num_tokens=max_num_tokens,
         tokens_per_block=4,
-        enable_chunked_prefill=True,
-        dtype="float32",
     )
     rt = EngineRuntime.from_weights(
         spec,

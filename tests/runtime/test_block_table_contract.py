@@ -8,9 +8,8 @@ object); an unchanged one is not re-read."""
 from __future__ import annotations
 
 import numpy as np
-import pytest
-from _model_runner_utils import load_engine, make_runner
-from _runtime_helpers import fake_parts
+from helpers.fakes import fake_parts
+from helpers.runner import make_runner
 
 from llmc.runtime.kv_cache import KVCacheManager
 from llmc.runtime.step_inputs import DecodeRowCache
@@ -106,15 +105,12 @@ def test_row_cache_rereads_exactly_the_changed_tables(monkeypatch) -> None:
     assert step() == [7, 8, 9] and copies == [r]
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_llama_dir):
-    return load_engine(tiny_llama_dir)
-
-
-def test_decode_rows_after_preemption_and_recompute_use_the_new_table(engine) -> None:
+def test_decode_rows_after_preemption_and_recompute_use_the_new_table(
+    tiny_llama_weights,
+) -> None:
     """A preempted sequence comes back with a table of the same length in other blocks; the
     next decode step's block table and slots are the new ones."""
-    spec, weights = engine
+    spec, weights = tiny_llama_weights
     runner = make_runner(spec, weights, tokens_per_block=4, num_kv_blocks=32)
     kv = KVCacheManager(32, 4, enable_block_reuse=False)
     a, other = mkseq(0, 6), mkseq(1, 6)

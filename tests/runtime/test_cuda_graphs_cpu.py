@@ -8,16 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _model_runner_utils import EagerGraphs, drive, load_engine, make_runner, new_seq, prompts
+from helpers.runner import EagerGraphs, drive, make_runner, new_seq, prompts
 
 from llmc.base.errors import ConfigError, EngineError
 from llmc.runtime.cuda_graphs import DecodeGraphs
 from llmc.runtime.types import ScheduledBatch, ScheduledSequence
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_llama_dir):
-    return load_engine(tiny_llama_dir)
 
 
 def _seqs(spec):
@@ -26,8 +21,8 @@ def _seqs(spec):
     return [new_seq(i, p, 6, **sps[i]) for i, p in enumerate(ps)]
 
 
-def test_graph_path_equals_eager_from_explicit_collaborators(engine) -> None:
-    spec, weights = engine
+def test_graph_path_equals_eager_from_explicit_collaborators(tiny_llama_weights) -> None:
+    spec, weights = tiny_llama_weights
     eager = drive(make_runner(spec, weights), _seqs(spec), chunk=16, budget=64).outputs
     runner = make_runner(spec, weights)
     calls: list[int] = []
@@ -46,8 +41,8 @@ def test_graph_path_equals_eager_from_explicit_collaborators(engine) -> None:
     assert set(calls) <= {1, 2, 4}  # the bucket's padded size, never the batch's own
 
 
-def test_a_moved_staging_layout_is_refused(engine) -> None:
-    spec, weights = engine
+def test_a_moved_staging_layout_is_refused(tiny_llama_weights) -> None:
+    spec, weights = tiny_llama_weights
     runner = make_runner(spec, weights)
     graphs = EagerGraphs(runner.inputs, runner.forward, runner.backend, (2,), allow_cpu=True)
     graphs.capture()
@@ -65,8 +60,8 @@ def test_a_moved_staging_layout_is_refused(engine) -> None:
         graphs.stage(batch)
 
 
-def test_graphs_need_cuda_and_valid_buckets(engine) -> None:
-    spec, weights = engine
+def test_graphs_need_cuda_and_valid_buckets(tiny_llama_weights) -> None:
+    spec, weights = tiny_llama_weights
     runner = make_runner(spec, weights, max_batch_size=8)
     with pytest.raises(ConfigError, match="CUDA graphs need a CUDA device"):
         DecodeGraphs(runner.inputs, runner.forward, runner.backend)

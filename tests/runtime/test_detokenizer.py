@@ -6,7 +6,6 @@ from __future__ import annotations
 import random
 
 import pytest
-from _runtime_helpers import load_tokenizer, smollm2_tokenizer_dir
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
@@ -22,13 +21,8 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def tiny_tok(tiny_llama_dir) -> Tokenizer:
-    return load_tokenizer(tiny_llama_dir, (2,))
-
-
-@pytest.fixture(scope="module")
-def smol_tok(request, tmp_path_factory) -> Tokenizer:
-    return load_tokenizer(smollm2_tokenizer_dir(request, tmp_path_factory.mktemp("smol_tok")), (2,))
+def smol_tok(smollm2_hf_dir) -> Tokenizer:
+    return Tokenizer.from_dir(smollm2_hf_dir, (2,))
 
 
 def stream(tok, ids, stop=(), chunks=None) -> tuple[list[str], IncrementalDetokenizer]:

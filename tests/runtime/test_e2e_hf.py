@@ -11,11 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from _runtime_helpers import one_torch_thread  # noqa: F401
+from helpers.engines import make_limits
 
-from llmc.compiler.build_config import BuildConfig
-from llmc.compiler.builder import build
-from llmc.compiler.limits import EngineLimits
 from llmc.runtime.engine_runtime import EngineRuntime, RuntimeConfig
 from llmc.runtime.tokenizer import Tokenizer
 from llmc.runtime.types import SamplingParams
@@ -60,19 +57,10 @@ def mixed_prompts(vocab: int, lengths=(3, 11, 25, 40), seed: int = 0) -> list[li
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
-def tiny(request, tmp_path_factory):
+def tiny(request, tiny_engine):
     """(engine dir, prompts, HF reference) of one tiny architecture."""
     ckpt = request.getfixturevalue(f"tiny_{request.param}_dir")
-    out = tmp_path_factory.mktemp(f"engine_{request.param}") / "engine"
-    build(
-        BuildConfig(
-            checkpoint_dir=str(ckpt),
-            output_dir=str(out),
-            dtype="float32",
-            target="cpu",
-            **TINY_LIMITS,
-        )
-    )
+    out = tiny_engine(ckpt, **TINY_LIMITS)
     prompts = mixed_prompts(256)
     # two prompts that share a 2-block prefix with the first, to exercise prefix reuse
     prompts += [prompts[3][:16] + [7, 8, 9], prompts[3][:24] + [10]]
@@ -155,17 +143,8 @@ def test_greedy_equals_hf_with_a_one_token_step_budget(tiny):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("backend", ["torch", "cuda"])
-def test_greedy_equals_hf_on_cuda(tiny_llama_dir, tmp_path, backend):
-    out = tmp_path / "engine"
-    build(
-        BuildConfig(
-            checkpoint_dir=str(tiny_llama_dir),
-            output_dir=str(out),
-            dtype="float32",
-            target="auto",
-            **TINY_LIMITS,
-        )
-    )
+def test_greedy_equals_hf_on_cuda(tiny_engine, tiny_llama_dir, backend):
+    out = tiny_engine(tiny_llama_dir, target="auto", **TINY_LIMITS)
     prompts = mixed_prompts(256)
     ref = hf_reference(tiny_llama_dir, prompts, NEW_TOKENS)
     config = RuntimeConfig(device="cuda", backend=backend, max_num_tokens=len(prompts) + 16)
@@ -212,15 +191,7 @@ def test_smollm2_greedy_equals_hf(smollm2_hf_dir):
     ckpt = load_checkpoint(str(smollm2_hf_dir))
     spec, weights = ckpt.spec, to_engine_weights(ckpt.spec, ckpt.tensors, "float32")
     del ckpt
-    limits = EngineLimits(
-        max_batch_size=4,
-        max_input_len=128,
-        max_seq_len=128,
-        max_num_tokens=48,
-        tokens_per_block=16,
-        enable_chunked_prefill=True,
-        dtype="float32",
-    )
+    limits = make_limits(max_batch_size=4, max_seq_len=128, max_num_tokens=48, tokens_per_block=16)
     rt = EngineRuntime.from_weights(spec, weights, limits=limits, num_kv_blocks=32, tokenizer=tok)
     ex = rt.executor()
     outs = ex.generate(prompts, SamplingParams(max_new_tokens=32, ignore_eos=True, logprobs=0))

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from _bench_helpers import build_tiny_engine
+from helpers.engines import SMALL_LIMITS
 
 from llmc.base.errors import ConfigError
 from llmc.compiler.limits import check_chunked_prefill
@@ -17,9 +17,9 @@ from llmc.runtime.engine_runtime import EngineRuntime, RuntimeConfig
 
 
 @pytest.fixture(scope="module")
-def engine_dir(tiny_llama_dir, tmp_path_factory) -> Path:
+def engine_dir(tiny_engine, tiny_llama_dir) -> Path:
     # max_seq_len 128, max_input_len 64, max_num_tokens 64, max_batch_size 8, 16 per block
-    return build_tiny_engine(tiny_llama_dir, tmp_path_factory.mktemp("limits") / "engine")
+    return tiny_engine(tiny_llama_dir, **SMALL_LIMITS)
 
 
 def _load(engine_dir: Path, **config) -> EngineRuntime:

@@ -15,15 +15,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _runtime_helpers import load_tokenizer, make_limits
+from helpers import fakes
 
 from llmc.runtime.cuda_graphs import graph_eligible
 from llmc.runtime.detokenizer import IncrementalDetokenizer
 from llmc.runtime.engine_step import ahead_ok, emit_step_responses
-from llmc.runtime.kv_cache import KVCacheManager
 from llmc.runtime.records import RequestRecord
 from llmc.runtime.request_state import RequestState
-from llmc.runtime.scheduler import Scheduler, SchedulerConfig
+from llmc.runtime.scheduler import Scheduler
 from llmc.runtime.step_inputs import DecodeRowCache
 from llmc.runtime.types import (
     FinishReason,
@@ -39,15 +38,15 @@ EOS = 2
 
 
 def make_scheduler(max_seq_len: int = 64, num_blocks: int = 64) -> Scheduler:
-    limits = make_limits(
+    return fakes.make_scheduler(
+        num_blocks,
+        eos=(EOS,),
         max_batch_size=8,
         max_num_tokens=64,
         max_seq_len=max_seq_len,
         max_input_len=min(32, max_seq_len),
         tokens_per_block=4,
     )
-    cfg = SchedulerConfig(limits=limits, eos_token_ids=(EOS,))
-    return Scheduler(cfg, KVCacheManager(num_blocks, 4))
 
 
 def decoding(rid: int, sp: SamplingParams, n_out: int = 2) -> ScheduledSequence:
@@ -156,33 +155,28 @@ class _Out:
     logprobs = None
 
 
-@pytest.fixture(scope="module")
-def tok(tiny_llama_dir):
-    return load_tokenizer(tiny_llama_dir, (EOS,))
-
-
-def _finished_state(tok, token_id: int, stop_token_id: int | None, stop: tuple[str, ...] = ()):
-    text = tok.encode("ab", add_special_tokens=False)
+def _finished_state(tiny_tok, token_id: int, stop_token_id: int | None, stop: tuple[str, ...] = ()):
+    text = tiny_tok.encode("ab", add_special_tokens=False)
     seq = Sequence(0, [5, 6], SamplingParams(max_new_tokens=9, stop=stop), 9, 0.0)
     seq.output_token_ids = [*text, token_id]
     seq.status = SequenceStatus.FINISHED
     seq.finish_reason = FinishReason.STOP
     seq.stop_token_id = stop_token_id
     state = RequestState(Request(prompt_token_ids=[5, 6]), RequestRecord(0, 0.0, 2), seq=seq)
-    state.detok = IncrementalDetokenizer(tok, stop)
+    state.detok = IncrementalDetokenizer(tiny_tok, stop)
     state.num_seen = state.num_text = len(text)
     state.detok.add_tokens(text)
     return state
 
 
-def test_responses_read_the_stop_decision(tok) -> None:
+def test_responses_read_the_stop_decision(tiny_tok) -> None:
     """The text of the finishing token is dropped exactly when update says it was a stop
     token, whatever the token is (here one no stop list names)."""
-    hello = tok.encode(" hello", add_special_tokens=False)[-1]
-    with_it = tok.decode([*tok.encode("ab", add_special_tokens=False), hello])
+    hello = tiny_tok.encode(" hello", add_special_tokens=False)[-1]
+    with_it = tiny_tok.decode([*tiny_tok.encode("ab", add_special_tokens=False), hello])
     assert with_it != "ab"
     for stop_token_id, text in ((hello, "ab"), (None, with_it)):
-        state = _finished_state(tok, hello, stop_token_id)
+        state = _finished_state(tiny_tok, hello, stop_token_id)
         batch = ScheduledBatch(0, (ScheduledSequence(state.seq, 2, 1, True),))
         got = []
         emit_step_responses(batch, _Out(), 1.0, {0: state}, _Finisher(), got.append)
@@ -190,14 +184,14 @@ def test_responses_read_the_stop_decision(tok) -> None:
         assert got[0].finish_reason is FinishReason.STOP and got[0].token_ids[-1] == hello
 
 
-def test_a_stop_string_is_the_one_stop_decided_after_update(tok) -> None:
+def test_a_stop_string_is_the_one_stop_decided_after_update(tiny_tok) -> None:
     """Only the text shows a stop string: post-processing finishes the request through
     ``Scheduler.finish``, and nothing else finishes there."""
-    ids = tok.encode("ab cd", add_special_tokens=False)
+    ids = tiny_tok.encode("ab cd", add_special_tokens=False)
     seq = Sequence(0, [5, 6], SamplingParams(max_new_tokens=9, stop=("cd",)), 9, 0.0)
     seq.status = SequenceStatus.RUNNING
     state = RequestState(Request(prompt_token_ids=[5, 6]), RequestRecord(0, 0.0, 2), seq=seq)
-    state.detok = IncrementalDetokenizer(tok, ("cd",))
+    state.detok = IncrementalDetokenizer(tiny_tok, ("cd",))
     finisher, got = _Finisher(), []
     for i, t in enumerate(ids):
         seq.output_token_ids.append(t)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from _runtime_helpers import fake_parts, load_tokenizer
+from helpers.fakes import fake_parts
 
 from llmc.base.errors import RequestError
 from llmc.runtime.executor import Executor
@@ -32,11 +32,6 @@ def drain(ex: Executor, ids=None) -> dict[int, list]:
             by_id.setdefault(r.request_id, []).append(r)
 
 
-@pytest.fixture(scope="module")
-def tok(tiny_llama_dir):
-    return load_tokenizer(tiny_llama_dir, (2,))
-
-
 def assert_stream_consistent(responses) -> None:
     finals = [r for r in responses if r.is_final]
     assert len(finals) == 1 and responses[-1].is_final
@@ -45,8 +40,8 @@ def assert_stream_consistent(responses) -> None:
     assert "".join(r.new_text for r in responses) == final.text
 
 
-def test_streaming_deltas_add_up_and_every_request_ends_once(tok):
-    ex = Executor(fake_parts(tokenizer=tok))
+def test_streaming_deltas_add_up_and_every_request_ends_once(tiny_tok):
+    ex = Executor(fake_parts(tokenizer=tiny_tok))
     ids = [ex.enqueue_request(ids_request(range(3, 3 + k), n=5 + k)) for k in range(1, 12)]
     ids.append(ex.enqueue_request(Request(prompt="hello", sampling=SamplingParams(4))))
     got = drain(ex)
@@ -62,33 +57,33 @@ def test_streaming_deltas_add_up_and_every_request_ends_once(tok):
     assert stats.free_blocks == stats.total_blocks and stats.peak_used_blocks > 0
 
 
-def test_generate_matches_scripted_tokens_and_text(tok):
-    hello = tok.encode("Hello, world", add_special_tokens=False)
-    ex = Executor(fake_parts(tokenizer=tok, script={0: hello}))
+def test_generate_matches_scripted_tokens_and_text(tiny_tok):
+    hello = tiny_tok.encode("Hello, world", add_special_tokens=False)
+    ex = Executor(fake_parts(tokenizer=tiny_tok, script={0: hello}))
     [out] = ex.generate(["prompt"], SamplingParams(max_new_tokens=len(hello), ignore_eos=True))
     assert out.ok and out.token_ids == hello and out.text == "Hello, world"
     assert out.finish_reason is FinishReason.LENGTH
-    assert out.prompt_token_ids == tok.encode("prompt")
+    assert out.prompt_token_ids == tiny_tok.encode("prompt")
 
 
-def test_eos_finishes_with_stop_and_has_no_text(tok):
-    script = tok.encode("ab", add_special_tokens=False) + [2, 5, 5]
-    ex = Executor(fake_parts(tokenizer=tok, script={0: script, 1: script}))
+def test_eos_finishes_with_stop_and_has_no_text(tiny_tok):
+    script = tiny_tok.encode("ab", add_special_tokens=False) + [2, 5, 5]
+    ex = Executor(fake_parts(tokenizer=tiny_tok, script={0: script, 1: script}))
     a, b = ex.generate([[7, 8], [7, 8]], [SamplingParams(10), SamplingParams(5, ignore_eos=True)])
     assert a.finish_reason is FinishReason.STOP and a.token_ids == script[:3] and a.text == "ab"
     assert b.finish_reason is FinishReason.LENGTH and b.token_ids == script[:5]
 
 
-def test_stop_token_ids_finish_with_stop(tok):
-    ex = Executor(fake_parts(tokenizer=tok, script={0: [40, 41, 42, 43]}))
+def test_stop_token_ids_finish_with_stop(tiny_tok):
+    ex = Executor(fake_parts(tokenizer=tiny_tok, script={0: [40, 41, 42, 43]}))
     [out] = ex.generate([[9]], SamplingParams(10, stop_token_ids=(42,)))
     assert out.token_ids == [40, 41, 42] and out.finish_reason is FinishReason.STOP
-    assert out.text == tok.decode([40, 41])
+    assert out.text == tiny_tok.decode([40, 41])
 
 
-def test_stop_string_cuts_text_and_frees_blocks(tok):
-    script = tok.encode("one two STOP three four", add_special_tokens=False)
-    ex = Executor(fake_parts(tokenizer=tok, script={0: script}))
+def test_stop_string_cuts_text_and_frees_blocks(tiny_tok):
+    script = tiny_tok.encode("one two STOP three four", add_special_tokens=False)
+    ex = Executor(fake_parts(tokenizer=tiny_tok, script={0: script}))
     rid = ex.enqueue_request(
         Request(prompt_token_ids=[5], sampling=SamplingParams(40, stop=("STOP",)), streaming=True)
     )
@@ -96,7 +91,7 @@ def test_stop_string_cuts_text_and_frees_blocks(tok):
     assert_stream_consistent(responses)
     final = responses[-1]
     assert final.finish_reason is FinishReason.STOP and final.text == "one two "
-    assert len(final.token_ids) == len(tok.encode("one two STOP", add_special_tokens=False))
+    assert len(final.token_ids) == len(tiny_tok.encode("one two STOP", add_special_tokens=False))
     assert ex.kv_stats().free_blocks == ex.kv_stats().total_blocks
 
 
@@ -119,8 +114,8 @@ BAD_REQUESTS = [
 
 
 @pytest.mark.parametrize(("request_", "message"), BAD_REQUESTS)
-def test_bad_request_fails_alone(tok, request_, message):
-    ex = Executor(fake_parts(tokenizer=tok))
+def test_bad_request_fails_alone(tiny_tok, request_, message):
+    ex = Executor(fake_parts(tokenizer=tiny_tok))
     good1 = ex.enqueue_request(ids_request([5, 6, 7], n=6))
     bad = ex.enqueue_request(request_)
     first = ex.await_responses(bad, timeout=0)  # immediate, before any step
@@ -137,15 +132,15 @@ def test_bad_request_fails_alone(tok, request_, message):
     assert rec.finish_reason == "error" and message in rec.error
 
 
-def test_clamp_max_new_tokens_when_asked(tok):
-    ex = Executor(fake_parts(tokenizer=tok))
+def test_clamp_max_new_tokens_when_asked(tiny_tok):
+    ex = Executor(fake_parts(tokenizer=tiny_tok))
     sp = SamplingParams(max_new_tokens=30, ignore_eos=True, clamp_max_new_tokens=True)
     [out] = ex.generate([[1] * 40], sp)
     assert out.ok and len(out.token_ids) == 64 - 40 and out.finish_reason is FinishReason.LENGTH
 
 
-def test_request_that_can_never_fit_fails_fast(tok):
-    ex = Executor(fake_parts(tokenizer=tok, num_blocks=4, policy="max_utilization"))
+def test_request_that_can_never_fit_fails_fast(tiny_tok):
+    ex = Executor(fake_parts(tokenizer=tiny_tok, num_blocks=4, policy="max_utilization"))
     ok, never = ex.generate([[3] * 5, [3] * 12], SamplingParams(8, ignore_eos=True))
     assert ok.ok and len(ok.token_ids) == 8
     assert never.finish_reason is FinishReason.ERROR
@@ -177,8 +172,8 @@ def test_text_prompt_and_stop_strings_need_a_tokenizer():
     assert got[c][-1].token_ids and len(got[c][-1].token_ids) == 3 and got[c][-1].text == ""
 
 
-def test_cancel_running_and_waiting_requests_frees_blocks(tok):
-    ex = Executor(fake_parts(tokenizer=tok, max_batch_size=2))
+def test_cancel_running_and_waiting_requests_frees_blocks(tiny_tok):
+    ex = Executor(fake_parts(tokenizer=tiny_tok, max_batch_size=2))
     running = [ex.enqueue_request(ids_request([3] * 6, n=30)) for _ in range(2)]
     waiting = ex.enqueue_request(ids_request([4] * 6, n=30))
     ex.step()
@@ -199,8 +194,8 @@ def test_cancel_running_and_waiting_requests_frees_blocks(tok):
     ex.scheduler.kv.check_invariants()
 
 
-def test_records_follow_each_request_and_step(tok):
-    ex = Executor(fake_parts(tokenizer=tok, max_num_tokens=8))
+def test_records_follow_each_request_and_step(tiny_tok):
+    ex = Executor(fake_parts(tokenizer=tiny_tok, max_num_tokens=8))
     outs = ex.generate([[5] * 10, [6] * 3], SamplingParams(6, ignore_eos=True))
     for out in outs:
         r = out.record
@@ -216,8 +211,8 @@ def test_records_follow_each_request_and_step(tok):
     assert sum(s.num_decode_tokens for s in steps) == 2 * 5
 
 
-def test_background_loop_serves_many_threads(tok):
-    ex = Executor(fake_parts(tokenizer=tok)).start()
+def test_background_loop_serves_many_threads(tiny_tok):
+    ex = Executor(fake_parts(tokenizer=tiny_tok)).start()
     results: dict[int, list] = {}
     lock = threading.Lock()
 
@@ -239,8 +234,8 @@ def test_background_loop_serves_many_threads(tok):
     assert ex.kv_stats().free_blocks == ex.kv_stats().total_blocks
 
 
-def test_await_with_timeout_returns_empty_when_nothing_is_ready(tok):
-    ex = Executor(fake_parts(tokenizer=tok)).start()
+def test_await_with_timeout_returns_empty_when_nothing_is_ready(tiny_tok):
+    ex = Executor(fake_parts(tokenizer=tiny_tok)).start()
     try:
         assert ex.await_responses(timeout=0.01) == []
         rid = ex.enqueue_request(ids_request([3], n=2, streaming=False))
@@ -252,11 +247,11 @@ def test_await_with_timeout_returns_empty_when_nothing_is_ready(tok):
         ex.shutdown()
 
 
-def test_preemption_by_recompute_keeps_outputs_identical(tok):
+def test_preemption_by_recompute_keeps_outputs_identical(tiny_tok):
     prompts = [[3 + i] * (5 + i) for i in range(6)]
     sp = SamplingParams(20, ignore_eos=True)
-    roomy = Executor(fake_parts(tokenizer=tok, num_blocks=64)).generate(prompts, sp)
-    tight_ex = Executor(fake_parts(tokenizer=tok, num_blocks=12, policy="max_utilization"))
+    roomy = Executor(fake_parts(tokenizer=tiny_tok, num_blocks=64)).generate(prompts, sp)
+    tight_ex = Executor(fake_parts(tokenizer=tiny_tok, num_blocks=12, policy="max_utilization"))
     tight = tight_ex.generate(prompts, sp)
     assert [o.token_ids for o in tight] == [o.token_ids for o in roomy]
     assert sum(s.num_preempted for s in tight_ex.step_records) > 0
@@ -264,10 +259,10 @@ def test_preemption_by_recompute_keeps_outputs_identical(tok):
     assert tight_ex.kv_stats().free_blocks == 12
 
 
-def test_background_loop_failure_fails_open_requests_and_refuses_new_ones(tok):
+def test_background_loop_failure_fails_open_requests_and_refuses_new_ones(tiny_tok):
     from llmc.base.errors import EngineError
 
-    parts = fake_parts(tokenizer=tok)
+    parts = fake_parts(tokenizer=tiny_tok)
 
     def broken(batch):
         raise RuntimeError("device lost")

@@ -9,10 +9,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from _runtime_helpers import one_torch_thread  # noqa: F401
 
-from llmc.compiler.build_config import BuildConfig
-from llmc.compiler.builder import build
 from llmc.runtime.engine_runtime import EngineRuntime, RuntimeConfig
 from llmc.runtime.types import FinishReason, Request, SamplingParams
 
@@ -22,21 +19,11 @@ NUM_REQUESTS = 2000
 
 
 @pytest.fixture(scope="module")
-def load_engine_dir(tiny_llama_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("load_engine") / "engine"
-    build(
-        BuildConfig(
-            checkpoint_dir=str(tiny_llama_dir),
-            output_dir=str(out),
-            dtype="float32",
-            target="cpu",
-            max_seq_len=48,
-            max_batch_size=128,
-            max_num_tokens=512,
-            tokens_per_block=8,
-        )
+def load_engine_dir(tiny_engine, tiny_llama_dir):
+    # 128 sequences of up to 48 tokens in flight, a pool of 48 × 48 tokens (below)
+    return tiny_engine(
+        tiny_llama_dir, max_seq_len=48, max_batch_size=128, max_num_tokens=512, tokens_per_block=8
     )
-    return out
 
 
 @pytest.mark.parametrize("policy", ["guaranteed_no_evict", "max_utilization"])

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _model_runner_utils import load_engine, make_runner, new_seq, prompts
+from helpers.engines import load_engine_weights
+from helpers.runner import BlockAllocator, make_runner, new_seq, prompts
 
 from llmc.base.errors import ConfigError
 from llmc.cuda.torch_backend import TorchBackend
@@ -82,8 +83,6 @@ def _run_schedule(runner, spec):
     """A fixed schedule: 8 prompts prefilled in chunks beside decodes (steps > 8 tokens),
     then decode-only steps of 8, 7, 6, 5, 4, 4, 3, 2, 1 sequences as they finish, and one 5-token
     prefill alone. Returns {(request, step): logits row} and the greedy ids."""
-    from _model_runner_utils import BlockAllocator
-
     alloc = BlockAllocator(runner.kv_cache.num_blocks, runner.limits.tokens_per_block)
     lengths = [3, 11, 6, 20, 1, 9, 14, 2]
     seqs = [
@@ -122,7 +121,7 @@ def test_runner_fused_steps_match_unfused(arch, request):
     """float32 logits of every step (1..8-token fused steps, > 8-token mixed steps unfused)
     and the greedy ids are identical with fused_decode_max_tokens = 8 and 0."""
     ckpt = request.getfixturevalue(f"tiny_{arch}_dir")
-    spec, weights = load_engine(ckpt)
+    spec, weights = load_engine_weights(ckpt)
     results = {}
     for fused in (0, 8):
         be = CountingBackend(fused)

@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _model_runner_utils import (
+from helpers.engines import load_engine_weights, make_limits
+from helpers.fakes import make_scheduler
+from helpers.runner import (
     BlockAllocator,
     drive,
     hf_greedy,
     hf_logits,
-    load_engine,
     load_hf,
     make_runner,
     new_seq,
     prompts,
 )
-from _runtime_helpers import make_limits
 
 from llmc.base.errors import ConfigError, EngineError, RequestError
 from llmc.compiler.memory_plan import arena_bytes, plan_workspace
@@ -28,7 +28,7 @@ LENGTHS = [37, 5, 70, 1, 18]
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def tiny(request):
     ckpt = request.getfixturevalue(f"tiny_{request.param}_dir")
-    spec, weights = load_engine(ckpt)
+    spec, weights = load_engine_weights(ckpt)
     return spec, weights, load_hf(ckpt)
 
 
@@ -76,8 +76,7 @@ def test_greedy_matches_hf_generate(tiny):
 @pytest.mark.parametrize("reuse", [True, False], ids=["reuse", "no_reuse"])
 def test_end_to_end_with_scheduler(tiny, reuse):
     """The real Scheduler + KVCacheManager (prefix reuse, chunked prefill, preemption)."""
-    from llmc.runtime.kv_cache import KVCacheManager
-    from llmc.runtime.scheduler import MAX_UTILIZATION, Scheduler, SchedulerConfig
+    from llmc.runtime.scheduler import MAX_UTILIZATION
 
     spec, weights, model = tiny
     tpb, blocks = 4, 24
@@ -89,11 +88,16 @@ def test_end_to_end_with_scheduler(tiny, reuse):
         num_kv_blocks=blocks,
         max_seq_len=64,
     )
-    limits = make_limits(
-        max_num_tokens=16, max_batch_size=8, max_seq_len=64, max_input_len=48, tokens_per_block=tpb
+    sched = make_scheduler(
+        blocks,
+        policy=MAX_UTILIZATION,
+        reuse=reuse,
+        max_num_tokens=16,
+        max_batch_size=8,
+        max_seq_len=64,
+        max_input_len=48,
+        tokens_per_block=tpb,
     )
-    cfg = SchedulerConfig(limits, policy=MAX_UTILIZATION)
-    sched = Scheduler(cfg, KVCacheManager(blocks, tpb, enable_block_reuse=reuse))
     base = prompts(1, [12], spec.vocab_size, seed=3)[0]
     ps = [base + [5, 6, 7], base + [9], prompts(1, [30], spec.vocab_size, seed=4)[0], base]
     seqs = [new_seq(i, p, 20) for i, p in enumerate(ps)]
@@ -229,7 +233,7 @@ def test_bfloat16_error_is_that_of_transformers_bfloat16(tiny, request):
 
     spec, _, model = tiny
     ckpt = request.getfixturevalue(f"tiny_{model.config.model_type}_dir")
-    _, w16 = load_engine(ckpt, "bfloat16")
+    _, w16 = load_engine_weights(ckpt, "bfloat16")
     m16 = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).eval()
     seqs = [new_seq(0, prompts(1, [40], spec.vocab_size, seed=9)[0], 6)]
     res = drive(

@@ -40,28 +40,28 @@ def _random_logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
     return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
 
 
+def _assert_filter_matches_hf(name: str, value, warper, rows: int, seed: int) -> None:
+    """apply_filters with ``name=value`` on every row equals HF's ``warper`` (None: a no-op)."""
+    logits = _random_logits(rows, 256, seed)
+    meta = _meta([{"temperature": 1.0, name: value}] * rows, 256)
+    expect = logits if warper is None else warper(**{name: value})(None, logits.clone())
+    assert torch.equal(ref.apply_filters(logits, meta), expect)
+
+
 @pytest.mark.parametrize("k", [1, 2, 17, 255, 256, 1000])
 def test_top_k_matches_hf(k):
-    logits = _random_logits(3, 256, 0)
-    meta = _meta([{"temperature": 1.0, "top_k": k}] * 3, 256)
-    expect = hf.TopKLogitsWarper(top_k=k)(None, logits.clone())
-    assert torch.equal(ref.apply_filters(logits, meta), expect)
+    _assert_filter_matches_hf("top_k", k, hf.TopKLogitsWarper, rows=3, seed=0)
 
 
 @pytest.mark.parametrize("p", [0.05, 0.3, 0.5, 0.9, 0.99, 1.0])
 def test_top_p_matches_hf(p):
-    logits = _random_logits(4, 256, 1)
-    meta = _meta([{"temperature": 1.0, "top_p": p}] * 4, 256)
-    expect = hf.TopPLogitsWarper(top_p=p)(None, logits.clone())
-    assert torch.equal(ref.apply_filters(logits, meta), expect)
+    _assert_filter_matches_hf("top_p", p, hf.TopPLogitsWarper, rows=4, seed=1)
 
 
 @pytest.mark.parametrize("m", [0.0, 0.01, 0.1, 0.5, 1.0])
 def test_min_p_matches_hf(m):
-    logits = _random_logits(4, 256, 2)
-    meta = _meta([{"temperature": 1.0, "min_p": m}] * 4, 256)
-    expect = hf.MinPLogitsWarper(min_p=m)(None, logits.clone()) if m > 0 else logits
-    assert torch.equal(ref.apply_filters(logits, meta), expect)
+    warper = hf.MinPLogitsWarper if m > 0 else None  # min_p=0: the logits come back as they are
+    _assert_filter_matches_hf("min_p", m, warper, rows=4, seed=2)
 
 
 def test_filter_chain_matches_hf_per_row():

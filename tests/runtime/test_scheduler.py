@@ -9,11 +9,11 @@ from __future__ import annotations
 import logging
 
 import pytest
-from _runtime_helpers import make_limits
+from helpers.fakes import make_scheduler
 
 from llmc.base.errors import ConfigError, RequestError
 from llmc.runtime.kv_cache import KVCacheManager
-from llmc.runtime.scheduler import Scheduler, SchedulerConfig
+from llmc.runtime.scheduler import Scheduler
 from llmc.runtime.types import FinishReason, SamplingParams, ScheduledBatch, Sequence
 
 EOS = 2
@@ -30,7 +30,11 @@ def make(
     max_input_len: int = 64,
     reuse: bool = True,
 ) -> Scheduler:
-    limits = make_limits(
+    return make_scheduler(
+        num_blocks,
+        policy=policy,
+        eos=(EOS,),
+        reuse=reuse,
         max_num_tokens=max_num_tokens,
         max_batch_size=max_batch_size,
         max_seq_len=max_seq_len,
@@ -38,8 +42,6 @@ def make(
         tokens_per_block=tpb,
         enable_chunked_prefill=chunked,
     )
-    cfg = SchedulerConfig(limits, policy=policy, eos_token_ids=(EOS,))
-    return Scheduler(cfg, KVCacheManager(num_blocks, tpb, enable_block_reuse=reuse))
 
 
 def mkseq(

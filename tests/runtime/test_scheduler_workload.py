@@ -9,13 +9,12 @@ preemption all change the tokens, which are compared with a direct simulation.
 
 from __future__ import annotations
 
-from _runtime_helpers import make_limits
+from helpers.fakes import make_scheduler
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from llmc.base.errors import RequestError
-from llmc.runtime.kv_cache import KVCacheManager
-from llmc.runtime.scheduler import Scheduler, SchedulerConfig
+from llmc.runtime.scheduler import Scheduler
 from llmc.runtime.types import FinishReason, SamplingParams, ScheduledBatch, Sequence
 
 STEMS = [[5] * 40, [5] * 12 + [6] * 28, [7, 8] * 20, [5] * 4 + [9] * 36]
@@ -93,8 +92,10 @@ def test_random_workload_invariants(
 ) -> None:
     max_seq_len = 56
     max_input_len = 40 if chunked else min(40, budget)
-    kv = KVCacheManager(max(1, pool_tokens // tpb), tpb, enable_block_reuse=reuse)
-    limits = make_limits(
+    s = make_scheduler(
+        max(1, pool_tokens // tpb),
+        policy=policy,
+        reuse=reuse,
         max_num_tokens=budget,
         max_batch_size=max_batch_size,
         max_seq_len=max_seq_len,
@@ -102,8 +103,7 @@ def test_random_workload_invariants(
         tokens_per_block=tpb,
         enable_chunked_prefill=chunked,
     )
-    cfg = SchedulerConfig(limits, policy=policy)
-    s = Scheduler(cfg, kv)
+    kv = s.kv
     seqs: dict[int, Sequence] = {}
     cancels: dict[int, tuple[int, bool]] = {}
     cache: dict[int, int] = {}

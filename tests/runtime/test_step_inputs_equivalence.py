@@ -16,15 +16,13 @@ import random
 
 import numpy as np
 import pytest
-from _model_runner_utils import load_engine, make_runner
-from _runtime_helpers import make_limits
+from helpers.fakes import make_scheduler
+from helpers.runner import make_runner
 
 from llmc.base.errors import EngineError, RequestError
 from llmc.runtime import sampling as smp
 from llmc.runtime.admission import GUARANTEED_NO_EVICT, MAX_UTILIZATION
 from llmc.runtime.cuda_graphs import _PAD_COLUMN, DecodeGraphs, graph_eligible
-from llmc.runtime.kv_cache import KVCacheManager
-from llmc.runtime.scheduler import Scheduler, SchedulerConfig
 from llmc.runtime.step_inputs import DecodeRowCache, _flatten
 from llmc.runtime.types import FinishReason, SamplingParams, ScheduledBatch, Sequence
 
@@ -220,20 +218,15 @@ def _params(rng: random.Random, max_new: int) -> SamplingParams:
     return SamplingParams(**kw)
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_llama_dir):
-    return load_engine(tiny_llama_dir)
-
-
 @pytest.mark.parametrize(
     ("seed", "policy", "num_blocks"),
     [(0, MAX_UTILIZATION, 28), (1, GUARANTEED_NO_EVICT, 60), (2, MAX_UTILIZATION, 40)],
 )
 @pytest.mark.parametrize("small_cache", [False, True])
 def test_staging_equals_reference_on_scheduler_batches(
-    engine, seed, policy, num_blocks, small_cache
+    tiny_llama_weights, seed, policy, num_blocks, small_cache
 ):
-    spec, weights = engine
+    spec, weights = tiny_llama_weights
     rng = random.Random(seed)
     mbs, mnt = 12, 48
     runner = make_runner(
@@ -248,15 +241,15 @@ def test_staging_equals_reference_on_scheduler_batches(
     graphs = DecodeGraphs(runner.inputs, runner.forward, runner.backend, allow_cpu=True)
     if small_cache:  # rows run out every few batches: the cache starts over
         runner.inputs.row_cache = DecodeRowCache(mbs + 3, runner.limits.max_blocks_per_seq)
-    limits = make_limits(
+    sched = make_scheduler(
+        num_blocks,
+        policy=policy,
         max_num_tokens=mnt,
         max_batch_size=mbs,
         max_seq_len=96,
         max_input_len=60,
         tokens_per_block=TPB,
     )
-    cfg = SchedulerConfig(limits, policy=policy)
-    sched = Scheduler(cfg, KVCacheManager(num_blocks, TPB, enable_block_reuse=True))
     prefixes = [[rng.randrange(spec.vocab_size) for _ in range(n)] for n in (8, 13, 21)]
     rid = itertools.count()
     stats = {"decode": 0, "mixed": 0, "ahead": 0, "graph": 0, "preempted": 0, "cancelled": 0}

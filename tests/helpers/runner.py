@@ -1,37 +1,30 @@
-"""Helpers of the ModelRunner tests: tiny engines from HF checkpoints, a hand-made driver.
+"""ModelRunner set-ups of the runtime tests: a CPU runner, a hand-made driver, transformers
+references.
 
 ``drive`` plays a minimal scheduler (the real one is tested with the runner separately):
 sequences join at staggered steps, each step gives every decoding sequence one token and
 the prefilling ones chunks of at most ``chunk`` tokens under a ``budget``, blocks come from
 a trivial allocator that hands out shuffled block ids (so a wrong block-table lookup shows).
+``EagerGraphs`` is the decode-graph path on CPU.
 """
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from _runtime_helpers import make_limits
-from safetensors.torch import load_file
 
-from llmc.compiler.limits import EngineLimits
-from llmc.compiler.spec import ModelSpec
-from llmc.compiler.weight_passes import to_engine_weights
+from helpers.engines import make_limits, pop_limits
 from llmc.cuda.torch_backend import TorchBackend
 from llmc.runtime.cuda_graphs import DecodeGraphs
 from llmc.runtime.model_runner import ModelRunner
 from llmc.runtime.types import SamplingParams, ScheduledBatch, ScheduledSequence, Sequence
 
 
-def load_engine(ckpt: Path, dtype: str = "float32") -> tuple[ModelSpec, dict[str, torch.Tensor]]:
-    spec = ModelSpec.from_hf_config(json.loads((ckpt / "config.json").read_text()))
-    return spec, to_engine_weights(spec, load_file(str(ckpt / "model.safetensors")), dtype)
-
-
 def load_hf(ckpt: Path):
+    """The transformers model of ``ckpt`` in float32, EOS off (generate gives max_new_tokens)."""
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
@@ -41,11 +34,10 @@ def load_hf(ckpt: Path):
 
 def make_runner(spec, weights, **kw) -> ModelRunner:
     """A CPU ModelRunner; ``kw``: runner arguments or EngineLimits fields (small defaults)."""
-    names = EngineLimits.field_names()
     limits = dict(max_num_tokens=128, max_batch_size=8, max_seq_len=160, tokens_per_block=8)
-    limits.update({k: v for k, v in kw.items() if k in names})
+    limits.update(pop_limits(kw))
     args = dict(backend=TorchBackend("cpu"), device="cpu", num_kv_blocks=200)
-    args.update({k: v for k, v in kw.items() if k not in names})
+    args.update(kw)
     return ModelRunner(spec, weights, limits=make_limits(**limits), **args)
 
 
