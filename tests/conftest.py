@@ -1,9 +1,10 @@
 """Shared fixtures of the whole suite; how the tests are laid out and how to add one.
 
 Layout: one folder per source folder (tests/compiler, tests/runtime, tests/bench for the
-measurement wing runtime/bench, tests/cuda, tests/cli, tests/api for llmc/api.py and
-llmc/profiler_api.py); tests/test_layers.py walks the package's imports. Test module names are
-unique across folders (no ``__init__.py``: pytest puts each test's folder on ``sys.path``).
+measurement wing runtime/bench, tests/cuda, tests/cli, tests/base for llmc/base, tests/api for
+llmc/api.py and llmc/profiler_api.py); tests/test_layers.py walks the package's imports.
+Test module names are unique across folders (no ``__init__.py``: pytest puts each test's
+folder on ``sys.path``).
 
 Where things live:
 - fixtures: here when more than one folder uses them, in a folder's conftest.py when only that
