@@ -6,7 +6,6 @@ import json
 import time
 from pathlib import Path
 
-import gguf
 import numpy as np
 import pytest
 import torch
@@ -16,6 +15,8 @@ from llmc.base.errors import CheckpointError, UnsupportedError
 from llmc.compiler.checkpoint import load_checkpoint, read_model_spec
 from llmc.compiler.gguf_header import TOKENIZER_ARRAYS, read_gguf_header
 from llmc.compiler.gguf_reader import import_gguf
+
+gguf = pytest.importorskip("gguf")  # a dependency of llmc; absent on the GPU image (cuda-only runs)
 
 # ---- SmolLM2 (the real Q4_1/Q8_0 file) against transformers ----------------------------
 

@@ -21,9 +21,9 @@ def model(tiny_llama_dir):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     pytest.importorskip("cupy")
-    from _model_runner_utils import load_engine
+    from helpers.engines import load_engine_weights
 
-    return load_engine(tiny_llama_dir)
+    return load_engine_weights(tiny_llama_dir)
 
 
 def _run(model, sampling, *, async_scheduling, graphs=True, num_blocks=64, policy=None):

@@ -115,9 +115,9 @@ def assert_same(ours: list[list[int]], ref: list[list[int]], what: str) -> None:
 def model(request):
     if request.param == "smollm2":
         return SMOLLM2, dummy_weights(SMOLLM2, "float32", seed=0, device="cuda")
-    from _model_runner_utils import load_engine
+    from helpers.engines import load_engine_weights
 
-    return load_engine(request.getfixturevalue(f"tiny_{request.param}_dir"))
+    return load_engine_weights(request.getfixturevalue(f"tiny_{request.param}_dir"))
 
 
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])

@@ -210,11 +210,12 @@ def test_errors(be):
 def test_runner_fused_decode_matches_unfused(arch, request):
     """The ModelRunner on the CudaBackend (float32): every step's logits with fused small
     steps (fused_decode_max_tokens = 8) match the unfused ops (0), greedy ids equal."""
-    from _model_runner_utils import drive, load_engine, make_runner, new_seq, prompts
+    from helpers.engines import load_engine_weights
+    from helpers.runner import drive, make_runner, new_seq, prompts
 
     from llmc.cuda.cuda_backend import CudaBackend
 
-    spec, weights = load_engine(request.getfixturevalue(f"tiny_{arch}_dir"))
+    spec, weights = load_engine_weights(request.getfixturevalue(f"tiny_{arch}_dir"))
     results = []
     for fused in (0, 8):
         be = CudaBackend(DEV, fused_decode_max_tokens=fused)
