@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from llmc.runtime.records import StepRecord
 
 if TYPE_CHECKING:
-    from llmc.runtime.bench.profiler import OpEvent
+    from llmc.runtime.bench.timers import OpEvent
 
 
 @dataclass(frozen=True)

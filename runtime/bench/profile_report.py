@@ -22,9 +22,9 @@ from rich.table import Table
 
 from llmc.base.errors import UsageError
 from llmc.runtime.bench.gpu_idle import GpuIdle
-from llmc.runtime.bench.profiler import BreakdownRow
 from llmc.runtime.bench.recommend import Recommendation
 from llmc.runtime.bench.report import fmt, kv_section, latency_section, pct, throughput_section
+from llmc.runtime.bench.timers import BreakdownRow
 from llmc.runtime.records import StepRecord
 
 SPARK = "▁▂▃▄▅▆▇█"

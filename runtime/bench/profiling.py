@@ -41,7 +41,9 @@ from llmc.runtime.bench.driver import (
 from llmc.runtime.bench.gpu_idle import gpu_idle
 from llmc.runtime.bench.metrics import Aggregates, aggregate, is_failed, request_flops
 from llmc.runtime.bench.profile_report import ProfileReport
-from llmc.runtime.bench.profiler import (
+from llmc.runtime.bench.recommend import TuningInputs, recommend
+from llmc.runtime.bench.served import Served
+from llmc.runtime.bench.timers import (
     BreakdownRow,
     KernelProfiler,
     OpEvent,
@@ -53,8 +55,6 @@ from llmc.runtime.bench.profiler import (
     with_model_rates,
     write_chrome_trace,
 )
-from llmc.runtime.bench.recommend import TuningInputs, recommend
-from llmc.runtime.bench.served import Served
 from llmc.runtime.records import RequestRecord, StepRecord
 
 NOT_TIMED = "not measured (ops=False)"

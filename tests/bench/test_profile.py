@@ -13,7 +13,8 @@ from typer.testing import CliRunner
 from llmc.base.errors import UsageError
 from llmc.cli.main import app
 from llmc.runtime.bench.metrics import aggregate
-from llmc.runtime.bench.profiler import (
+from llmc.runtime.bench.recommend import TuningInputs, recommend
+from llmc.runtime.bench.timers import (
     OpEvent,
     OpTimer,
     chrome_trace,
@@ -21,7 +22,6 @@ from llmc.runtime.bench.profiler import (
     op_breakdown,
     phase_breakdown,
 )
-from llmc.runtime.bench.recommend import TuningInputs, recommend
 from llmc.runtime.records import StepRecord
 
 pytestmark = pytest.mark.usefixtures("small_ceilings")

@@ -1,4 +1,5 @@
-"""``llmc profile`` measurement: phase, op and kernel timing, memory, and a Chrome trace.
+"""The timers behind the one profiler (runtime/bench/profiling.py): phase, op and kernel
+timing, breakdowns, peak memory, and a Chrome trace.
 
 Sources (nothing here re-times a step; steps come from the Executor's StepRecords):
 - Phases: ``StepRecord.phase_times`` (schedule, prepare, forward, sample, update), summed.
