@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from helpers.checkpoints import make_hf_checkpoint
 from helpers.engines import tiny_build_config
 

@@ -250,3 +250,19 @@ def test_architecture_doc_names_every_source_file():
         if p.name != "__init__.py" and f"`{p.relative_to(root)}`" not in doc
     ]
     assert not missing, f"docs/ARCHITECTURE.md does not name: {missing}"
+
+
+def test_architecture_doc_names_no_missing_file():
+    """Every repository path the doc names in backticks exists (no stale names)."""
+    import re
+
+    root = PYPROJECT.parent
+    doc = (root / "docs" / "ARCHITECTURE.md").read_text()
+    named = set(
+        re.findall(
+            r"`((?:cli|compiler|runtime|cuda|llmc|tests|scripts)/[\w/.]+\.(?:py|cu|cuh|sh|md|yaml|json|h))`",
+            doc,
+        )
+    )
+    missing = sorted(p for p in named if not (root / p).exists())
+    assert named and not missing, f"docs/ARCHITECTURE.md names files that do not exist: {missing}"

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.engines import tiny_build_config
 
 import llmc
+from helpers.engines import tiny_build_config
 from llmc import LLM, BuildConfig, Profiler, Request, SamplingParams
 from llmc.base.errors import ConfigError, EngineError, RequestError
 

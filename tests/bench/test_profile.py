@@ -7,9 +7,9 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers.engines import SMALL_LIMITS, make_limits, pop_limits
 from typer.testing import CliRunner
 
+from helpers.engines import SMALL_LIMITS, make_limits, pop_limits
 from llmc.base.errors import UsageError
 from llmc.cli.main import app
 from llmc.runtime.bench.metrics import aggregate

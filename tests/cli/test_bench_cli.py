@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers.engines import SMALL_LIMITS
 from typer.testing import CliRunner
 
+from helpers.engines import SMALL_LIMITS
 from llmc.base.errors import BenchFailure, UsageError
 from llmc.cli.main import app
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers.engines import make_limits
 
+from helpers.engines import make_limits
 from llmc.base.errors import ConfigError
 from llmc.compiler.build_config import BuildConfig
 from llmc.compiler.limits import EngineLimits, check_chunked_prefill

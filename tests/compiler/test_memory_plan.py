@@ -6,10 +6,10 @@ import dataclasses
 import json
 
 import pytest
-from helpers.engines import make_limits, pop_limits
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers.engines import make_limits, pop_limits
 from llmc.base.errors import CapacityError, EngineError
 from llmc.compiler.limits import EngineLimits
 from llmc.compiler.memory_plan import (

@@ -212,7 +212,6 @@ def test_runner_fused_decode_matches_unfused(arch, request):
     steps (fused_decode_max_tokens = 8) match the unfused ops (0), greedy ids equal."""
     from helpers.engines import load_engine_weights
     from helpers.runner import drive, make_runner, new_seq, prompts
-
     from llmc.cuda.cuda_backend import CudaBackend
 
     spec, weights = load_engine_weights(request.getfixturevalue(f"tiny_{arch}_dir"))

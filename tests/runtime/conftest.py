@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from helpers.checkpoints import TINY_LLAMA
 from helpers.engines import load_engine_weights
-
 from llmc.compiler.spec import ModelSpec
 from llmc.runtime.tokenizer import Tokenizer
 

@@ -8,9 +8,9 @@ CUDA-graph decode path (its staging and device-side token gather, replayed eager
 from __future__ import annotations
 
 import pytest
+
 from helpers.engines import make_limits
 from helpers.runner import EagerGraphs
-
 from llmc.runtime.engine_runtime import EngineRuntime, RuntimeConfig
 from llmc.runtime.executor import Executor
 from llmc.runtime.types import Request, SamplingParams

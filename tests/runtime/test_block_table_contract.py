@@ -8,9 +8,9 @@ object); an unchanged one is not re-read."""
 from __future__ import annotations
 
 import numpy as np
+
 from helpers.fakes import fake_parts
 from helpers.runner import make_runner
-
 from llmc.runtime.kv_cache import KVCacheManager
 from llmc.runtime.step_inputs import DecodeRowCache
 from llmc.runtime.types import SamplingParams, ScheduledBatch, ScheduledSequence, Sequence

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.runner import EagerGraphs, drive, make_runner, new_seq, prompts
 
+from helpers.runner import EagerGraphs, drive, make_runner, new_seq, prompts
 from llmc.base.errors import ConfigError, EngineError
 from llmc.runtime.cuda_graphs import DecodeGraphs
 from llmc.runtime.types import ScheduledBatch, ScheduledSequence

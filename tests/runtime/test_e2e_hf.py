@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.engines import make_limits
 
+from helpers.engines import make_limits
 from llmc.runtime.engine_runtime import EngineRuntime, RuntimeConfig
 from llmc.runtime.tokenizer import Tokenizer
 from llmc.runtime.types import SamplingParams

@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers.engines import SMALL_LIMITS
 
+from helpers.engines import SMALL_LIMITS
 from llmc.base.errors import ConfigError
 from llmc.compiler.limits import check_chunked_prefill
 from llmc.compiler.memory_plan import plan_workspace

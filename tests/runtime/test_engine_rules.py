@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import fakes
 
+from helpers import fakes
 from llmc.runtime.cuda_graphs import graph_eligible
 from llmc.runtime.detokenizer import IncrementalDetokenizer
 from llmc.runtime.engine_step import ahead_ok, emit_step_responses

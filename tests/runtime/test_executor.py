@@ -7,8 +7,8 @@ from __future__ import annotations
 import threading
 
 import pytest
-from helpers.fakes import fake_parts
 
+from helpers.fakes import fake_parts
 from llmc.base.errors import RequestError
 from llmc.runtime.executor import Executor
 from llmc.runtime.types import FinishReason, Request, SamplingParams

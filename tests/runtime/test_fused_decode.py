@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from helpers.engines import load_engine_weights
 from helpers.runner import BlockAllocator, make_runner, new_seq, prompts
-
 from llmc.base.errors import ConfigError
 from llmc.cuda.torch_backend import TorchBackend
 from llmc.runtime.types import ScheduledBatch, ScheduledSequence

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from helpers.engines import load_engine_weights, make_limits
 from helpers.fakes import make_scheduler
 from helpers.runner import (
@@ -16,7 +17,6 @@ from helpers.runner import (
     new_seq,
     prompts,
 )
-
 from llmc.base.errors import ConfigError, EngineError, RequestError
 from llmc.compiler.memory_plan import arena_bytes, plan_workspace
 from llmc.runtime.types import ScheduledBatch, ScheduledSequence

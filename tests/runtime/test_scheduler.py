@@ -9,8 +9,8 @@ from __future__ import annotations
 import logging
 
 import pytest
-from helpers.fakes import make_scheduler
 
+from helpers.fakes import make_scheduler
 from llmc.base.errors import ConfigError, RequestError
 from llmc.runtime.kv_cache import KVCacheManager
 from llmc.runtime.scheduler import Scheduler

@@ -9,10 +9,10 @@ preemption all change the tokens, which are compared with a direct simulation.
 
 from __future__ import annotations
 
-from helpers.fakes import make_scheduler
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+from helpers.fakes import make_scheduler
 from llmc.base.errors import RequestError
 from llmc.runtime.scheduler import Scheduler
 from llmc.runtime.types import FinishReason, SamplingParams, ScheduledBatch, Sequence

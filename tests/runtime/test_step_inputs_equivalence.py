@@ -16,9 +16,9 @@ import random
 
 import numpy as np
 import pytest
+
 from helpers.fakes import make_scheduler
 from helpers.runner import make_runner
-
 from llmc.base.errors import EngineError, RequestError
 from llmc.runtime import sampling as smp
 from llmc.runtime.admission import GUARANTEED_NO_EVICT, MAX_UTILIZATION
