@@ -15,7 +15,9 @@
 # b1sync (--no_async_scheduling), b1mb256 (--max_batch_size 256), b1prof (batch-1
 # per-kernel profile), 128mb1024 (a second 8B engine built with max_batch_size 1024),
 # prof2048 and profsmol (kernel-family profiles). SKIP_TESTS=1 skips step 2; PYTEST_ARGS
-# (absolute paths: Python runs outside the checkout) replaces its test files.
+# (absolute paths: Python runs outside the checkout) replaces its test files. LLMC_COMMIT names
+# the commit in env.txt and every result (the device tool's copy of the tree keeps a stale .git:
+# pass LLMC_COMMIT=$(git rev-parse --short=12 HEAD) from the calling machine).
 set -u
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$REPO/bench-out}
@@ -40,7 +42,7 @@ log() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/bench.log"; }
 
 { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
   $PY -c 'import torch, cupy; print("torch", torch.__version__, "cupy", cupy.__version__)'
-  git -C "$REPO" rev-parse HEAD 2>/dev/null || true; } > "$OUT/env.txt" 2>&1
+  echo "commit ${LLMC_COMMIT:-$(git -C "$REPO" rev-parse HEAD 2>/dev/null)}"; } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
 if ! $PY -c 'import typer, rich' 2>/dev/null && ls "$REPO"/.whl/*.whl >/dev/null 2>&1; then

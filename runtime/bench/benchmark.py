@@ -176,7 +176,11 @@ def _git(*args: str) -> str | None:
 
 
 def git_commit() -> str | None:
-    """Commit of the llmc checkout (with '-dirty' when it has changes), None outside git."""
+    """Commit of the llmc checkout (with '-dirty' when it has changes), None outside git.
+    ``LLMC_COMMIT``, when set, names it instead: a copied working tree whose .git is not its
+    own (the lent GPU machine's copy keeps a stale .git) would report the wrong commit."""
+    if named := os.environ.get("LLMC_COMMIT"):
+        return named
     sha = _git("rev-parse", "--short=12", "HEAD")
     if sha is None:
         return None

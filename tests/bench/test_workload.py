@@ -104,3 +104,13 @@ def test_arrivals() -> None:
     assert statistics.mean(g2) == pytest.approx(1 / 50, rel=0.1)
     assert statistics.pstdev(g2) / statistics.mean(g2) == pytest.approx(2.0, rel=0.15)
     assert arrival_offsets(10, spec) == arrival_offsets(10, spec)
+
+
+def test_git_commit_named_by_llmc_commit(monkeypatch):
+    """A copied tree whose .git is stale names its commit through LLMC_COMMIT."""
+    from llmc.runtime.bench.benchmark import git_commit
+
+    monkeypatch.setenv("LLMC_COMMIT", "abc123def456")
+    assert git_commit() == "abc123def456"
+    monkeypatch.delenv("LLMC_COMMIT")
+    assert git_commit() != "abc123def456"
