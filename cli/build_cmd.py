@@ -146,7 +146,10 @@ def build_command(
     ] = False,
     force: Annotated[
         bool | None,
-        option("force", "Replace an existing --output_dir. Default: off."),
+        option(
+            "force",
+            "Replace an existing --output_dir that is an llmc engine (or empty). Default: off.",
+        ),
     ] = None,
     json_out: Annotated[bool, JSON_OPTION] = False,
 ) -> None:

@@ -1,13 +1,16 @@
 """Rich tables of a build (or dry run): the build summary and the memory plan.
 
-Pure rendering of a ``BuildResult``; no logic a library user would need lives here.
+Pure rendering of a ``BuildResult``; no logic a library user would need lives here. The
+strings it prints (notes, paths) pass through ``llmc.base.text.printable``.
 """
 
 from __future__ import annotations
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
+from llmc.base.text import printable
 from llmc.cli.options import human_bytes
 from llmc.compiler.builder import BuildResult
 
@@ -36,9 +39,11 @@ def summary_table(result: BuildResult) -> Table:
     t.add_row("tokens_per_block", f"{lim.tokens_per_block} tokens")
     t.add_row("chunked prefill", "on" if lim.enable_chunked_prefill else "off")
     for note in result.notes:
-        t.add_row("derived", note)
+        t.add_row("derived", escape(printable(note)))
     if result.output_dir is not None:
-        t.add_row("engine", str(result.output_dir))
+        t.add_row("engine", escape(printable(result.output_dir)))
+    for path in result.cleaned:
+        t.add_row("cleaned", escape(printable(f"stale temp dir of an interrupted build: {path}")))
     phases = ", ".join(f"{k} {v:.2f} s" for k, v in result.timings_s.items())
     t.add_row("time", f"{sum(result.timings_s.values()):.2f} s ({phases})")
     return t
@@ -68,9 +73,10 @@ def plan_table(result: BuildResult) -> Table:
     cap = p.capacity
     if cap is None:
         for note in p.notes:
-            t.add_row("KV capacity", note)
+            t.add_row("KV capacity", escape(printable(note)))
     else:
-        t.add_row("device memory", f"{human_bytes(cap.device_memory_bytes)} ({cap.memory_source})")
+        source = escape(printable(cap.memory_source))
+        t.add_row("device memory", f"{human_bytes(cap.device_memory_bytes)} ({source})")
         t.add_row(
             "KV pool",
             f"{human_bytes(cap.kv_pool_bytes)} (x {cap.kv_cache_free_gpu_mem_fraction} of "

@@ -1,7 +1,9 @@
 """``llmc import``: a GGUF file → a HuggingFace checkpoint directory (atomically written).
 
-The directory (config.json, model.safetensors in float32, tokenizer files) can then be
-built with ``llmc build --checkpoint_dir DIR`` or loaded by transformers.
+The directory (config.json, model.safetensors in float32, tokenizer files, and the
+``llmc_import.json`` marker by which a later ``--force`` knows the directory is one llmc
+import wrote) can then be built with ``llmc build --checkpoint_dir DIR`` or loaded by
+transformers. ``--force`` replaces only such a directory or an empty one (exit 3 otherwise).
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ def import_command(
     json_out: Annotated[bool, JSON_OPTION] = False,
 ) -> None:
     """Convert a GGUF file into a HuggingFace checkpoint directory."""
-    from llmc.compiler.engine_format import check_output_dir
     from llmc.compiler.gguf_reader import import_gguf
+    from llmc.compiler.output_dir import check_output_dir
 
     if gguf is None or output_dir is None:
         missing = "--gguf" if gguf is None else "--output_dir"
@@ -44,10 +46,11 @@ def import_command(
             f"llmc import needs {missing} (usage: llmc import --gguf FILE --output_dir DIR)"
         )
     out = Path(output_dir)
-    check_output_dir(out, force)
+    check_output_dir(out, force, kind="import", inputs=[gguf])
+    log = err_console()
     if not json_out:
-        err_console().print(f"llmc import: {gguf} -> {out}", markup=False)
-    import_gguf(gguf, out, force=force)
+        log.print(f"llmc import: {gguf} -> {out}", markup=False)
+    import_gguf(gguf, out, force=force, report=lambda m: log.print(m, markup=False))
     files = sorted(p.name for p in out.iterdir())
     if json_out:
         print_json({"output_dir": str(out), "files": files})

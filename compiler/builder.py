@@ -11,9 +11,18 @@ Phases, reported through the ``progress`` callback as ``BuildEvent``s:
               nothing for ``load_format='dummy'`` (the manifest stores the seed).
 - ``compile`` cubins for a CUDA target (``llmc.cuda.build``: nvcc where it is on the PATH,
               else CuPy's NVRTC, else UnsupportedError); none for ``target='cpu'``.
-- ``write``   the engine files, manifest last, then an atomic rename (engine_format.py).
+- ``write``   the engine files, manifest last (engine_format.py); after its ``done`` event,
+              the atomic rename (output_dir.py).
 
-``dry_run`` stops after ``plan`` and writes nothing.
+``dry_run`` stops after ``plan`` and writes nothing. Before ``convert``, the output location
+is checked (compiler/output_dir.py: the --force rules, a parent that is not a directory, a
+read-only or full filesystem, an output overlapping an input; ConfigError, exit 3) and the
+stale temp dirs of interrupted builds in the output's parent are removed (``cleaned``).
+
+The progress callback: an exception from it propagates and aborts the build. Every event,
+the last ``write done`` included, is sent before the engine directory is committed, so a
+callback that raises never leaves ``build()`` raising over a complete engine: ``build()``
+returns exactly when the engine is written.
 """
 
 from __future__ import annotations
@@ -29,15 +38,16 @@ from typing import Any
 from llmc.base import version
 from llmc.base.errors import CheckpointError, ConfigError, UsageError
 from llmc.compiler.build_config import BuildConfig
-from llmc.compiler.engine_format import (
-    KERNELS_DIR,
-    check_output_dir,
-    commit_engine_dir,
-    temp_engine_dir,
-    write_engine_files,
-)
+from llmc.compiler.engine_format import KERNELS_DIR, write_engine_files
 from llmc.compiler.hf_reader import TOKENIZER_FILES, read_json
 from llmc.compiler.memory_plan import MemoryPlan, plan_memory
+from llmc.compiler.output_dir import (
+    check_free_space,
+    check_output_dir,
+    commit_output_dir,
+    make_temp_dir,
+    writing,
+)
 from llmc.compiler.resolve import ResolvedBuild, detect_gpu, device_memory, resolve_build
 from llmc.compiler.spec import ModelSpec
 from llmc.cuda.build import compile_engine_kernels
@@ -70,6 +80,8 @@ class BuildResult:
     timings_s: dict[str, float]
     output_dir: Path | None = None
     manifest: dict[str, Any] | None = field(default=None, repr=False)
+    cleaned: tuple[str, ...] = ()
+    """Stale temp dirs of interrupted builds removed from the output's parent."""
 
     @property
     def dry_run(self) -> bool:
@@ -82,6 +94,7 @@ class BuildResult:
             "model": self.spec.to_dict(),
             "build": self.build.to_dict(),
             "notes": list(self.notes),
+            "cleaned_temp_dirs": list(self.cleaned),
             "timings_s": self.timings_s,
             "plan": self.plan.to_dict(),
         }
@@ -183,8 +196,9 @@ def build(
     ``config.checkpoint_dir``.
     """
     out = Path(config.output_dir)
+    inputs = (config.checkpoint_dir, None if isinstance(model_config, Mapping) else model_config)
     if not dry_run:
-        check_output_dir(out, config.force)
+        check_output_dir(out, config.force, inputs=inputs)
     phase = _Phases(progress)
     gpu = detect_gpu()
     with phase("read", "model config"):
@@ -205,55 +219,74 @@ def build(
         return BuildResult(spec, resolved, plan, notes, phase.timings)
 
     dummy = resolved.load_format == "dummy"
-    with phase("convert", "dummy weights (seed only)" if dummy else source):
-        if dummy:
-            weights, tok_files = None, _dummy_tokenizer_files(config.checkpoint_dir)
-            fmt = "dummy"
-        else:
-            from llmc.compiler.checkpoint import load_checkpoint
-            from llmc.compiler.weight_passes import to_engine_weights
-
-            ckpt = load_checkpoint(config.checkpoint_dir)
-            if ckpt.spec != spec:
-                raise CheckpointError(f"{source}: the model config changed while building")
-            weights = to_engine_weights(spec, ckpt.tensors, resolved.limits.dtype, source)
-            tok_files, fmt = dict(ckpt.tokenizer_files), ckpt.source_format
-            del ckpt  # the HF tensors are no longer needed
-    tmp = temp_engine_dir(out)
+    # Before the long work: the output location is usable (a read-only or missing parent,
+    # too little space) and the stale temp dirs of interrupted builds are gone.
+    tmp, cleaned = make_temp_dir(out)
     try:
-        with phase("compile", f"kernels for {resolved.target}"):
+        check_free_space(out, 0 if dummy else plan.weight_bytes_total)
+        with phase("convert", "dummy weights (seed only)" if dummy else source):
+            if dummy:
+                weights, tok_files = None, _dummy_tokenizer_files(config.checkpoint_dir)
+                fmt = "dummy"
+            else:
+                from llmc.compiler.checkpoint import load_checkpoint
+                from llmc.compiler.weight_passes import to_engine_weights
+
+                ckpt = load_checkpoint(config.checkpoint_dir)
+                if ckpt.spec != spec:
+                    raise CheckpointError(f"{source}: the model config changed while building")
+                weights = to_engine_weights(spec, ckpt.tensors, resolved.limits.dtype, source)
+                tok_files, fmt = dict(ckpt.tokenizer_files), ckpt.source_format
+                del ckpt  # the HF tensors are no longer needed
+        with phase("compile", f"kernels for {resolved.target}"), writing(out):
             kernels = _compile_kernels(
                 spec, resolved.limits.dtype, resolved.target, tmp / KERNELS_DIR
             )
-        with phase("write", str(out)):
-            manifest = {
-                "format_version": version.ENGINE_FORMAT_VERSION,
-                "llmc_version": version.__version__,
-                "created_unix": int(time.time()),
-                "architecture": spec.architecture,
-                "model": spec.to_dict(),
-                "hf_config": hf_config,
-                "build_config": config.to_dict(),
-                "build": resolved.to_dict(),
-                "kernels": {
-                    "arch": resolved.target if resolved.target.startswith("sm_") else None,
-                    "files": kernels,
-                },
-                "tokenizer_files": sorted(tok_files),
-                "source": {
-                    "checkpoint": config.checkpoint_dir,
-                    "format": fmt,
-                    "model_config": None
-                    if model_config is None or isinstance(model_config, Mapping)
-                    else str(model_config),
-                },
-            }
+        with phase("write", str(out)), writing(out):
+            manifest = _manifest(config, model_config, spec, hf_config, resolved, kernels, fmt)
+            manifest["tokenizer_files"] = sorted(tok_files)
             manifest = write_engine_files(tmp, manifest, plan, weights, tok_files)
-            commit_engine_dir(tmp, out, config.force)
+        # After the last progress event: a callback that raises aborts the build before the
+        # engine exists, so build() returns exactly when the engine is written.
+        with writing(out):
+            commit_output_dir(tmp, out, config.force)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return BuildResult(spec, resolved, plan, notes, phase.timings, out, manifest)
+    return BuildResult(spec, resolved, plan, notes, phase.timings, out, manifest, cleaned)
+
+
+def _manifest(
+    config: BuildConfig,
+    model_config: str | Path | Mapping[str, Any] | None,
+    spec: ModelSpec,
+    hf_config: dict[str, Any],
+    resolved: ResolvedBuild,
+    kernels: list[str],
+    fmt: str,
+) -> dict[str, Any]:
+    """manifest.json without its checksums and tokenizer file names."""
+    return {
+        "format_version": version.ENGINE_FORMAT_VERSION,
+        "llmc_version": version.__version__,
+        "created_unix": int(time.time()),
+        "architecture": spec.architecture,
+        "model": spec.to_dict(),
+        "hf_config": hf_config,
+        "build_config": config.to_dict(),
+        "build": resolved.to_dict(),
+        "kernels": {
+            "arch": resolved.target if resolved.target.startswith("sm_") else None,
+            "files": kernels,
+        },
+        "source": {
+            "checkpoint": config.checkpoint_dir,
+            "format": fmt,
+            "model_config": None
+            if model_config is None or isinstance(model_config, Mapping)
+            else str(model_config),
+        },
+    }
 
 
 def _with_note(plan: MemoryPlan, note: str) -> MemoryPlan:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from pathlib import Path
 
 from llmc.base import version
@@ -16,6 +17,7 @@ from llmc.base.errors import CheckpointError, ConfigError
 from llmc.compiler import builder
 from llmc.compiler.build_config import BuildConfig
 from llmc.compiler.model_cache import cache_dir
+from llmc.compiler.output_dir import is_llmc_output
 
 
 def _fingerprint(checkpoint: Path) -> list[tuple[str, int, int]]:
@@ -72,5 +74,9 @@ def rebuild(checkpoint_dir: str | Path, build_config: BuildConfig | None) -> Pat
     """Build the checkpoint into its cache directory again (a stale or damaged entry)."""
     cfg = build_config or BuildConfig()
     dest = engine_cache_dir(checkpoint_dir, cfg)
+    if dest.is_dir() and not dest.is_symlink() and not is_llmc_output(dest, "engine"):
+        # a damaged entry (no readable manifest) that --force would refuse: the cache's
+        # own directory, named by its key, so it is removed here
+        shutil.rmtree(dest)
     builder.build(cfg.replace(checkpoint_dir=str(checkpoint_dir), output_dir=str(dest), force=True))
     return dest

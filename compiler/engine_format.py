@@ -12,30 +12,41 @@ Layout (the contract between ``llmc build`` and the runtime)::
     kernels/             cubins for build.target when it is a CUDA arch
 
 Invariants: ``manifest.json`` is written last, into a temporary sibling directory that is
-renamed to the output directory only when complete, so a failed build is never loadable.
-``load_engine`` refuses (EngineError, naming the file or both values and the rebuild
-command) a missing file, a checksum mismatch, another format or llmc version, a plan.json that
-is not this llmc's plan for the manifest's limits, or a target the caller cannot run. It
-parses manifest.json once; the runtime reads the ``LoadedEngine``, never the file.
+renamed to the output directory only when complete (compiler/output_dir.py), so a failed
+build is never loadable. ``load_engine`` refuses (EngineError, exit 7, naming the file or key,
+or both values and the rebuild command) a manifest or plan that is not a UTF-8 JSON object of
+the expected sections and types, a file name that leaves the directory or a file that is not
+regular (never opened: compiler/engine_files.py), a missing file, a checksum mismatch (no
+digest is printed), another format or llmc version, a plan.json that is not this llmc's plan
+for the manifest's limits, or a target the caller cannot run. Every value from the manifest
+in a message passes through ``llmc.base.text.printable`` (no control characters reach a
+terminal). It parses manifest.json once; the runtime reads the ``LoadedEngine``, never the
+file.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shlex
-import shutil
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmc.base import version
-from llmc.base.errors import ConfigError, EngineError, LlmcError
+from llmc.base.errors import ConfigError, EngineError
+from llmc.base.text import printable
+from llmc.compiler.engine_files import (
+    check_files,
+    checksum_table,
+    confined,
+    manifest_sections,
+    sha256_file,
+)
 from llmc.compiler.limits import EngineLimits
 from llmc.compiler.memory_plan import MemoryPlan, plan_mismatch
+from llmc.compiler.output_dir import TMP_MARKER
 from llmc.compiler.resolve import ResolvedBuild
 from llmc.compiler.spec import ModelSpec
 
@@ -48,30 +59,7 @@ PLAN = "plan.json"
 KERNELS_DIR = "kernels"
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 # ---- writing ---------------------------------------------------------------------------
-def temp_engine_dir(output_dir: Path) -> Path:
-    """A fresh temporary directory next to ``output_dir`` (same filesystem: rename is atomic)."""
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.tmp-", dir=output_dir.parent))
-
-
-def check_output_dir(output_dir: Path, force: bool) -> None:
-    if output_dir.exists() and not force:
-        raise ConfigError(
-            f"output_dir {str(output_dir)!r} already exists; pass --force to overwrite it"
-        )
-    if output_dir.exists() and not output_dir.is_dir():
-        raise ConfigError(f"output_dir {str(output_dir)!r} exists and is not a directory")
-
-
 def write_engine_files(
     tmp_dir: Path,
     manifest: dict[str, Any],
@@ -94,7 +82,7 @@ def write_engine_files(
     files = {
         p.relative_to(tmp_dir).as_posix(): sha256_file(p)
         for p in sorted(tmp_dir.rglob("*"))
-        if p.is_file() and p.name != MANIFEST
+        if p.is_file() and p.name not in (MANIFEST, TMP_MARKER)
     }
     manifest = {**manifest, "files": files}
     (tmp_dir / MANIFEST).write_text(json.dumps(manifest, indent=1))
@@ -110,33 +98,17 @@ def _normal_permissions(root: Path) -> None:
         os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~umask)
 
 
-def commit_engine_dir(tmp_dir: Path, output_dir: Path, force: bool) -> None:
-    """Move the finished ``tmp_dir`` to ``output_dir`` (replacing it only with ``force``)."""
-    check_output_dir(output_dir, force)
-    old = None
-    if output_dir.exists():
-        old = output_dir.with_name(f".{output_dir.name}.old-{os.getpid()}")
-        output_dir.rename(old)
-    try:
-        tmp_dir.rename(output_dir)
-    except BaseException:
-        if old is not None:
-            old.rename(output_dir)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 # ---- loading ---------------------------------------------------------------------------
 def rebuild_command(manifest: Mapping[str, Any], engine_dir: Path | str, **override: Any) -> str:
     """The ``llmc build`` command that rebuilds this engine (with ``override`` applied)."""
     from llmc.compiler.build_config import BuildConfig
 
-    given = dict(manifest.get("build_config") or {})
-    given.update(override)
+    given = manifest.get("build_config")
+    given = {**(given if isinstance(given, dict) else {}), **override}
     defaults = BuildConfig().to_dict()
     args = ["llmc", "build"]
-    source = manifest.get("source") or {}
+    source = manifest.get("source")
+    source = source if isinstance(source, dict) else {}
     if given.get("checkpoint_dir"):
         args += ["--checkpoint_dir", str(given["checkpoint_dir"])]
     if source.get("model_config"):
@@ -150,7 +122,7 @@ def rebuild_command(manifest: Mapping[str, Any], engine_dir: Path | str, **overr
             continue
         args += [f"--{key}", str(value)]
     args.append("--force")
-    return " ".join(shlex.quote(a) for a in args if a)
+    return printable(" ".join(shlex.quote(a) for a in args if a))
 
 
 @dataclass(frozen=True)
@@ -214,14 +186,19 @@ class LoadedEngine:
 
 
 def _read_json(path: Path, what: str) -> dict[str, Any]:
+    where = printable(path)
     try:
-        d = json.loads(path.read_text())
+        d = json.loads(path.read_bytes().decode("utf-8"))
     except FileNotFoundError:
-        raise EngineError(f"{path}: {what} is missing; the engine is incomplete") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise EngineError(f"{path}: {what} is not valid JSON ({e})") from e
+        raise EngineError(f"{where}: {what} is missing; the engine is incomplete") from None
+    except UnicodeDecodeError as e:
+        raise EngineError(f"{where}: {what} is not UTF-8 text (byte {e.start})") from None
+    except ValueError as e:  # JSONDecodeError, or a number too long to convert
+        raise EngineError(f"{where}: {what} is not valid JSON ({e})") from None
+    except OSError as e:
+        raise EngineError(f"{where}: {what} cannot be read ({e.strerror})") from None
     if not isinstance(d, dict):
-        raise EngineError(f"{path}: {what} is not a JSON object")
+        raise EngineError(f"{where}: {what} is not a JSON object")
     return d
 
 
@@ -250,56 +227,37 @@ def load_engine(
     d = Path(engine_dir)
     if not d.is_dir():
         raise EngineError(
-            f"engine directory {str(d)!r} does not exist; build one with "
-            f"`llmc build --checkpoint_dir MODEL --output_dir {d}`"
+            f"engine directory {printable(repr(str(d)))} does not exist; build one with "
+            f"`llmc build --checkpoint_dir MODEL --output_dir {printable(d)}`"
         )
-    manifest = _read_json(d / MANIFEST, MANIFEST)
+    where = printable(d / MANIFEST)
+    path = confined(d, MANIFEST, where)
+    if path.exists() and not path.is_file():
+        raise EngineError(f"{where} is not a regular file; refused")
+    manifest = _read_json(path, MANIFEST)
     fmt, ver = manifest.get("format_version"), manifest.get("llmc_version")
     if fmt != version.ENGINE_FORMAT_VERSION or ver != version.__version__:
         raise EngineError(
-            f"engine {d} has format version {fmt!r} (llmc {ver}), this llmc {version.__version__} "
-            f"reads format version {version.ENGINE_FORMAT_VERSION}; rebuild it: "
-            f"{rebuild_command(manifest, d)}"
+            f"engine {printable(d)} has format version {printable(repr(fmt))} (llmc "
+            f"{printable(ver)}), this llmc {version.__version__} reads format version "
+            f"{version.ENGINE_FORMAT_VERSION}; rebuild it: {rebuild_command(manifest, d)}"
         )
-    files = manifest.get("files")
-    if not isinstance(files, dict):
-        raise EngineError(f"{d / MANIFEST}: has no 'files' table of checksums")
-    try:
-        spec = ModelSpec.from_dict(manifest["model"])
-        build = ResolvedBuild.from_dict(manifest["build"])
-        manifest["kernels"]["files"]
-    except KeyError as e:
-        raise EngineError(f"{d / MANIFEST}: missing section {e}") from e
-    except LlmcError as e:
-        raise EngineError(f"{d / MANIFEST}: {e}") from e
+    files = checksum_table(d, manifest)
+    spec, build, kernel_names = manifest_sections(manifest, where)
+    fix = f"rebuild it: {rebuild_command(manifest, d)}"
     required = [PLAN] + ([WEIGHTS] if build.load_format != "dummy" else [])
-    for name in [*required, *files]:
-        if not (d / name).is_file():
-            raise EngineError(
-                f"{d / name} is missing; the engine is incomplete; rebuild it: "
-                f"{rebuild_command(manifest, d)}"
-            )
-        if name not in files:
-            raise EngineError(f"{d / MANIFEST}: no checksum for {name}")
-    if verify_checksums:
-        for name, digest in files.items():
-            got = sha256_file(d / name)
-            if got != digest:
-                raise EngineError(
-                    f"{d / name} is corrupt: sha256 {got[:16]}... differs from the manifest's "
-                    f"{str(digest)[:16]}...; rebuild it: {rebuild_command(manifest, d)}"
-                )
-    plan = MemoryPlan.from_json((d / PLAN).read_text())
+    check_files(d, files, required, kernel_names, verify_checksums=verify_checksums, fix=fix)
+    plan = MemoryPlan.from_json((d / PLAN).read_bytes().decode("utf-8"))
     if plan.limits != build.limits:
         raise EngineError(
-            f"{d / PLAN} was planned for {plan.limits}, the manifest's build is {build.limits}; "
-            f"rebuild it: {rebuild_command(manifest, d)}"
+            f"{printable(d / PLAN)} was planned for {plan.limits}, the manifest's build is "
+            f"{build.limits}; {fix}"
         )
     mismatch = plan_mismatch(plan, spec)
     if mismatch is not None:
         raise EngineError(
-            f"{d / PLAN} is not this llmc's memory plan for the engine: {mismatch}; rebuild "
-            f"it: {rebuild_command(manifest, d)}"
+            f"{printable(d / PLAN)} is not this llmc's memory plan for the engine: "
+            f"{printable(mismatch)}; {fix}"
         )
     if target is not None:
         _check_target(manifest, d, build.target, target)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import mmap
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -249,30 +250,56 @@ def load_gguf(
     return config, read_gguf_tensors(header, config), files
 
 
-def import_gguf(gguf_path: str | Path, out_dir: str | Path, force: bool = False) -> Path:
+def import_gguf(
+    gguf_path: str | Path,
+    out_dir: str | Path,
+    force: bool = False,
+    *,
+    report: Callable[[str], None] | None = None,
+) -> Path:
     """Write a HuggingFace checkpoint directory (float32 safetensors) for a GGUF file.
 
-    ``out_dir`` must be absent or empty unless ``force`` (then it is replaced). The directory
-    appears whole or not at all (engine_format's temporary directory and rename).
+    ``out_dir`` must be absent or empty, or, with ``force``, a directory llmc import wrote
+    (its ``llmc_import.json`` marker, written here); anything else is refused (ConfigError,
+    compiler/output_dir.py). The directory appears whole or not at all (a temporary directory
+    and a rename); the stale temp dirs of interrupted writes beside it are removed first, and
+    each one is passed to ``report``.
     """
     from safetensors.torch import save_file
 
-    from llmc.compiler.engine_format import commit_engine_dir, temp_engine_dir
+    from llmc.base import version
+    from llmc.compiler.output_dir import (
+        IMPORT_MARKER,
+        check_output_dir,
+        commit_output_dir,
+        make_temp_dir,
+        writing,
+    )
 
     out = Path(out_dir)
     if not force and out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CheckpointError(f"{out}: output directory exists and is not empty")
-    config, tensors, tokenizer_files = load_gguf(gguf_path)
-    tmp = temp_engine_dir(out)
+    check_output_dir(out, force, kind="import", inputs=[gguf_path], empty_ok=True)
+    tmp, cleaned = make_temp_dir(out)  # before the long work: the output is writable
+    for path in cleaned:
+        if report is not None:
+            report(f"removed the stale temp dir {path} of an interrupted write")
     try:
-        files = {**tokenizer_files, "config.json": json.dumps(config, indent=2).encode()}
-        for name, data in files.items():
-            (tmp / name).write_bytes(data)
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        for f in tmp.iterdir():
-            f.chmod(0o644)
-        tmp.chmod(0o755)
-        commit_engine_dir(tmp, out, force=True)  # absent, empty, or replaced as asked
+        config, tensors, tokenizer_files = load_gguf(gguf_path)
+        marker = {"llmc_version": version.__version__, "gguf": str(gguf_path)}
+        files = {
+            **tokenizer_files,
+            "config.json": json.dumps(config, indent=2).encode(),
+            IMPORT_MARKER: json.dumps(marker, indent=2).encode(),
+        }
+        with writing(out):
+            for name, data in files.items():
+                (tmp / name).write_bytes(data)
+            save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            for f in tmp.iterdir():
+                f.chmod(0o644)
+            tmp.chmod(0o755)
+            commit_output_dir(tmp, out, force, kind="import")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -32,7 +32,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from llmc.base.errors import CapacityError, ConfigError, EngineError
+from llmc.base.errors import CapacityError, ConfigError, EngineError, check_positive_ints
+from llmc.base.text import printable
 from llmc.compiler.limits import EngineLimits
 from llmc.compiler.spec import ModelSpec
 
@@ -269,16 +270,22 @@ class MemoryPlan:
             d["notes"] = tuple(d.get("notes", ()))
             if d.get("capacity") is not None:
                 d["capacity"] = Capacity(**d["capacity"])
-            return cls(**d)
-        except (KeyError, TypeError, ConfigError) as e:
-            raise EngineError(f"plan.json is malformed: {e}") from e
+            plan = cls(**d)
+        except KeyError as e:
+            raise EngineError(f"plan.json is malformed: missing key {e}") from None
+        except (TypeError, ValueError, AttributeError, ConfigError) as e:
+            raise EngineError(f"plan.json is malformed: {printable(e)}") from None
+        # what the runtime divides by or allocates from: positive integers, named if not
+        sizes = ("kv_bytes_per_token", "kv_bytes_per_block", "workspace_bytes", "alignment")
+        check_positive_ints({k: getattr(plan, k) for k in sizes}, "plan.json", EngineError)
+        return plan
 
     @classmethod
     def from_json(cls, text: str) -> MemoryPlan:
         try:
             d = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise EngineError(f"plan.json is not valid JSON: {e}") from e
+        except ValueError as e:  # JSONDecodeError, or a number too long to convert
+            raise EngineError(f"plan.json is not valid JSON: {e}") from None
         if not isinstance(d, dict):
             raise EngineError("plan.json is not a JSON object")
         return cls.from_dict(d)
@@ -386,13 +393,24 @@ def _does_not_fit(plan: MemoryPlan, cap: Capacity) -> str:
         f"x {cap.kv_cache_free_gpu_mem_fraction} = {cap.kv_blocks} blocks "
         f"({cap.kv_tokens} tokens)"
     )
-    fixes = []
-    if cap.kv_tokens > 0:
-        fixes.append(f"--max_seq_len {cap.kv_tokens}")
-    fixes.append(f"--gpu_memory_gb {math.ceil(need_mem / GIB * 100) / 100}")
+    fixes = [f"--gpu_memory_gb {math.ceil(need_mem / GIB * 100) / 100}"]
     if plan.limits.max_num_tokens > plan.limits.tokens_per_block:
         fixes.append("a smaller --max_num_tokens (smaller workspace)")
-    return head + "; use " + " or ".join(fixes)
+    seq = _max_seq_len_fix(cap.kv_blocks, plan.limits)
+    if seq.startswith("--"):
+        return f"{head}; use {seq} or " + " or ".join(fixes)
+    return f"{head}; use " + " or ".join(fixes) + f" ({seq})"
+
+
+def _max_seq_len_fix(blocks: int, limits: EngineLimits) -> str:
+    """The largest ``--max_seq_len`` a pool of ``blocks`` KV blocks holds, as a flag (with the
+    ``--max_input_len`` it then needs), or the sentence that none does."""
+    tokens = blocks * limits.tokens_per_block
+    if tokens <= 0:
+        return "no --max_seq_len fits: the pool holds no KV block"
+    if tokens < limits.max_input_len:
+        return f"--max_seq_len {tokens} --max_input_len {tokens}"
+    return f"--max_seq_len {tokens}"
 
 
 def kv_cache_blocks(
@@ -413,12 +431,13 @@ def kv_cache_blocks(
         blocks = min(blocks, -(-max_kv_tokens // tpb))
     if blocks < plan.blocks_per_max_seq:
         limit = "" if max_kv_tokens is None else f", max_kv_tokens={max_kv_tokens}"
+        fix = _max_seq_len_fix(blocks, plan.limits)
         raise CapacityError(
             f"KV cache of {blocks} blocks ({blocks * tpb} tokens; "
             f"{_gib(free_bytes)} free x {fraction}{limit}) cannot hold one request of "
             f"max_seq_len={plan.limits.max_seq_len} tokens ({plan.blocks_per_max_seq} blocks of "
-            f"{plan.kv_bytes_per_block} bytes); free more device memory, raise "
-            f"kv_cache_free_gpu_mem_fraction or max_kv_tokens, or rebuild with "
-            f"--max_seq_len {blocks * tpb}"
+            f"{plan.kv_bytes_per_block} bytes); free more device memory or raise "
+            f"kv_cache_free_gpu_mem_fraction or max_kv_tokens"
+            + (f", or rebuild with {fix}" if fix.startswith("--") else f" ({fix})")
         )
     return blocks

@@ -5,7 +5,9 @@ all print the same way. Sections: engine and build config, workload, throughput 
 rate beside its measured ceiling), latency percentiles, KV cache and scheduler, failures.
 When the result holds a peer run, a peer column and an llmc ÷ peer column are added.
 
-Invariant: a missing number prints as "n/a", never as 0.
+Invariants: a missing number prints as "n/a", never as 0; every string taken from a result
+(a saved file may hold anything) is printed through ``cell_text`` (``llmc.base.text.printable``
+and Rich markup escaped).
 """
 
 from __future__ import annotations
@@ -15,9 +17,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
+from llmc.base.text import printable
+
 NA = "n/a"
+
+
+def cell_text(value: Any) -> str:
+    """A string from a result, safe in a Rich cell: control characters and markup escaped."""
+    return escape(printable(value))
 
 
 def dig(d: Any, path: str) -> Any:
@@ -41,7 +51,7 @@ def fmt(value: Any, spec: str = ",.2f", scale: float = 1.0, suffix: str = "") ->
         if spec == ",.2f" and v != 0 and abs(v) < 1:
             spec = ".3g"  # small numbers keep three significant digits
         return f"{v:{spec}}{suffix}"
-    return str(value)
+    return printable(value)
 
 
 def pct(value: float | None) -> str:
@@ -85,7 +95,8 @@ def ratio_table(
     title: str, a: dict[str, Any], b: dict[str, Any], a_name: str, b_name: str
 ) -> Table:
     """Headline numbers of two runs with a ÷ b, and which one is better."""
-    t = Table(title=title, title_justify="left")
+    t = Table(title=cell_text(title), title_justify="left")
+    a_name, b_name = cell_text(a_name), cell_text(b_name)
     for col in ("Metric", a_name, b_name, f"{a_name} ÷ {b_name}", "better"):
         t.add_column(col, justify="left" if col in ("Metric", "better") else "right")
     pcts = dig(a, "aggregates.percentiles")
@@ -113,7 +124,7 @@ def _kv_table(title: str, rows: list[tuple[str, str]]) -> Table:
     t.add_column("key", style="bold")
     t.add_column("value")
     for k, v in rows:
-        t.add_row(k, v)
+        t.add_row(k, cell_text(v))
     return t
 
 
@@ -221,7 +232,7 @@ def throughput_section(result: dict[str, Any]) -> Table:
     ach = result.get("achieved") or {}
     ceil = result.get("ceilings") or {}
     src = ceil.get("source", "no ceilings measured")
-    t.caption = (
+    t.caption = cell_text(
         f"Weight reads: {fmt(ach.get('weight_read_gb_s'))} GB/s of "
         f"{fmt(ach.get('copy_bandwidth_gb_s'), ',.1f')} GB/s copy ceiling "
         f"({pct(ach.get('bandwidth_utilization'))}); compute: {fmt(ach.get('tflops'))} "
@@ -292,7 +303,7 @@ def failures_section(result: dict[str, Any], limit: int = 10) -> Table | None:
     t.add_column("request")
     t.add_column("reason")
     for f in fails[:limit]:
-        t.add_row(str(f.get("request_id")), str(f.get("reason")))
+        t.add_row(cell_text(f.get("request_id")), cell_text(f.get("reason")))
     if len(fails) > limit:
         t.add_row("…", f"{len(fails) - limit} more (see --json)")
     return t

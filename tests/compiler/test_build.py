@@ -117,6 +117,13 @@ def test_existing_output_dir_needs_force(tiny_llama_dir, tmp_path):
     with pytest.raises(ConfigError, match="already exists.*--force"):
         build(cfg)
     assert (out / "old.txt").exists()
+    # --force replaces an llmc engine (or an empty directory), never unrelated files
+    with pytest.raises(ConfigError, match="is not an llmc engine"):
+        build(cfg.replace(force=True))
+    assert (out / "old.txt").read_text() == "old"
+    (out / "old.txt").unlink()
+    build(cfg.replace(force=True))  # empty
+    (out / "old.txt").write_text("old")  # an engine with an extra file is still an engine
     build(cfg.replace(force=True))
     assert not (out / "old.txt").exists() and (out / "manifest.json").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["engine"]
