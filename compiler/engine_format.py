@@ -188,7 +188,7 @@ class LoadedEngine:
 def _read_json(path: Path, what: str) -> dict[str, Any]:
     where = printable(path)
     try:
-        d = json.loads(path.read_bytes().decode("utf-8"))
+        d = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise EngineError(f"{where}: {what} is missing; the engine is incomplete") from None
     except UnicodeDecodeError as e:
