@@ -168,3 +168,54 @@ def test_plan_for_other_limits_than_the_manifest_is_refused(engine_copy):
     _rewrite_plan(engine_copy, lambda plan: plan["limits"].update(max_batch_size=4))
     with pytest.raises(EngineError, match="plan.json was planned for .*max_batch_size=4"):
         load_engine(engine_copy)
+
+
+def test_printable_escapes_control_characters_only():
+    from llmc.base.text import printable
+
+    assert printable("a\x1b[31mb\x07\r\x9b\u202e") == "a\\x1b[31mb\\x07\\x0d\\x9b\\u202e"
+    assert printable("plain text\twith a tab\nand a newline, é ü 中") == (
+        "plain text\twith a tab\nand a newline, é ü 中"
+    )
+    assert printable(5) == "5"
+
+
+def test_rebuild_command_escapes_the_manifest(engine_dir):
+    m = json.loads((engine_dir / "manifest.json").read_text())
+    m["build_config"]["checkpoint_dir"] = "/x\x1b]0;t\x07"
+    cmd = rebuild_command(m, engine_dir)
+    assert "\x1b" not in cmd and "\\x1b" in cmd
+    assert rebuild_command({"build_config": "x", "source": 5}, engine_dir).startswith("llmc build")
+
+
+def test_an_engine_dir_reached_through_a_symlink_loads(engine_dir, tmp_path):
+    (tmp_path / "link").symlink_to(engine_dir)
+    assert load_engine(tmp_path / "link").limits.max_seq_len == 256
+
+
+def test_a_file_outside_is_refused_unopened_with_its_digest(engine_copy, tmp_path, monkeypatch):
+    import builtins
+    from pathlib import Path
+
+    secret = tmp_path / "secret"
+    secret.write_text("not the engine's")
+    m = json.loads((engine_copy / "manifest.json").read_text())
+    m["files"][str(secret)] = hashlib.sha256(secret.read_bytes()).hexdigest()
+    (engine_copy / "manifest.json").write_text(json.dumps(m))
+    opened = []
+    real_open, real_path_open = builtins.open, Path.open
+
+    def spy(file, *a, **k):
+        opened.append(str(file))
+        return real_open(file, *a, **k)
+
+    def path_spy(self, *a, **k):
+        opened.append(str(self))
+        return real_path_open(self, *a, **k)
+
+    monkeypatch.setattr(builtins, "open", spy)
+    monkeypatch.setattr(Path, "open", path_spy)
+    with pytest.raises(EngineError, match="not a relative path inside the engine") as e:
+        load_engine(engine_copy)
+    assert not any("secret" in p for p in opened)
+    assert hashlib.sha256(secret.read_bytes()).hexdigest()[:8] not in str(e.value)

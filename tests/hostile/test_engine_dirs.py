@@ -148,6 +148,19 @@ DAMAGES = [
         ("not a relative",),
     ),
     Damage(
+        "matching digest of a file outside (the oracle)",
+        lambda d, o: _list(d, str(o / "secret"), hashlib.sha256(b"the secret").hexdigest()),
+        ("not a relative",),
+    ),
+    Damage(
+        "symlink to a file outside with its digest",
+        lambda d, o: (
+            _symlink(d, "extra.json", o / "secret"),
+            _list(d, "extra.json", hashlib.sha256(b"the secret").hexdigest()),
+        ),
+        ("extra.json", "symbolic link out"),
+    ),
+    Damage(
         "corrupt weights",
         lambda d, o: _bytes(d, "weights.safetensors", b"x" * 64, rehash=False),
         ("weights.safetensors is corrupt", "differs"),
