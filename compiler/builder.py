@@ -238,13 +238,14 @@ def build(
                 weights = to_engine_weights(spec, ckpt.tensors, resolved.limits.dtype, source)
                 tok_files, fmt = dict(ckpt.tokenizer_files), ckpt.source_format
                 del ckpt  # the HF tensors are no longer needed
-        with phase("compile", f"kernels for {resolved.target}"), writing(out):
+        with phase("compile", f"kernels for {resolved.target}"):
             kernels = _compile_kernels(
                 spec, resolved.limits.dtype, resolved.target, tmp / KERNELS_DIR
             )
         with phase("write", str(out)), writing(out):
-            manifest = _manifest(config, model_config, spec, hf_config, resolved, kernels, fmt)
-            manifest["tokenizer_files"] = sorted(tok_files)
+            manifest = _manifest(
+                config, model_config, spec, hf_config, resolved, kernels, sorted(tok_files), fmt
+            )
             manifest = write_engine_files(tmp, manifest, plan, weights, tok_files)
         # After the last progress event: a callback that raises aborts the build before the
         # engine exists, so build() returns exactly when the engine is written.
@@ -263,9 +264,10 @@ def _manifest(
     hf_config: dict[str, Any],
     resolved: ResolvedBuild,
     kernels: list[str],
+    tokenizer_files: list[str],
     fmt: str,
 ) -> dict[str, Any]:
-    """manifest.json without its checksums and tokenizer file names."""
+    """manifest.json without its checksums (write_engine_files adds them)."""
     return {
         "format_version": version.ENGINE_FORMAT_VERSION,
         "llmc_version": version.__version__,
@@ -279,6 +281,7 @@ def _manifest(
             "arch": resolved.target if resolved.target.startswith("sm_") else None,
             "files": kernels,
         },
+        "tokenizer_files": tokenizer_files,
         "source": {
             "checkpoint": config.checkpoint_dir,
             "format": fmt,

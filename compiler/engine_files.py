@@ -126,7 +126,10 @@ def check_files(
         confined(d, "kernels", where)
         if not kernels.is_dir():
             raise EngineError(f"{printable(kernels)} is not a directory; refused")
-        fixed += [f"kernels/{e.name}" for e in os.scandir(kernels)]
+        try:
+            fixed += [f"kernels/{e.name}" for e in os.scandir(kernels)]
+        except OSError as e:
+            raise EngineError(f"{printable(kernels)} cannot be listed ({e.strerror})") from None
     fixed += [f"kernels/{n}" for n in kernel_names]
     for name in fixed:
         confined(d, name, where)
@@ -162,7 +165,9 @@ def _section(manifest: Mapping[str, Any], key: str, where: str) -> dict[str, Any
     return value
 
 
-def _field_check(d: Mapping[str, Any], key: str, ok: Callable[[Any], bool], want: str, where: str):
+def _field_check(
+    d: Mapping[str, Any], key: str, ok: Callable[[Any], bool], want: str, where: str
+) -> None:
     if key in d and not ok(d[key]):
         raise EngineError(f"{where}: {key} must be {want}, got {printable(repr(d[key]))}")
 
