@@ -228,6 +228,8 @@ def manifest_sections(
 ) -> tuple[ModelSpec, ResolvedBuild, tuple[str, ...]]:
     """(spec, build, kernel file names under kernels/) of a parsed manifest."""
     spec, build = _model(manifest, where), _build(manifest, where)
+    for key in ("hf_config", "build_config", "source"):  # read by --peer hf and messages
+        _field_check(manifest, key, lambda v: v is None or isinstance(v, dict), "an object", where)
     k = _section(manifest, "kernels", where)
     names = k.get("files")
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):

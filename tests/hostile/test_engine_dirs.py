@@ -202,6 +202,11 @@ DAMAGES = [
     ),
     Damage("missing build", lambda d, o: _edit(d, lambda m: m.pop("build")), ("'build'",)),
     Damage(
+        "hf_config not an object",
+        lambda d, o: _edit(d, lambda m: m.update(hf_config=[1])),
+        ("hf_config",),
+    ),
+    Damage(
         "kernels not an object",
         lambda d, o: _edit(d, lambda m: m.update(kernels="x")),
         ("'kernels'",),
