@@ -24,6 +24,8 @@ Invariants:
   with ``sample`` set (a prefill chunk that is not a prompt's last samples nothing).
 - A request whose state is already final (cancelled, failed, stopped) gets no Response
   from a later step, so every request gets exactly one final Response.
+- A row whose post-processing raises (detokenization, stop strings, logprobs) fails its
+  request alone: it is finished in the scheduler (blocks freed) and gets an error Response.
 - The text of a finishing EOS / stop token id is not part of the output text (its id is),
   and a stop string finishes the request in the scheduler at the step that completes it.
 """
@@ -40,6 +42,7 @@ from llmc.runtime.responses import RequestOutput, Response
 from llmc.runtime.types import (
     FinishReason,
     Request,
+    RequestFault,
     ScheduledBatch,
     ScheduledSequence,
     Sequence,
@@ -152,7 +155,6 @@ def emit_step_responses(
 
     Call after the update, with the Executor's lock held."""
     logprobs = list(getattr(out, "logprobs", None) or [])
-    finished = SequenceStatus.FINISHED
     row = -1
     for ss in batch.sequences:
         if not ss.sample:
@@ -162,35 +164,55 @@ def emit_step_responses(
         state = states.get(seq.request_id)
         if state is None or state.final:  # ended (and maybe delivered) before this step
             continue
-        if state.deferred and not logprobs and seq.status is not finished:
-            # nothing to show until the end: only the token's time (take_new_tokens)
-            n = len(seq.output_token_ids)
-            if n - state.num_seen == 1:
-                rec = state.record
-                rec.token_times.append(now)
-                state.num_seen = n
-                if rec.first_token_time is None:
-                    rec.first_token_time = now
-            else:
-                state.take_new_tokens(None, now)
-            continue
-        new, new_lp = state.take_new_tokens(logprobs[row] if logprobs else None, now)
-        reason = seq.finish_reason if seq.status is finished else None
-        text_ids = seq.output_token_ids[state.num_text :] if state.deferred else new
-        # finished by update on this step's token: an EOS / stop token id (new[-1])
-        stop_token = reason is not None and seq.stop_token_id is not None and new
-        if stop_token:
-            text_ids = text_ids[:-1]  # the EOS / stop token has no text in the output
-        delta = state.detokenize(text_ids)
-        if stop_token:
-            state.num_text += 1
-        if reason is None and state.stopped_by_string:  # the one stop decided here
-            scheduler.finish(seq.request_id, FinishReason.STOP)
-            reason = FinishReason.STOP
-        if reason is not None:
-            emit(state.final_response(reason, new, delta, new_lp, now))
-        elif state.request.streaming and (new or delta):
-            emit(state.delta_response(new, delta, new_lp))
+        try:
+            _emit_row(seq, state, logprobs[row] if logprobs else None, now, scheduler, emit)
+        except Exception as e:  # this request's tokens broke post-processing: it alone fails
+            if seq.status is not SequenceStatus.FINISHED:
+                scheduler.finish(seq.request_id, FinishReason.ERROR)  # frees its blocks
+            if not state.final:
+                fault = RequestFault.caused(seq.request_id, "post-processing its tokens", e)
+                emit(state.error_response(fault))
+
+
+def _emit_row(
+    seq: Sequence,
+    state: RequestState,
+    logprob: Any,
+    now: float,
+    scheduler: Finisher,
+    emit: Callable[[Response], None],
+) -> None:
+    """One sampled row of ``emit_step_responses``: its timings, text delta, responses."""
+    finished = SequenceStatus.FINISHED
+    if state.deferred and logprob is None and seq.status is not finished:
+        # nothing to show until the end: only the token's time (take_new_tokens)
+        n = len(seq.output_token_ids)
+        if n - state.num_seen == 1:
+            rec = state.record
+            rec.token_times.append(now)
+            state.num_seen = n
+            if rec.first_token_time is None:
+                rec.first_token_time = now
+        else:
+            state.take_new_tokens(None, now)
+        return
+    new, new_lp = state.take_new_tokens(logprob, now)
+    reason = seq.finish_reason if seq.status is finished else None
+    text_ids = seq.output_token_ids[state.num_text :] if state.deferred else new
+    # finished by update on this step's token: an EOS / stop token id (new[-1])
+    stop_token = reason is not None and seq.stop_token_id is not None and new
+    if stop_token:
+        text_ids = text_ids[:-1]  # the EOS / stop token has no text in the output
+    delta = state.detokenize(text_ids)
+    if stop_token:
+        state.num_text += 1
+    if reason is None and state.stopped_by_string:  # the one stop decided here
+        scheduler.finish(seq.request_id, FinishReason.STOP)
+        reason = FinishReason.STOP
+    if reason is not None:
+        emit(state.final_response(reason, new, delta, new_lp, now))
+    elif state.request.streaming and (new or delta):
+        emit(state.delta_response(new, delta, new_lp))
 
 
 def request_output(

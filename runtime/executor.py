@@ -8,8 +8,13 @@ thread (``step``, ``run_until_complete``, ``await_responses`` and ``generate`` d
 in a background thread (``start`` / ``shutdown``), as TensorRT-LLM's Executor does.
 
 Invariants:
-- A bad request never stops the engine: validation and ``Scheduler.add`` errors become an
-  immediate final Response with ``finish_reason=ERROR`` and the message; others keep running.
+- A bad request never stops the engine: validation, tokenization and ``Scheduler.add``
+  errors become an immediate final Response with ``finish_reason=ERROR`` and the message
+  (``request N: ...``, the prefix added once, by ``RequestState.error_response``); a
+  ``RequestFault`` inside a step (one request's step inputs, sampling columns, logprobs,
+  detokenization or stop strings broke) fails that request alone, frees its KV blocks, and
+  the step runs on without it. A failure of the step itself (the model forward) still
+  fails every open request and stops the loop.
 - Every request gets exactly one final Response (``is_final``), after which no other.
 - For a streaming request, the concatenation of every ``new_text`` equals the final
   ``text``, and of every ``new_token_ids`` the final ``token_ids``. A non-streaming request
@@ -23,6 +28,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Sequence as Seq
@@ -45,6 +51,7 @@ from llmc.runtime.tokenizer import Tokenizer
 from llmc.runtime.types import (
     FinishReason,
     Request,
+    RequestFault,
     SamplingParams,
     ScheduledBatch,
     Sequence,
@@ -92,18 +99,28 @@ class Executor:
 
     # ------------------------------------------------------------------ requests
     def enqueue_request(self, request: Request) -> int:
-        """Queue a request; returns its id. A bad request gets a final error Response."""
+        """Queue a request; returns its id. A bad request gets a final error Response.
+
+        Validation and tokenization (a chat template's rendering included, bounded by the
+        tokenizer) run before the lock is taken, so a slow prompt never stalls the loop."""
+        if not isinstance(request, Request):
+            raise RequestError(f"enqueue_request takes a Request, got {type(request).__name__}")
+        arrival = _now()
+        error: LlmcError | None = None
+        try:
+            ids = self._prompt_ids(request)
+        except LlmcError as e:
+            ids, error = [], e
         with self._cv:
             if self._fatal is not None:
                 raise EngineError(f"the engine loop failed and stopped: {self._fatal}")
             rid = self._next_id
             self._next_id += 1
-            record = RequestRecord(request_id=rid, arrival_time=_now(), num_prompt_tokens=0)
+            record = RequestRecord(request_id=rid, arrival_time=arrival, num_prompt_tokens=0)
             self._records[rid] = record
             state = RequestState(request=request, record=record)
             self._states[rid] = state
-            try:
-                ids = self._prompt_ids(rid, request)
+            if error is None:
                 record.num_prompt_tokens = len(ids)
                 seq = Sequence(
                     request_id=rid,
@@ -113,9 +130,12 @@ class Executor:
                     arrival_time=record.arrival_time,
                     priority=request.priority,
                 )
-                self.scheduler.add(seq)
-            except LlmcError as e:
-                self._fail(state, e)
+                try:
+                    self.scheduler.add(seq)
+                except LlmcError as e:
+                    error = e
+            if error is not None:
+                self._fail(state, error)
                 return rid
             state.seq = seq
             if self.tokenizer is not None:
@@ -124,36 +144,37 @@ class Executor:
             self._cv.notify_all()
             return rid
 
-    def _prompt_ids(self, rid: int, request: Request) -> list[int]:
-        if not isinstance(request.sampling, SamplingParams):
-            raise RequestError(f"request {rid}: sampling must be a SamplingParams")
-        if request.prompt is not None and request.prompt_token_ids is not None:
-            raise RequestError(f"request {rid}: give the prompt as text or as token ids, not both")
-        if request.sampling.stop and self.tokenizer is None:
-            raise RequestError(f"request {rid}: stop strings need a tokenizer; the engine has none")
+    def _prompt_ids(self, request: Request) -> list[int]:
+        """The request checked (``Request.validate``, then what needs the engine: the
+        vocabulary, a tokenizer) and its prompt as token ids. Every refusal, a prompt the
+        tokenizer rejects included, is a RequestError."""
+        request.validate()
+        sp = request.sampling
+        if sp.stop and self.tokenizer is None:
+            raise RequestError("stop strings need a tokenizer; the engine has none")
+        self._check_vocab("stop_token_ids", sp.stop_token_ids)
         if request.prompt is not None:
             if self.tokenizer is None:
-                raise RequestError(
-                    f"request {rid}: the engine has no tokenizer; send prompt_token_ids"
-                )
+                raise RequestError("the engine has no tokenizer; send prompt_token_ids")
             if request.apply_chat_template:
                 ids = list(self.tokenizer.apply_chat_template(request.prompt))
             else:
                 ids = self.tokenizer.encode(request.prompt)
         elif request.prompt_token_ids is not None:
             ids = list(request.prompt_token_ids)
-            bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int)]
-            bad += [t for t in ids if not bad and not 0 <= t < self.vocab_size]
-            if bad:
-                raise RequestError(
-                    f"request {rid}: prompt token id {bad[0]!r} is outside the vocabulary "
-                    f"[0, {self.vocab_size})"
-                )
+            self._check_vocab("prompt token id", ids)
         else:
             ids = []
         if not ids:
-            raise RequestError(f"request {rid}: the prompt is empty")
+            raise RequestError("the prompt is empty")
         return ids
+
+    def _check_vocab(self, what: str, ids: Seq[int]) -> None:
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(
+                f"{what} {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})"
+            )
 
     def cancel_request(self, request_id: int) -> bool:
         """Cancel a queued or running request (applied at the next step; frees its blocks).
@@ -175,6 +196,14 @@ class Executor:
 
     def _fail(self, state: RequestState, error: BaseException) -> None:
         self._emit(state.error_response(error))
+
+    def _fail_request(self, fault: RequestFault) -> None:
+        """One request's data broke a step: it alone fails (its blocks freed); under the lock."""
+        rid = fault.request_id
+        self.scheduler.finish(rid, FinishReason.ERROR)  # None when it had finished already
+        state = self._states.get(rid)
+        if state is not None and not state.final:
+            self._fail(state, fault)
 
     def _take(self, request_ids: set[int] | None) -> list[Response]:
         if request_ids is None:
@@ -299,11 +328,26 @@ class Executor:
             used = self.scheduler.kv.num_used_blocks
         return InFlight(batch, None, t0, _now() - t0, used)
 
+    def _launch(self, cur: InFlight, launch: Any) -> Any:
+        """``launch(cur.batch)``. A RequestFault (one request's data broke the step's per-row
+        work, before any state changed) fails that request and the step runs again without
+        its rows; any other failure is the engine's and propagates."""
+        while True:
+            try:
+                return launch(cur.batch)
+            except RequestFault as fault:
+                rows = tuple(s for s in cur.batch.sequences if s.seq.request_id != fault.request_id)
+                if len(rows) == len(cur.batch.sequences):
+                    raise  # not a request of this step: nothing to isolate
+                with self._cv:
+                    self._fail_request(fault)
+                cur.batch = dataclasses.replace(cur.batch, sequences=rows)
+
     def _step(self) -> bool:
         cur = self._schedule_next()
         if cur is None:
             return False
-        self._complete(cur, self.runner.step(cur.batch))
+        self._complete(cur, self._launch(cur, self.runner.step))
         return True
 
     def _step_async(self) -> bool:
@@ -312,7 +356,7 @@ class Executor:
             cur = self._schedule_next()
             if cur is None:
                 return False
-            cur.pending = self.runner.launch(cur.batch)
+            cur.pending = self._launch(cur, self.runner.launch)
         self._inflight = None
         if ahead_ok(cur.batch):
             t0 = _now()
@@ -323,9 +367,14 @@ class Executor:
             if ahead:
                 src = ahead_src_rows(cur.batch, ahead)
                 t1 = _now()
-                pending = self.runner.launch(ahead, src)
-                self._inflight = InFlight(ahead, pending, t0, t1 - t0, used)
-                self.num_ahead_steps += 1
+                try:
+                    pending = self.runner.launch(ahead, src)
+                except RequestFault as fault:  # its request fails; the step is not run
+                    with self._cv:  # (its rows' next step is scheduled after cur's update)
+                        self._fail_request(fault)
+                else:
+                    self._inflight = InFlight(ahead, pending, t0, t1 - t0, used)
+                    self.num_ahead_steps += 1
         assert cur.pending is not None
         self._complete(cur, cur.pending.result())
         return True
@@ -346,7 +395,10 @@ class Executor:
             if state is None or state.final:
                 continue
             self.scheduler.finish(rid, FinishReason.CANCELLED)
-            self._emit(state.final_response(FinishReason.CANCELLED, [], "", [], _now()))
+            try:
+                self._emit(state.final_response(FinishReason.CANCELLED, [], "", [], _now()))
+            except Exception as e:  # its text could not be finished: it fails instead
+                self._fail(state, RequestFault.caused(rid, "finishing its text", e))
         self._cancels.clear()
 
     def run_until_complete(self) -> None:

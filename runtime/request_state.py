@@ -12,6 +12,7 @@ text of a finishing EOS / stop token id is not part of the output text (its id i
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -112,10 +113,15 @@ class RequestState:
         )
 
     def error_response(self, error: BaseException) -> Response:
-        """Close the request with an error (its message and error class's exit code)."""
-        self._catch_up()
+        """Close the request with an error (its message, prefixed once with ``request N:``,
+        and its error class's exit code). The text so far is kept where it can be made (the
+        detokenizer may be what failed)."""
+        with contextlib.suppress(Exception):  # best effort: the error is what is reported
+            self._catch_up()
         rec = self.record
-        rec.error, rec.finish_reason = str(error), FinishReason.ERROR.value
+        prefix = f"request {rec.request_id}: "
+        message = str(error) if str(error).startswith(prefix) else prefix + str(error)
+        rec.error, rec.finish_reason = message, FinishReason.ERROR.value
         rec.finish_time = time.perf_counter()
         ids = list(self.seq.output_token_ids) if self.seq is not None else []
         rec.num_output_tokens = len(ids)
@@ -127,7 +133,7 @@ class RequestState:
             new_text="" if streaming else self.text,
             is_final=True,
             finish_reason=FinishReason.ERROR,
-            error=str(error),
+            error=message,
             error_code=getattr(error, "exit_code", 1),
             token_ids=ids,
             text=self.text,

@@ -28,7 +28,7 @@ import torch
 
 from llmc.cuda import reference as ref
 from llmc.cuda.backend import SamplingMetadata
-from llmc.runtime.types import SamplingParams, Sequence
+from llmc.runtime.types import RequestFault, SamplingParams, Sequence, row_fault
 
 U64 = (1 << 64) - 1
 
@@ -106,17 +106,29 @@ def _make_row(p: SamplingParams) -> tuple:
     )
 
 
+def row_columns(seq: Sequence) -> tuple[int, tuple]:
+    """(seed, constant columns) of one sequence's sampling row."""
+    return row_seed(seq), _const_row(seq.sampling)
+
+
 def sampling_columns(seqs: Seq[Sequence], offset_extra: int = 0) -> dict[str, list]:
     """Per-row host columns of SamplingMetadata, keyed by its field names.
 
     ``offset_extra``: tokens each row has sampled beyond its ``output_token_ids`` (1 when
     the step is scheduled before the previous step's tokens are known: async scheduling).
     """
+    try:
+        seeds = [row_seed(seq) for seq in seqs]
+        consts = [_const_row(seq.sampling) for seq in seqs]
+    except Exception as e:  # one request's params broke the columns: name it (RequestFault)
+        fault = row_fault(seqs, row_columns, "building its sampling columns")
+        if fault is None:
+            raise
+        raise fault from e
     cols: dict[str, list] = {
-        "seeds": [row_seed(seq) for seq in seqs],
+        "seeds": seeds,
         "offsets": [len(seq.output_token_ids) + offset_extra for seq in seqs],
     }
-    consts = [_const_row(seq.sampling) for seq in seqs]
     if consts:
         for name, col in zip(_CONST_COLUMNS, zip(*consts, strict=True), strict=True):
             cols[name] = list(col)
@@ -221,7 +233,10 @@ def unpack_logprobs(packed: list[list[float]], seqs: Seq[Sequence]) -> list[Toke
         if n is None:
             result.append(None)
             continue
-        width = (len(row) - 2) // 2
-        top = tuple((int(row[2 + j]), float(row[2 + width + j])) for j in range(min(n, width)))
-        result.append(TokenLogprobs(token_id=int(row[0]), logprob=float(row[1]), top=top))
+        try:
+            width = (len(row) - 2) // 2
+            top = tuple((int(row[2 + j]), float(row[2 + width + j])) for j in range(min(n, width)))
+            result.append(TokenLogprobs(token_id=int(row[0]), logprob=float(row[1]), top=top))
+        except Exception as e:  # this request's logprobs only
+            raise RequestFault.caused(seq.request_id, "unpacking its logprobs", e) from e
     return result

@@ -11,7 +11,8 @@ batch, shared with the CUDA-graph path (``llmc.runtime.cuda_graphs``).
 
 Invariants: every batch is checked against the run's ``EngineLimits`` (max_num_tokens,
 max_batch_size, max_seq_len, block tables, vocabulary) before anything is staged, and a bad
-one raises ConfigError / RequestError / EngineError naming the step or request; the staging
+one raises ConfigError / EngineError naming the step, or a RequestFault (a RequestError) naming
+the one request whose data is wrong (the Executor fails that request alone); the staging
 sections are added in a fixed order (the CUDA graphs rely on the layout staying the same);
 the returned tensors are views of the static workspace, valid until the next step.
 """
@@ -31,7 +32,7 @@ from llmc.compiler.limits import EngineLimits
 from llmc.compiler.spec import ModelSpec
 from llmc.cuda.backend import AttentionMetadata, SamplingMetadata
 from llmc.runtime import sampling as smp
-from llmc.runtime.types import ScheduledBatch, ScheduledSequence, Sequence
+from llmc.runtime.types import RequestFault, ScheduledBatch, ScheduledSequence, Sequence
 from llmc.runtime.workspace import Staging, Workspace
 
 _SEQ = operator.attrgetter("seq")
@@ -84,16 +85,20 @@ class DecodeRowCache:
         self._last_idx = np.zeros(0, dtype=np.int64)
 
     def _fill(self, r: int, seq: Any) -> None:
-        """(Re)fill row ``r`` from ``seq`` (its blocks are copied in by ``rows``)."""
+        """(Re)fill row ``r`` from ``seq`` (its blocks are copied in by ``rows``). A row
+        whose columns cannot be built is a RequestFault of its request; nothing is kept."""
         p = seq.sampling
+        try:
+            seed, const = smp.row_columns(seq)
+        except Exception as e:  # this request's params only
+            raise RequestFault.caused(seq.request_id, "building its sampling columns", e) from e
         self.seqs[r], self.params[r] = seq, p
         self.prompts[r] = seq.prompt_token_ids
         self.prompt_len[r] = len(seq.prompt_token_ids)
         self.table[r] = -1
         self.filled[r] = 0
         self.version[r] = -1
-        self.seed[r] = smp.row_seed(seq)
-        const = smp._const_row(p)
+        self.seed[r] = seed
         self.top_k[r] = const[0]
         self.floats[r] = const[1:]
         self.plain[r] = p.is_plain
@@ -120,11 +125,11 @@ class DecodeRowCache:
             if self.next + len(missing) > self.capacity:
                 self._clear()
                 missing, rows = list(range(len(seqs))), [None] * len(seqs)
-            for i in missing:
+            for i in missing:  # the row is taken once it is filled (a fault takes none)
+                self._fill(self.next, seqs[i])
                 r = rows[i] = self.next
                 self.next += 1
                 self.row_of[id(seqs[i])] = r
-                self._fill(r, seqs[i])
         for i, r in enumerate(rows):
             seq = seqs[i]
             if seq.sampling is not self.params[r] or seq.prompt_token_ids is not self.prompts[r]:
@@ -217,18 +222,20 @@ class StepInputBuilder:
         for s in batch.sequences:
             rid, end = s.seq.request_id, s.start_position + s.num_new_tokens
             if s.num_new_tokens <= 0 or s.start_position < 0 or end > s.seq.num_tokens:
-                raise RequestError(
-                    f"request {rid}: scheduled tokens [{s.start_position}, {end}) are not "
-                    f"within its {s.seq.num_tokens} known tokens"
+                raise RequestFault(
+                    rid,
+                    f"scheduled tokens [{s.start_position}, {end}) are not "
+                    f"within its {s.seq.num_tokens} known tokens",
                 )
             if end > lim.max_seq_len:
-                raise RequestError(
-                    f"request {rid}: position {end - 1} is beyond max_seq_len ({lim.max_seq_len})"
+                raise RequestFault(
+                    rid, f"position {end - 1} is beyond max_seq_len ({lim.max_seq_len})"
                 )
             if len(s.seq.block_table) * lim.tokens_per_block < end:
-                raise RequestError(
-                    f"request {rid}: block table of {len(s.seq.block_table)} blocks cannot hold "
-                    f"{end} tokens (tokens_per_block={lim.tokens_per_block})"
+                raise RequestFault(
+                    rid,
+                    f"block table of {len(s.seq.block_table)} blocks cannot hold "
+                    f"{end} tokens (tokens_per_block={lim.tokens_per_block})",
                 )
 
     def decode_rows(
@@ -310,9 +317,8 @@ class StepInputBuilder:
         if flat_ids.size and (flat_ids.min() < 0 or flat_ids.max() >= self.spec.vocab_size):
             rows = np.nonzero((flat_ids < 0) | (flat_ids >= self.spec.vocab_size))[0]
             bad = order[int(np.searchsorted(cu, rows[0], side="right")) - 1]
-            raise RequestError(
-                f"request {bad.seq.request_id}: token id outside the vocabulary "
-                f"[0, {self.spec.vocab_size})"
+            raise RequestFault(
+                bad.seq.request_id, f"token id outside the vocabulary [0, {self.spec.vocab_size})"
             )
 
     def gather_input_ids(self, out: torch.Tensor, staged: torch.Tensor, src: torch.Tensor) -> None:

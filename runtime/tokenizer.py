@@ -9,12 +9,18 @@ writes the template). The chat template is rendered with jinja2 the way transfor
 
 Invariants: ``encode`` follows the tokenizer.json post-processor (BOS where the model wants
 it); ``decode`` skips special tokens by default; ``eos_token_ids`` is the union of the ids
-given by the caller (the model config) and the tokenizer config's ``eos_token``.
+given by the caller (the model config) and the tokenizer config's ``eos_token``; a prompt
+the tokenizer rejects and a chat template that fails, runs longer than ``chat_timeout_s`` or
+produces more than ``chat_max_chars`` are a RequestError of that request (the render runs
+in the caller's thread, off the Executor's lock).
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import sys
+import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,6 +28,10 @@ from typing import Any
 from llmc.base.errors import EngineError, RequestError
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+CHAT_TIMEOUT_S = 2.0
+"""Longest a chat template may render one request (real templates take milliseconds)."""
+CHAT_MAX_CHARS = 4 << 20
+"""Most characters a chat template may produce (far more than any max_input_len holds)."""
 
 
 def _token_content(value: Any) -> str | None:
@@ -80,6 +90,8 @@ class Tokenizer:
             i for i, t in self._added_tokens() if getattr(t, "special", False)
         )
         self._template = None
+        self.chat_timeout_s = CHAT_TIMEOUT_S
+        self.chat_max_chars = CHAT_MAX_CHARS
 
     def _added_tokens(self) -> list[tuple[int, Any]]:
         decoder = getattr(self._tok, "get_added_tokens_decoder", None)
@@ -115,7 +127,22 @@ class Tokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+        """Token ids of ``text``; RequestError when the tokenizer rejects it (not a string,
+        a lone surrogate such as invalid UTF-8 from a command line, ...)."""
+        if not isinstance(text, str):
+            raise RequestError(f"the prompt must be text, got {type(text).__name__}")
+        try:
+            return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+        except Exception as e:  # the tokenizers library raises TypeError, its own errors
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as bad:
+                raise RequestError(
+                    f"the prompt is not valid Unicode text: a lone surrogate "
+                    f"{text[bad.start]!r} at position {bad.start} (invalid UTF-8 bytes from a "
+                    "command line or file arrive so)"
+                ) from None
+            raise RequestError(f"the prompt cannot be tokenized ({_short(e)})") from None
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -131,7 +158,6 @@ class Tokenizer:
         if self._template is None:
             import jinja2
             import jinja2.ext
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
 
             def raise_exception(message: str) -> None:
                 raise jinja2.exceptions.TemplateError(message)
@@ -144,9 +170,10 @@ class Tokenizer:
 
                 return datetime.datetime.now().strftime(fmt)
 
-            env = ImmutableSandboxedEnvironment(
+            env = _bounded_env_class()(
                 trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
             )
+            env.max_chars = self.chat_max_chars
             env.filters["tojson"] = tojson
             env.globals["raise_exception"] = raise_exception
             env.globals["strftime_now"] = strftime_now
@@ -169,14 +196,89 @@ class Tokenizer:
             )
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise RequestError("chat messages must be a string or a list of role/content dicts")
+        text = self._render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens
+        )
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    def _render(self, **context: Any) -> str:
+        """The chat template rendered within ``chat_timeout_s`` seconds and
+        ``chat_max_chars`` characters (a template that loops forever or produces gigabytes
+        fails its request: RequestError naming the limit). The clock is read by a trace
+        function on the template's own lines, so even a loop that outputs nothing stops."""
         import jinja2
 
+        template = self._compiled_template()
+        deadline = time.monotonic() + self.chat_timeout_s
+        limit = f"the chat template of {self.source}"
+
+        def check(frame: Any, event: str, arg: Any) -> Any:
+            if time.monotonic() > deadline:
+                raise _TemplateLimit(
+                    f"{limit} ran longer than {self.chat_timeout_s:g} s (chat_timeout_s)"
+                )
+            return check
+
+        def calls(frame: Any, event: str, arg: Any) -> Any:
+            return check if frame.f_code.co_filename == "<template>" else None
+
+        chunks: list[str] = []
+        size = 0
+        previous = sys.gettrace()
+        sys.settrace(calls)
         try:
-            text = self._compiled_template().render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                **self.special_tokens,
-            )
+            for chunk in template.generate(**context):
+                size += len(chunk)
+                if size > self.chat_max_chars:
+                    raise _TemplateLimit(
+                        f"{limit} produced more than {self.chat_max_chars} characters "
+                        "(chat_max_chars)"
+                    )
+                chunks.append(chunk)
+        except _TemplateLimit as e:
+            raise RequestError(str(e)) from None
         except jinja2.exceptions.TemplateError as e:
-            raise RequestError(f"chat template of {self.source} failed: {e}") from e
-        return self.encode(text, add_special_tokens=False) if tokenize else text
+            raise RequestError(f"{limit} failed: {e}") from e
+        except Exception as e:  # a hostile template's own error (MemoryError, RecursionError)
+            raise RequestError(f"{limit} failed ({_short(e)})") from None
+        finally:
+            sys.settrace(previous)
+        return "".join(chunks)
+
+
+class _TemplateLimit(Exception):
+    """A chat template ran past its time or size bound (raised inside the render)."""
+
+
+def _short(error: BaseException) -> str:
+    text = f"{type(error).__name__}: {error}"
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+@functools.cache
+def _bounded_env_class() -> type:
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class BoundedEnvironment(ImmutableSandboxedEnvironment):
+        """The sandbox with its multiplying operators bounded: ``"x" * 10**10`` or
+        ``9 ** 9 ** 9`` would allocate or compute without limit before any output."""
+
+        intercepted_binops = frozenset({"*", "**", "%"})
+        max_chars = CHAT_MAX_CHARS
+
+        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            if operator == "**" and isinstance(right, int) and abs(right) > 4096:
+                raise _TemplateLimit(f"the chat template computes ** {right} (too large)")
+            if operator == "*":
+                for seq, n in ((left, right), (right, left)):
+                    if isinstance(seq, (str, list, tuple)) and isinstance(n, int):
+                        if len(seq) * n > self.max_chars:
+                            raise _TemplateLimit(
+                                f"the chat template builds more than {self.max_chars} "
+                                "characters (chat_max_chars)"
+                            )
+            return super().call_binop(context, operator, left, right)
+
+    return BoundedEnvironment

@@ -11,11 +11,102 @@ Ownership:
 from __future__ import annotations
 
 import enum
+import functools
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
 from llmc.base.errors import RequestError
+
+INT32_MAX = 2**31 - 1
+"""The largest count or id a step column holds (top_k is an int32 column of the kernels)."""
+FLOAT32_MAX = 3.4028234663852886e38
+"""The float columns are float32: a larger value would become inf on the device."""
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 64
+MAX_STOP_TOKEN_IDS = 1024
+MAX_PROMPT_IDS = 1 << 24
+"""More prompt ids than any engine's max_input_len: refused before they are copied."""
+
+
+def _bad(owner: Any, name: str, why: str) -> RequestError:
+    what = "sampling parameter" if isinstance(owner, SamplingParams) else "request field"
+    return RequestError(f"{what} {name}={_shown(getattr(owner, name))}: {why}")
+
+
+def _shown(value: Any) -> str:
+    """``repr`` of a bad value, cut short (a hostile value may be a megabyte long)."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _integer(owner: Any, name: str, lo: int | None, hi: int | None, note: str = "") -> int:
+    """``owner.name`` as an int in [lo, hi]; bools, floats and strings are refused."""
+    value = _index(getattr(owner, name))
+    if value is None or (lo is not None and value < lo) or (hi is not None and value > hi):
+        rng = "" if lo is None and hi is None else f" in [{lo}, {hi}]"
+        raise _bad(owner, name, f"must be an integer{rng}" + (f" ({note})" if note else ""))
+    return value
+
+
+def _real(
+    owner: Any,
+    name: str,
+    lo: float,
+    hi: float,
+    note: str = "",
+    *,
+    open_low: bool = False,
+) -> float:
+    """``owner.name`` as a finite float in [lo, hi] (``(lo, hi]`` with ``open_low``)."""
+    value = getattr(owner, name)
+    try:  # ints and numpy floats convert; bools, strings and None do not
+        number = math.nan if isinstance(value, (bool, str, bytes)) else float(value)
+    except (TypeError, ValueError):
+        number = math.nan
+    ok = math.isfinite(number) and (number > lo if open_low else number >= lo) and number <= hi
+    if not ok:
+        low = "(" if open_low else "["
+        extra = f" ({note})" if note else ""
+        raise _bad(owner, name, f"must be a finite number in {low}{lo:g}, {hi:g}]{extra}")
+    return number
+
+
+def _strings(owner: Any, name: str) -> tuple[str, ...]:
+    """A tuple of non-empty strings; one plain string is one element, not its letters."""
+    value = getattr(owner, name)
+    items = (value,) if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or len(items) > MAX_STOP_STRINGS:
+        raise _bad(owner, name, f"must be a string or a list of at most {MAX_STOP_STRINGS}")
+    if any(not isinstance(x, str) or not x for x in items):
+        raise _bad(owner, name, "stop strings must be non-empty strings")
+    return tuple(items)
+
+
+def _token_ids(
+    owner: Any, name: str, limit: int = MAX_STOP_TOKEN_IDS, ranged: bool = True
+) -> list[int]:
+    """A list of integer token ids, in [0, INT32_MAX] when ``ranged`` (the vocabulary is
+    the Executor's to check)."""
+    value = getattr(owner, name)
+    items = (value,) if isinstance(value, int) and not isinstance(value, bool) else value
+    if not isinstance(items, (list, tuple)) or len(items) > limit:
+        raise _bad(owner, name, f"must be a list of at most {limit} token ids")
+    ids = [_index(t) for t in items]
+    if None in ids or (ranged and any(not 0 <= t <= INT32_MAX for t in ids)):  # type: ignore[operator]
+        raise _bad(owner, name, "must be non-negative integer token ids")
+    return ids  # type: ignore[return-value]
+
+
+def _index(value: Any) -> int | None:
+    """An integral value (int, numpy int) as an int; None for bools and anything else."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -46,30 +137,32 @@ class SamplingParams:
     """If prompt + max_new_tokens exceeds max_seq_len: clamp instead of failing the request."""
 
     def __post_init__(self) -> None:
-        def bad(name: str, why: str) -> RequestError:
-            return RequestError(f"sampling parameter {name}={getattr(self, name)!r}: {why}")
-
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise bad("max_new_tokens", "must be an integer >= 1")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise bad("temperature", "must be >= 0 (0 means greedy)")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise bad("top_k", "must be an integer >= 0 (0 disables it)")
-        if not (0.0 < self.top_p <= 1.0):
-            raise bad("top_p", "must be in (0, 1]")
-        if not (0.0 <= self.min_p <= 1.0):
-            raise bad("min_p", "must be in [0, 1]")
-        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
-            raise bad("repetition_penalty", "must be > 0 (1 disables it)")
+        """The one home of every sampling rule: each field's type and range, checked where
+        the params are made (Python API, ``llmc run`` flags and JSONL, a server), so nothing
+        that reaches the step loop can crash it. Values are normalized in place: integral
+        numbers (numpy ints) become ``int``, real numbers ``float``, ``stop`` a tuple of
+        strings (a plain string is ONE stop string), ``stop_token_ids`` a tuple of ints."""
+        put = functools.partial(object.__setattr__, self)
+        put("max_new_tokens", _integer(self, "max_new_tokens", 1, INT32_MAX))
+        put("top_k", _integer(self, "top_k", 0, INT32_MAX, "0 disables it"))
+        put("temperature", _real(self, "temperature", 0.0, FLOAT32_MAX, "0 means greedy"))
+        put("top_p", _real(self, "top_p", 0.0, 1.0, open_low=True))
+        put("min_p", _real(self, "min_p", 0.0, 1.0))
+        put(
+            "repetition_penalty",
+            _real(self, "repetition_penalty", 0.0, FLOAT32_MAX, "1 disables it", open_low=True),
+        )
         for name in ("presence_penalty", "frequency_penalty"):
-            if not (-2.0 <= getattr(self, name) <= 2.0):
-                raise bad(name, "must be in [-2, 2]")
-        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
-            raise bad("logprobs", "must be in [0, 20]")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", "must be non-negative integers")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise bad("stop", "stop strings must be non-empty strings")
+            put(name, _real(self, name, -2.0, 2.0))
+        if self.seed is not None:
+            put("seed", _integer(self, "seed", None, None, "any integer, taken modulo 2**64"))
+        if self.logprobs is not None:
+            put("logprobs", _integer(self, "logprobs", 0, MAX_LOGPROBS))
+        for name in ("ignore_eos", "clamp_max_new_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise _bad(self, name, "must be True or False")
+        put("stop", _strings(self, "stop"))
+        put("stop_token_ids", tuple(_token_ids(self, "stop_token_ids")))
 
     @property
     def greedy(self) -> bool:
@@ -93,6 +186,34 @@ class SamplingParams:
         (``engine_step.ahead_ok``) and the decode row cache (``step_inputs.DecodeRowCache``)
         serve only plain rows."""
         return self.logprobs is None and not self.uses_penalties
+
+
+class RequestFault(RequestError):
+    """A failure inside an engine step that one request's data caused (its step inputs,
+    sampling columns, logprobs, detokenization, stop strings). Raised by the step's per-row
+    work with the request's id; the Executor fails that request alone (its KV blocks freed)
+    and runs the step again without it. Any other failure inside a step fails the engine."""
+
+    def __init__(self, request_id: int, message: str) -> None:
+        prefix = f"request {request_id}: "
+        super().__init__(message if message.startswith(prefix) else prefix + message)
+        self.request_id = request_id
+
+    @classmethod
+    def caused(cls, request_id: int, what: str, error: BaseException) -> RequestFault:
+        """The fault of request ``request_id`` whose ``what`` raised ``error``."""
+        return cls(request_id, f"{what} failed ({type(error).__name__}: {error})")
+
+
+def row_fault(seqs: Any, work: Any, what: str) -> RequestFault | None:
+    """After a batch-wide ``work`` failed: the RequestFault of the first sequence whose own
+    ``work(seq)`` raises (None when none does: the failure is not one request's)."""
+    for seq in seqs:
+        try:
+            work(seq)
+        except Exception as e:  # the fault is this request's, whatever its type
+            return RequestFault.caused(seq.request_id, what, e)
+    return None
 
 
 class SequenceStatus(enum.Enum):
@@ -120,6 +241,33 @@ class Request:
     streaming: bool = False
     apply_chat_template: bool = False
     metadata: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """The one home of the request rules (types and ranges; the vocabulary and the
+        engine's limits are the Executor's and the scheduler's to check). Run at
+        construction and again by ``Executor.enqueue_request`` (a Request is mutable).
+        Normalizes ``prompt_token_ids`` to a list of ints. RequestError names the field."""
+        if self.prompt is not None and not isinstance(self.prompt, str):
+            raise _bad(self, "prompt", "must be a string (or give prompt_token_ids)")
+        if self.prompt_token_ids is not None:
+            if isinstance(self.prompt_token_ids, (str, bytes)):
+                raise _bad(self, "prompt_token_ids", "must be a list of token ids")
+            self.prompt_token_ids = _token_ids(
+                self, "prompt_token_ids", MAX_PROMPT_IDS, ranged=False
+            )
+        if self.prompt is not None and self.prompt_token_ids is not None:
+            raise RequestError("give the prompt as text or as token ids, not both")
+        if not isinstance(self.sampling, SamplingParams):
+            raise _bad(self, "sampling", "must be a SamplingParams")
+        self.priority = _integer(self, "priority", -INT32_MAX, INT32_MAX)
+        for name in ("streaming", "apply_chat_template"):
+            if not isinstance(getattr(self, name), bool):
+                raise _bad(self, name, "must be True or False")
+        if not isinstance(self.metadata, dict):
+            raise _bad(self, "metadata", "must be a dict")
 
 
 @dataclass(eq=False)

@@ -89,8 +89,11 @@ class ArrivalSpec:
             raise ConfigError(f"concurrency must be an integer >= 1, got {self.concurrency!r}")
         if self.mode == "request_rate":
             r = self.request_rate
-            if r is None or not (r > 0):
-                raise ConfigError(f"request_rate must be > 0 requests/s, got {r!r}")
+            if isinstance(r, bool) or not isinstance(r, (int, float)) or not (0 < r < math.inf):
+                raise ConfigError(
+                    f"request_rate must be a finite number > 0 requests/s, got {r!r} (leave "
+                    "it out to run offline)"
+                )
         if not (math.isfinite(self.burstiness) and self.burstiness > 0):
             raise ConfigError(f"burstiness must be > 0, got {self.burstiness!r}")
 
@@ -107,7 +110,7 @@ class ArrivalSpec:
             raise UsageError("--concurrency and --request_rate are exclusive; give one of them")
         if concurrency is not None:
             return cls("concurrency", concurrency=concurrency, burstiness=burstiness, seed=seed)
-        if request_rate is not None and math.isfinite(request_rate):
+        if request_rate is not None:  # nan, inf and <= 0 are refused, never offline
             return cls("request_rate", request_rate=request_rate, burstiness=burstiness, seed=seed)
         return cls("offline", burstiness=burstiness, seed=seed)
 

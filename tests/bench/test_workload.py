@@ -91,7 +91,9 @@ def test_dataset_round_trip_and_errors(tmp_path) -> None:
 
 def test_arrivals() -> None:
     assert arrival_offsets(3, ArrivalSpec()) is None
-    assert ArrivalSpec.from_flags(None, float("inf")).mode == "offline"
+    for rate in (float("inf"), float("nan"), 0.0, -1.0):  # refused, never silently offline
+        with pytest.raises(ConfigError, match="request_rate must be a finite number > 0"):
+            ArrivalSpec.from_flags(None, rate)
     spec = ArrivalSpec.from_flags(None, 50.0, burstiness=1.0, seed=1)
     t = arrival_offsets(4000, spec)
     assert t[0] == 0.0 and all(b >= a for a, b in zip(t, t[1:], strict=False))
