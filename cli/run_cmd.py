@@ -65,20 +65,18 @@ def _int_list(values: list[str] | None, name: str) -> tuple[int, ...] | None:
         raise UsageError(f"--{name} takes integers (repeat it or separate with commas)") from None
 
 
-def _sampling(settings: dict[str, Any], source: str, overrides: dict[str, Any]) -> SamplingParams:
+def _sampling(settings: dict[str, Any], overrides: dict[str, Any]) -> SamplingParams:
+    """SamplingParams from the flags/profile with ``overrides`` (a JSONL line's fields);
+    ``SamplingParams`` checks and normalizes every value (RequestError naming it)."""
     values = {k: settings[k] for k in SAMPLING_KEYS if settings.get(k) is not None}
     values.update(overrides)
-    for key in ("stop", "stop_token_ids"):
-        if key in values and isinstance(values[key], (list, str)):
-            values[key] = (values[key],) if isinstance(values[key], str) else tuple(values[key])
-    try:
-        return SamplingParams(**values)
-    except TypeError as e:
-        raise RequestError(f"{source}: bad sampling parameter ({e})") from None
+    return SamplingParams(**values)
 
 
 def read_requests(settings: dict[str, Any]) -> list[tuple[str, Request | LlmcError]]:
-    """(label, Request or the error that makes it unservable) per prompt, in order."""
+    """(label, Request or the error that makes it unservable) per prompt, in order. Bad
+    sampling flags refuse the command (RequestError); a bad line of an input file fails
+    that request alone, its error naming the file and line."""
     chat = bool(settings.get("chat"))
     streaming = bool(settings.get("stream"))
     prompts = list(settings.get("prompt") or [])
@@ -87,55 +85,72 @@ def read_requests(settings: dict[str, Any]) -> list[tuple[str, Request | LlmcErr
         raise UsageError("give prompts with --prompt or --input_file, not both")
     if not prompts and not path:
         raise UsageError("no prompt: give --prompt TEXT (repeatable) or --input_file FILE")
-    out: list[tuple[str, Request | LlmcError]] = []
+    defaults = _sampling(settings, {})
     if prompts:
-        sp = _sampling(settings, "command line", {})
-        for p in prompts:
-            req = Request(prompt=p, sampling=sp, apply_chat_template=chat, streaming=streaming)
-            out.append((p, req))
-        return out
+        return [
+            (p, Request(prompt=p, sampling=defaults, apply_chat_template=chat, streaming=streaming))
+            for p in prompts
+        ]
     p = Path(path)
     try:
-        lines = p.read_text(encoding="utf-8").splitlines()
+        lines = p.read_bytes().split(b"\n")
     except OSError as e:
         raise UsageError(f"--input_file {p}: cannot be read ({e.strerror or e})") from None
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
+    out: list[tuple[str, Request | LlmcError]] = []
+    for n, raw in enumerate(lines, 1):
+        if not raw.strip():
             continue
         where = f"{p}:{n}"
+        try:
+            line = raw.decode("utf-8").rstrip("\r")
+        except UnicodeDecodeError as e:
+            out.append((f"<line {n}>", RequestError(f"{where}: not valid UTF-8 ({e.reason})")))
+            continue
         if not line.lstrip().startswith("{"):
-            sp = _sampling(settings, "command line", {})
-            req = Request(prompt=line, sampling=sp, apply_chat_template=chat, streaming=streaming)
+            req = Request(
+                prompt=line, sampling=defaults, apply_chat_template=chat, streaming=streaming
+            )
+            req.metadata["where"] = where
             out.append((line, req))
             continue
         try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UsageError(f"{where}: not valid JSON ({e.msg})") from None
-        if not isinstance(obj, dict):
-            raise UsageError(f"{where}: a JSONL line must be an object")
-        for key in obj:
-            if key not in JSONL_KEYS:
-                raise UsageError(f"{where}: unknown key {key!r}" + did_you_mean(key, JSONL_KEYS))
-        ids = obj.get("input_ids", obj.get("prompt_token_ids"))
-        label = obj.get("prompt") if obj.get("prompt") is not None else f"<{len(ids or [])} ids>"
-        overrides = {k: v for k, v in obj.items() if k in SAMPLING_KEYS}
-        try:
-            sp = _sampling(settings, where, overrides)
-        except RequestError as e:
-            out.append((str(label), RequestError(f"{where}: {e}")))
+            label, req = _jsonl_request(line, settings, chat, streaming)
+        except LlmcError as e:
+            out.append((f"<line {n}>", RequestError(f"{where}: {e}")))
             continue
-        req = Request(
-            prompt=obj.get("prompt"),
-            prompt_token_ids=ids,
-            sampling=sp,
-            apply_chat_template=bool(obj.get("chat", chat)),
-            streaming=streaming,
-        )
-        out.append((str(label), req))
+        req.metadata["where"] = where
+        out.append((label, req))
     if not out:
         raise UsageError(f"--input_file {p}: has no prompts")
     return out
+
+
+def _jsonl_request(
+    line: str, settings: dict[str, Any], chat: bool, streaming: bool
+) -> tuple[str, Request]:
+    """(label, Request) of one JSONL line; RequestError (without the line's place) if bad."""
+    try:
+        obj = json.loads(line)
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise RequestError(f"not valid JSON ({getattr(e, 'msg', e)})") from None
+    if not isinstance(obj, dict):
+        raise RequestError("a JSONL line must be an object")
+    for key in obj:
+        if key not in JSONL_KEYS:
+            raise RequestError(f"unknown key {key!r}" + did_you_mean(key, JSONL_KEYS))
+    if "input_ids" in obj and "prompt_token_ids" in obj:
+        raise RequestError("give input_ids or prompt_token_ids, not both")
+    ids = obj.get("input_ids", obj.get("prompt_token_ids"))
+    prompt = obj.get("prompt")
+    req = Request(
+        prompt=prompt,
+        prompt_token_ids=ids,
+        sampling=_sampling(settings, {k: v for k, v in obj.items() if k in SAMPLING_KEYS}),
+        apply_chat_template=obj.get("chat", chat),
+        streaming=streaming,
+    )
+    label = prompt if prompt is not None else f"<{len(req.prompt_token_ids or [])} ids>"
+    return label, req
 
 
 def _timings(rec: Any) -> dict[str, Any]:
@@ -231,7 +246,7 @@ def run_command(
 ) -> None:
     """Run prompts through an engine and print the outputs with per-request timings."""
     cli = dict(flags)
-    cli["stop"] = tuple(cli["stop"]) if cli["stop"] else None
+    cli["stop"] = cli["stop"] or None
     cli["stop_token_ids"] = _int_list(cli["stop_token_ids"], "stop_token_ids")
     section = profile_section(profile, "run")
     check_keys(section, RUN_KEYS, f"profile {profile} (run:)")
@@ -273,7 +288,10 @@ def _serve(llm: LLM, items: list, settings: dict[str, Any], json_out: bool, log:
             outputs.append(_failed_output(index, label, req))
             continue
         rid = next(it)
-        outputs.append(_output(index, label, got[rid], records[rid], streaming))
+        out = _output(index, label, got[rid], records[rid], streaming)
+        if out["error"] is not None and "where" in req.metadata:  # the line it came from
+            out["error"] = f"{req.metadata['where']}: {out['error']}"
+        outputs.append(out)
     summary = _summary(llm, outputs, wall)
     if json_out:
         print_json({"outputs": outputs, "summary": summary, "runtime": info})

@@ -52,6 +52,61 @@ def live_llms() -> list[LLM]:
     return [llm for llm in list(_LIVE) if not llm.closed]
 
 
+class ResponseStream:
+    """The async iterator ``LLM.generate_async`` returns: one request's Responses.
+
+    The request is enqueued when iteration starts. ``async for`` gets a fresh inner async
+    generator from ``__aiter__`` that only the loop holds, so leaving the loop (``break``,
+    an exception, a return) drops it and its ``finally`` cancels the request at once, even
+    while the caller keeps this stream object. Awaiting ``__anext__`` directly iterates one
+    inner generator kept here; ``aclose()`` ends it and cancels the request.
+    """
+
+    def __init__(self, executor: Executor, request: Request) -> None:
+        self._executor, self._request = executor, request
+        self._kept: AsyncIterator[Response] | None = None
+        self._started = False
+        self._open: int | None = None  # the request's id while it may still run
+
+    def __aiter__(self) -> AsyncIterator[Response]:
+        return self._iterate()
+
+    async def __anext__(self) -> Response:
+        if self._kept is None:
+            self._kept = self._iterate()
+        return await self._kept.__anext__()
+
+    async def aclose(self) -> None:
+        """End the stream; its request, when unfinished, is cancelled."""
+        if self._kept is not None:
+            await self._kept.aclose()  # type: ignore[attr-defined]
+        if self._open is not None:
+            self._executor.cancel_request(self._open)
+            self._open = None
+
+    async def _iterate(self) -> AsyncIterator[Response]:
+        if self._started:
+            raise RuntimeError("a generate_async stream can be iterated once")
+        self._started = True
+        ex = self._executor
+        rid = self._open = ex.enqueue_request(self._request)
+        done = False
+        try:
+            while not done:
+                responses = await asyncio.to_thread(ex.await_responses, rid)
+                if not responses:
+                    return
+                for r in responses:
+                    done = done or r.is_final
+                    if r.error is not None:
+                        raise error_class(r.error_code)(r.error)
+                    yield r
+        finally:
+            self._open = None
+            if not done:
+                ex.cancel_request(rid)
+
+
 # ---- LLM ---------------------------------------------------------------------------------
 class LLM:
     """An engine loaded for generation (TensorRT-LLM's ``LLM`` API, on llmc's runtime).
@@ -233,16 +288,15 @@ class LLM:
                 ex.start()
 
     # ---- generation ----------------------------------------------------------------------
+    @staticmethod
     def _request(
-        self, prompt: Prompt, sampling: SamplingParams, priority: int, chat: bool, streaming: bool
+        prompt: Prompt, sampling: SamplingParams, priority: int, chat: bool, streaming: bool
     ) -> Request:
-        if isinstance(sampling, dict) or not isinstance(sampling, SamplingParams):
-            raise ConfigError(f"sampling_params must be a SamplingParams, got {sampling!r}")
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise ConfigError(f"priority must be an integer, got {priority!r}")
-        if isinstance(prompt, str):
+        """A Request for ``prompt`` (text or token ids); its fields are checked by
+        ``Request.validate`` (RequestError naming the field), the one home of those rules."""
+        if isinstance(prompt, str) or not isinstance(prompt, (list, tuple)):
             return Request(
-                prompt=prompt,
+                prompt=prompt,  # type: ignore[arg-type]
                 sampling=sampling,
                 priority=priority,
                 streaming=streaming,
@@ -282,7 +336,7 @@ class LLM:
         ]
         return self.executor.generate(reqs)
 
-    async def generate_async(
+    def generate_async(
         self,
         prompt: Prompt,
         sampling_params: SamplingParams | None = None,
@@ -290,34 +344,20 @@ class LLM:
         streaming: bool = True,
         priority: int = 0,
         apply_chat_template: bool = False,
-    ) -> AsyncIterator[Response]:
+    ) -> ResponseStream:
         """Yield the request's ``Response`` deltas as steps produce them (``new_text``,
         ``new_token_ids``; the last has ``is_final``, ``finish_reason`` and the whole
         ``text``). With ``streaming=False`` only the final Response comes.
 
         Waiting happens in a worker thread blocked on the executor's condition variable (no
-        polling). Leaving the loop early cancels the request; a request that fails raises
-        its llmc.base.errors class.
+        polling). Leaving an ``async for`` loop early cancels the request, even while the
+        caller keeps the returned stream (see ``ResponseStream``); a request that fails
+        raises its llmc.base.errors class. A bad argument raises RequestError here.
         """
-        ex = self.executor
         req = self._request(
             prompt, sampling_params or SamplingParams(), priority, apply_chat_template, streaming
         )
-        rid = ex.enqueue_request(req)
-        done = False
-        try:
-            while not done:
-                responses = await asyncio.to_thread(ex.await_responses, rid)
-                if not responses:
-                    return
-                for r in responses:
-                    done = done or r.is_final
-                    if r.error is not None:
-                        raise error_class(r.error_code)(r.error)
-                    yield r
-        finally:
-            if not done:
-                ex.cancel_request(rid)
+        return ResponseStream(self.executor, req)
 
     # ---- lifetime ------------------------------------------------------------------------
     def shutdown(self, timeout: float = 30.0) -> None:

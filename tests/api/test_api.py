@@ -109,7 +109,7 @@ def test_generate_outputs_in_order_with_timings(llm):
     assert single.token_ids == outs[0].token_ids  # greedy: batching does not change tokens
     with pytest.raises(ConfigError, match="2 sampling_params for 3 prompts"):
         llm.generate(["a", "b", "c"], [SamplingParams(), SamplingParams()])
-    with pytest.raises(ConfigError, match="priority must be an integer"):
+    with pytest.raises(RequestError, match="priority=1.5: must be an integer"):
         llm.generate("a", priority=1.5)
     (bad,) = llm.generate([[999]])  # outside the vocabulary: an error output, not an exception
     assert not bad.ok and "outside the vocabulary" in bad.error

@@ -150,7 +150,8 @@ def test_sampling_flags_reach_the_requests(engine):
     lps = a["outputs"][0]["logprobs"]
     assert len(lps) == 8 and all(len(lp["top"]) == 2 for lp in lps)
     stop_at = a["outputs"][0]["token_ids"][3]
-    c = run_json(*args, "--stop_token_ids", f"{stop_at},9999")
+    unseen = next(t for t in range(256) if t not in a["outputs"][0]["token_ids"])
+    c = run_json(*args, "--stop_token_ids", f"{stop_at},{unseen}")  # (9999: refused, hostile)
     assert c["outputs"][0]["finish_reason"] == "stop"
     assert c["outputs"][0]["token_ids"][-1] == stop_at
 
@@ -168,10 +169,12 @@ def test_jsonl_input_with_a_bad_request_exits_8_after_running_the_others(engine,
     assert res.exit_code == 8
     outs = json.loads(res.stdout)["outputs"]
     assert len(outs[0]["token_ids"]) == 3 and len(outs[3]["token_ids"]) == 4
-    assert outs[1]["error"] == "prompt token id 300 is outside the vocabulary [0, 256)"
-    assert "in.jsonl:3: sampling parameter temperature=-1: must be >= 0" in outs[2]["error"]
+    assert outs[1]["error"] == f"{f}:2: prompt token id 300 is outside the vocabulary [0, 256)"
+    assert f"{f}:3: sampling parameter temperature=-1: must be a finite" in outs[2]["error"]
+    assert "in.jsonl:5: " in outs[4]["error"]
     assert "exceeds the engine's max_seq_len=64" in outs[4]["error"]
-    assert "request 1: prompt token id 300" in res.stderr
+    assert "request 1: " in res.stderr and "in.jsonl:2: prompt token id 300" in res.stderr
+    assert "request 1: request" not in res.stderr  # the prefix is said once
     clamp = run(
         "--engine_dir",
         str(engine),
