@@ -28,7 +28,7 @@ import contextlib
 import gc
 import time
 import weakref
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -317,8 +317,12 @@ class LLM:
         """Run prompts (text, or lists of token ids) to completion; one output per prompt, in
         order. ``sampling_params``: one for all, or one per prompt. A request that cannot be
         served gets an output with ``error`` set; the others still run."""
-        single = isinstance(prompts, str) or (
-            isinstance(prompts, (list, tuple)) and bool(prompts) and isinstance(prompts[0], int)
+        single = (
+            isinstance(prompts, (str, bytes))
+            or not isinstance(prompts, Iterable)  # not a prompt: Request names it
+            or (
+                isinstance(prompts, (list, tuple)) and bool(prompts) and isinstance(prompts[0], int)
+            )
         )
         items: list[Prompt] = [prompts] if single else list(prompts)  # type: ignore[list-item]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
