@@ -375,7 +375,7 @@ class LLM:
                 ex.cancel_request(rec.request_id)
         ex.start()  # a loop paused by in_caller_thread applies the cancels as well
         deadline = time.monotonic() + timeout
-        while ex.has_work() and time.monotonic() < deadline:  # cancels apply at the next step
+        while ex.has_work() and not ex.failed and time.monotonic() < deadline:  # next step
             time.sleep(0.002)
         ex.shutdown()
         self._finalizer.detach()

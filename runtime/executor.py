@@ -293,6 +293,11 @@ class Executor:
         ]
 
     # ------------------------------------------------------------------ the loop
+    @property
+    def failed(self) -> bool:
+        """The loop failed and stopped (every open request got an error response)."""
+        return self._fatal is not None
+
     def has_work(self) -> bool:
         with self._cv:
             return (

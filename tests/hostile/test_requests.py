@@ -316,3 +316,43 @@ def test_leaving_a_stream_cancels_it_while_the_stream_is_kept(llm):
     assert stream is not None and rec.finish_reason == "cancelled" and rec.num_output_tokens < 40
     kv = llm.kv_stats()
     assert kv.free_blocks == kv.total_blocks
+
+
+# ---- chat templates: bounded in time and size, a failure is the request's -------------------
+LOOP = "{% for i in range(100000) %}{% for j in range(100000) %}"
+TEMPLATE_CASES = [  # (template, what the RequestError says)
+    (LOOP + "{% endfor %}{% endfor %}", "ran longer than 0.3 s (chat_timeout_s)"),
+    (LOOP + "{{ 'x' * 1000 }}{% endfor %}{% endfor %}", "more than 100000 characters"),
+    ("{{ 'x' * 10**10 }}", "builds more than 100000 characters"),
+    ("{{ [1] * 10**10 }}", "builds more than 100000 characters"),
+    ("{{ 2 ** 100000000 }}", "** 100000000 (too large)"),
+    ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "RecursionError"),
+    ("{{ raise_exception('no system role') }}", "no system role"),
+    ("{{ messages[5].content }}", "failed"),
+    ("{{ range(10**12) | list }}", "failed"),
+    ("{{ ''.__class__.__mro__ }}", "failed"),
+]
+
+
+@pytest.mark.parametrize(("template", "says"), TEMPLATE_CASES, ids=[c[1] for c in TEMPLATE_CASES])
+def test_a_hostile_chat_template_fails_the_request(engine, template, says):
+    import time
+
+    from llmc.runtime.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(engine)
+    tok.chat_template, tok.chat_timeout_s, tok.chat_max_chars = template, 0.3, 100_000
+    t0 = time.perf_counter()
+    with pytest.raises(RequestError) as err:
+        tok.apply_chat_template("hi")
+    assert says in str(err.value) and time.perf_counter() - t0 < 5
+
+
+def test_chat_messages_must_be_role_dicts(engine):
+    from llmc.runtime.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(engine)
+    tok.chat_template = "{{ messages[0].content }}"
+    assert tok.apply_chat_template("hi", tokenize=False) == "hi"
+    with pytest.raises(RequestError, match="role/content dicts"):
+        tok.apply_chat_template([5], tokenize=False)

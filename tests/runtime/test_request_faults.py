@@ -209,3 +209,21 @@ def test_the_async_step_fault_path_drops_only_the_faulty_request(engine_dir, mon
     assert all(len(o.token_ids) == 8 for o in outs if o.ok)
     kv = ex.kv_stats()
     assert kv.free_blocks == kv.total_blocks
+
+
+def test_shutdown_after_an_engine_failure_does_not_wait(engine_dir, monkeypatch):
+    import time
+
+    from llmc import LLM
+
+    llm = LLM(engine_dir, device="cpu")
+
+    def forward(inp):
+        raise RuntimeError("injected forward failure")
+
+    monkeypatch.setattr(llm.runtime.runner, "forward", forward)
+    [out] = llm.generate([[5, 6]], SamplingParams(max_new_tokens=2))
+    assert not out.ok and "engine failure" in out.error
+    t0 = time.perf_counter()
+    llm.shutdown()
+    assert time.perf_counter() - t0 < 5  # was the whole 30 s timeout
