@@ -28,8 +28,9 @@ Rules this module implements:
   path, with sections ``PROFILE_SECTIONS`` (``model``: an HF-style config for dummy weights,
   ``build``: build settings, ``workload``/``run``/``profile``: settings of those commands).
   A file that is not a mapping, or an unknown section, is a UsageError (exit 2) with a
-  did-you-mean; each command checks the keys of its own section (``check_keys``, or a
-  config dataclass's ``from_dict``).
+  did-you-mean, and so is one that is not UTF-8, too large or expands past a bound through
+  YAML aliases (``input_bounds.load_yaml``); each command checks the keys of its own
+  section (``check_keys``, or a config dataclass's ``from_dict``).
 - ``handle_errors``: an LlmcError becomes one red line on stderr and the class's exit code;
   anything else exits 1 with a one-line message (a traceback only with ``LLMC_DEBUG=1``).
 - Output: ``--json`` prints plain JSON on stdout (``print_json``) and nothing else there;
@@ -142,13 +143,10 @@ def find_profile(name_or_path: str) -> Path:
 
 @functools.lru_cache(maxsize=16)
 def _load_profile_cached(path: str, mtime: float) -> Profile:
-    import yaml
+    from llmc.compiler.input_bounds import load_yaml
 
     p = Path(path)
-    try:
-        data = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as e:
-        raise UsageError(f"profile {p}: not valid YAML: {e}") from e
+    data = load_yaml(p, f"profile {p}")  # bounded: size, UTF-8, alias expansion
     if not isinstance(data, dict):
         raise UsageError(
             f"profile {p}: the top level must be a mapping of sections "
@@ -386,5 +384,10 @@ RUNTIME_KEYS = RuntimeConfig.field_names()
 
 
 def runtime_config(settings: Mapping[str, Any]) -> RuntimeConfig:
-    """The RuntimeConfig of merged settings (keys not given keep the dataclass defaults)."""
-    return RuntimeConfig(**{k: settings[k] for k in RUNTIME_KEYS if settings.get(k) is not None})
+    """The RuntimeConfig of merged settings (keys not given keep the dataclass defaults); a
+    value of the wrong type (a list where a number belongs, NaN) is a ConfigError naming it."""
+    from llmc.compiler.input_bounds import check_field_types
+
+    given = {k: settings[k] for k in RUNTIME_KEYS if settings.get(k) is not None}
+    check_field_types(RuntimeConfig, given, "runtime setting")
+    return RuntimeConfig(**given)

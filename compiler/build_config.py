@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmc.base.errors import ConfigError, UnsupportedError, did_you_mean
+from llmc.compiler.input_bounds import check_field_types
 from llmc.compiler.limits import (
     DTYPES,
     check_chunked_prefill,
@@ -60,6 +61,8 @@ class BuildConfig:
     """Overwrite an existing output_dir."""
 
     def __post_init__(self) -> None:
+        # types first (a list where a number belongs, NaN), so the rules below compare numbers
+        check_field_types(BuildConfig, self.to_dict(), "build setting")
         # the limit rules are EngineLimits' (compiler/limits.py); a flag given here is
         # refused now, a derived one when resolve_build builds the engine's EngineLimits
         for name in ("max_batch_size", "max_num_tokens", "tokens_per_block"):

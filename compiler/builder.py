@@ -114,12 +114,9 @@ def read_model_config(path: str | Path) -> dict[str, Any]:
 
 
 def _read_yaml_model(p: Path) -> Any:
-    import yaml
+    from llmc.compiler.input_bounds import load_yaml
 
-    try:
-        d = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as e:
-        raise UsageError(f"{p}: not valid YAML: {e}") from e
+    d = load_yaml(p, str(p))  # bounded: size, UTF-8, alias expansion
     return d["model"] if isinstance(d, dict) and isinstance(d.get("model"), dict) else d
 
 

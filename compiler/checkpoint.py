@@ -64,7 +64,7 @@ def _hf_spec(path: Path, cfg: dict[str, Any]) -> ModelSpec:
             f"{path}: quantized HF checkpoints ({method}) are not supported; "
             "use the unquantized checkpoint (or a GGUF, which is dequantized on import)"
         )
-    spec = ModelSpec.from_hf_config(cfg)
+    spec = ModelSpec.from_hf_config(cfg, str(path / "config.json"))
     extra = hf_reader.read_generation_eos(path)
     eos = tuple(dict.fromkeys(spec.eos_token_ids + extra))
     return dataclasses.replace(spec, eos_token_ids=eos) if eos != spec.eos_token_ids else spec
@@ -80,7 +80,7 @@ def read_model_spec(path: str | Path) -> tuple[ModelSpec, dict[str, Any]]:
         cfg = hf_reader.read_hf_config(p)
         return _hf_spec(p, cfg), cfg
     cfg = gguf_reader.gguf_hf_config(gguf_header.read_gguf_header(p))
-    return ModelSpec.from_hf_config(cfg), cfg
+    return ModelSpec.from_hf_config(cfg, str(p)), cfg
 
 
 def load_checkpoint(path: str | Path) -> Checkpoint:
@@ -95,4 +95,5 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         tensors = hf_reader.load_hf_tensors(p)
         return Checkpoint(spec, cfg, tensors, tokenizer_files, "hf")
     cfg, tensors, tokenizer_files = gguf_reader.load_gguf(p)  # validated from its header
-    return Checkpoint(ModelSpec.from_hf_config(cfg), cfg, tensors, tokenizer_files, "gguf")
+    spec = ModelSpec.from_hf_config(cfg, str(p))
+    return Checkpoint(spec, cfg, tensors, tokenizer_files, "gguf")

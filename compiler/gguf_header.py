@@ -10,7 +10,8 @@ What this module owns:
 - ``open_map``: the read-only memory map of a GGUF file, shared with the tensor reader.
 
 Invariants: any malformed header raises CheckpointError naming the file; an unknown format
-version or ggml type raises UnsupportedError.
+version or ggml type raises UnsupportedError. Counts, array lengths and nesting, and string
+lengths are checked against compiler/input_bounds.py's limits before they are looped over.
 """
 
 from __future__ import annotations
@@ -23,6 +24,13 @@ from pathlib import Path
 from typing import Any
 
 from llmc.base.errors import CheckpointError, UnsupportedError
+from llmc.compiler.input_bounds import (
+    MAX_GGUF_ARRAY_DEPTH,
+    MAX_GGUF_ARRAY_LEN,
+    MAX_GGUF_METADATA_KEYS,
+    MAX_GGUF_STRING_BYTES,
+    MAX_GGUF_TENSORS,
+)
 
 GGUF_MAGIC = b"GGUF"
 # Metadata string arrays that are large; read only when a caller asks for them.
@@ -78,11 +86,16 @@ class _Cursor:
         (n,) = self.unpack("<Q")
         if self.pos + n > self.size:
             raise CheckpointError(f"{self.path}: truncated or corrupt GGUF (string past the end)")
+        if n > MAX_GGUF_STRING_BYTES:
+            raise CheckpointError(
+                f"{self.path}: corrupt GGUF (a string of {n} bytes; the limit is "
+                f"{MAX_GGUF_STRING_BYTES})"
+            )
         s = self.buf[self.pos : self.pos + n].decode("utf-8")
         self.pos += n
         return s
 
-    def value(self, vtype: int, keep_strings: bool) -> Any:
+    def value(self, vtype: int, keep_strings: bool, depth: int = 0) -> Any:
         if vtype in _SCALAR_FORMATS:
             return self.unpack(_SCALAR_FORMATS[vtype])[0]
         if vtype == _STRING:
@@ -92,13 +105,23 @@ class _Cursor:
         etype, count = self.unpack("<IQ")
         if count > self.size - self.pos:  # every element takes at least one byte
             raise CheckpointError(f"{self.path}: corrupt GGUF (array of {count} elements)")
+        if count > MAX_GGUF_ARRAY_LEN:
+            raise CheckpointError(
+                f"{self.path}: corrupt GGUF (array of {count} elements; the limit is "
+                f"{MAX_GGUF_ARRAY_LEN})"
+            )
         if etype in _SCALAR_FORMATS:
             fmt = _SCALAR_FORMATS[etype]
             values = struct.unpack_from(f"<{count}{fmt[1]}", self.buf, self.pos)
             self.pos += count * struct.calcsize(fmt)
             return list(values)
         if etype == _ARRAY:
-            return [self.value(_ARRAY, keep_strings) for _ in range(count)]
+            if depth + 1 >= MAX_GGUF_ARRAY_DEPTH:
+                raise CheckpointError(
+                    f"{self.path}: corrupt GGUF (arrays nested more than "
+                    f"{MAX_GGUF_ARRAY_DEPTH} deep)"
+                )
+            return [self.value(_ARRAY, keep_strings, depth + 1) for _ in range(count)]
         if etype != _STRING:
             raise CheckpointError(f"{self.path}: corrupt GGUF (unknown array type {etype})")
         if keep_strings:
@@ -136,6 +159,12 @@ def read_gguf_header(path: str | Path, string_arrays: tuple[str, ...] = ()) -> G
         version, n_tensors, n_kv = cur.unpack("<IQQ")
         if version not in (2, 3):
             raise UnsupportedError(f"{path}: GGUF version {version} is not supported (2 or 3)")
+        for what, n, limit in (
+            ("metadata entries", n_kv, MAX_GGUF_METADATA_KEYS),
+            ("tensors", n_tensors, MAX_GGUF_TENSORS),
+        ):
+            if n > limit:
+                raise CheckpointError(f"{path}: corrupt GGUF ({n} {what}; llmc's limit is {limit})")
         metadata: dict[str, Any] = {}
         for _ in range(n_kv):
             key = cur.string()

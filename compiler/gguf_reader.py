@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from llmc.base.errors import CheckpointError, UnsupportedError
+from llmc.base.errors import CheckpointError, UnsupportedError, check_positive_ints
 from llmc.compiler.gguf_header import (
     TOKENIZER_ARRAYS,
     GGUFHeader,
@@ -35,6 +35,7 @@ from llmc.compiler.gguf_header import (
     read_gguf_header,
 )
 from llmc.compiler.gguf_tokenizer import gguf_tokenizer_files
+from llmc.compiler.input_bounds import HF_CONFIG_KEYS, check_model_sizes, config_float, config_int
 
 ROPE_FREQS = "rope_freqs.weight"  # llama3 RoPE scaling; folded into the config, not a weight
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -74,6 +75,7 @@ def gguf_hf_config(header: GGUFHeader) -> dict[str, Any]:
             f"supported: {', '.join(GGUF_ARCHITECTURES)}"
         )
     names = {t.name for t in header.tensors}
+    where, md = str(header.path), header.metadata
 
     def need(key: str) -> Any:
         value = header.get(key)
@@ -81,27 +83,45 @@ def gguf_hf_config(header: GGUFHeader) -> dict[str, Any]:
             raise CheckpointError(f"{header.path}: GGUF metadata lacks {arch}.{key}")
         return value
 
-    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
-    vocab = header.get("vocab_size", header.metadata.get("tokenizer.ggml.tokens"))
-    if vocab is None:
+    def size(key: str, hf_key: str, default: int | None = None) -> int:
+        """A size from the metadata, typed and bounded before anything is derived from it."""
+        value = need(key) if default is None else header.get(key, default)
+        if isinstance(value, list):  # a token list stands for its length
+            value = len(value)
+        n = config_int(value, f"{arch}.{key}", where)
+        check_positive_ints({f"{arch}.{key}": n}, where, CheckpointError)
+        check_model_sizes({f"{arch}.{key}": n}, where, {f"{arch}.{key}": HF_CONFIG_KEYS[hf_key]})
+        return n
+
+    def real(key: str, default: float) -> float:
+        return _float32_repr(config_float(header.get(key, default), f"{arch}.{key}", where))
+
+    hidden, heads = (
+        size("embedding_length", "hidden_size"),
+        size("attention.head_count", "num_attention_heads"),
+    )
+    if header.get("vocab_size") is None and "tokenizer.ggml.tokens" not in md:
         raise CheckpointError(f"{header.path}: GGUF metadata has neither vocab_size nor tokens")
-    vocab = vocab if isinstance(vocab, int) else len(vocab)
-    md = header.metadata
-    eos = [md[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in md]
-    eos = list(dict.fromkeys(int(e) for e in eos))
+    vocab = header.get("vocab_size", md.get("tokenizer.ggml.tokens"))
+    if isinstance(vocab, list):
+        vocab = len(vocab)
+    vocab = config_int(vocab, f"{arch}.vocab_size", where)
+    check_model_sizes({f"{arch}.vocab_size": vocab}, where, {f"{arch}.vocab_size": "vocab_size"})
+    eos_keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
+    eos = list(dict.fromkeys(config_int(md[k], k, where) for k in eos_keys if k in md))
     cfg: dict[str, Any] = {
         "architectures": [GGUF_ARCHITECTURES[arch]],
         "model_type": arch,
-        "vocab_size": int(vocab),
+        "vocab_size": vocab,
         "hidden_size": hidden,
-        "intermediate_size": int(need("feed_forward_length")),
-        "num_hidden_layers": int(need("block_count")),
+        "intermediate_size": size("feed_forward_length", "intermediate_size"),
+        "num_hidden_layers": size("block_count", "num_hidden_layers"),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(header.get("attention.head_count_kv", heads)),
-        "head_dim": int(header.get("attention.key_length", hidden // heads)),
-        "max_position_embeddings": int(header.get("context_length", 2048)),
-        "rms_norm_eps": _float32_repr(header.get("attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": _float32_repr(header.get("rope.freq_base", 10000.0)),
+        "num_key_value_heads": size("attention.head_count_kv", "num_key_value_heads", heads),
+        "head_dim": size("attention.key_length", "head_dim", max(hidden // heads, 1)),
+        "max_position_embeddings": size("context_length", "max_position_embeddings", 2048),
+        "rms_norm_eps": real("attention.layer_norm_rms_epsilon", 1e-5),
+        "rope_theta": real("rope.freq_base", 10000.0),
         "hidden_act": "silu",
         "tie_word_embeddings": "output.weight" not in names,
         "torch_dtype": "float32",
@@ -113,19 +133,21 @@ def gguf_hf_config(header: GGUFHeader) -> dict[str, Any]:
             header, rope_freqs, cfg["head_dim"], cfg["rope_theta"]
         )
     elif scaling == "linear":
-        cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(need("rope.scaling.factor"))}
+        factor = config_float(need("rope.scaling.factor"), f"{arch}.rope.scaling.factor", where)
+        cfg["rope_scaling"] = {"rope_type": "linear", "factor": factor}
     elif scaling not in (None, "none"):
-        raise UnsupportedError(f"{header.path}: GGUF rope scaling {scaling!r} is not supported")
+        raise UnsupportedError(
+            f"{header.path}: GGUF rope scaling {str(scaling)[:60]!r} is not supported"
+        )
     if arch == "llama":
         cfg.update(attention_bias=False, mlp_bias=False)
     else:
         cfg.update(use_sliding_window=False, sliding_window=None)
-    if "tokenizer.ggml.bos_token_id" in md:
-        cfg["bos_token_id"] = int(md["tokenizer.ggml.bos_token_id"])
+    for key, hf_key in (("bos_token_id", "bos_token_id"), ("padding_token_id", "pad_token_id")):
+        if f"tokenizer.ggml.{key}" in md:
+            cfg[hf_key] = config_int(md[f"tokenizer.ggml.{key}"], f"tokenizer.ggml.{key}", where)
     if eos:
         cfg["eos_token_id"] = eos[0] if len(eos) == 1 else eos
-    if "tokenizer.ggml.padding_token_id" in md:
-        cfg["pad_token_id"] = int(md["tokenizer.ggml.padding_token_id"])
     return cfg
 
 
@@ -154,8 +176,10 @@ def _llama3_scaling(
         "factor": float(np.float32(factors.max())),
         "low_freq_factor": 1.0,
         "high_freq_factor": 4.0,
-        "original_max_position_embeddings": int(
-            header.get("rope.scaling.original_context_length", 8192)
+        "original_max_position_embeddings": config_int(
+            header.get("rope.scaling.original_context_length", 8192),
+            "rope.scaling.original_context_length",
+            str(header.path),
         ),
     }
     expected = llama3_rope_factors(head_dim, theta, scaling)
@@ -244,7 +268,8 @@ def load_gguf(
 
     header = read_gguf_header(path, string_arrays=TOKENIZER_ARRAYS)
     config = gguf_hf_config(header)
-    validate_hf_tensors(ModelSpec.from_hf_config(config), gguf_hf_shapes(header), str(path))
+    spec = ModelSpec.from_hf_config(config, str(path))
+    validate_hf_tensors(spec, gguf_hf_shapes(header), str(path))
     files = gguf_tokenizer_files(header)
     files["generation_config.json"] = json.dumps(generation_config(config), indent=2).encode()
     return config, read_gguf_tensors(header, config), files

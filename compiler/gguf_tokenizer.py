@@ -22,6 +22,7 @@ from typing import Any
 
 from llmc.base.errors import CheckpointError, UnsupportedError
 from llmc.compiler.gguf_header import GGUFHeader
+from llmc.compiler.input_bounds import config_int
 
 _CONTROL, _USER_DEFINED = 3, 4
 
@@ -109,6 +110,15 @@ def gguf_tokenizer_files(header: GGUFHeader) -> dict[str, bytes]:
     if not isinstance(tokens, list) or not isinstance(merges, list):
         raise CheckpointError(f"{where}: GGUF tokenizer vocabulary or merges missing")
     types = md.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    for key, values, kind in (
+        ("tokens", tokens, str),
+        ("merges", merges, str),
+        ("token_type", types, int),
+    ):
+        if not isinstance(values, list) or not all(isinstance(v, kind) for v in values):
+            raise CheckpointError(
+                f"{where}: GGUF tokenizer.ggml.{key} must be an array of {kind.__name__}s"
+            )
     if len(types) != len(tokens):
         raise CheckpointError(
             f"{where}: GGUF has {len(tokens)} tokens but {len(types)} token types"
@@ -142,9 +152,10 @@ def gguf_tokenizer_files(header: GGUFHeader) -> dict[str, bytes]:
         i = md.get(f"tokenizer.ggml.{key}")
         if i is None:
             return None
-        if not 0 <= int(i) < len(tokens):
+        i = config_int(i, f"tokenizer.ggml.{key}", where)
+        if not 0 <= i < len(tokens):
             raise CheckpointError(f"{where}: tokenizer.ggml.{key} = {i} is out of the vocabulary")
-        return tokens[int(i)]
+        return tokens[i]
 
     bos, eos = token("bos_token_id"), token("eos_token_id")
     add_bos = bool(md.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
@@ -168,7 +179,7 @@ def gguf_tokenizer_files(header: GGUFHeader) -> dict[str, bytes]:
         "add_bos_token": add_bos,
         "add_eos_token": add_eos,
         "clean_up_tokenization_spaces": False,
-        "model_max_length": int(header.get("context_length", 2048)),
+        "model_max_length": config_int(header.get("context_length", 2048), "context_length", where),
     }
     if md.get("tokenizer.chat_template"):
         config["chat_template"] = str(md["tokenizer.chat_template"])

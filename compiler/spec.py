@@ -23,9 +23,17 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, overload
 
 from llmc.base.errors import CheckpointError, ConfigError, UnsupportedError, check_positive_ints
+from llmc.compiler.input_bounds import (
+    HF_CONFIG_KEYS,
+    MAX_PARAMETERS,
+    MODEL_SIZE_LIMITS,
+    check_model_sizes,
+    config_float,
+    config_int,
+)
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -68,13 +76,25 @@ class ModelSpec:
                 f"architecture {self.architecture!r} is not supported; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads")
-        sizes += ("num_kv_heads", "head_dim", "max_position_embeddings")
-        check_positive_ints({n: getattr(self, n) for n in sizes}, "model config", ConfigError)
+        sizes = {name: getattr(self, name) for name in MODEL_SIZE_LIMITS}
+        check_positive_ints(sizes, "model config", ConfigError)
+        # sizes first: everything below (and every user of the spec) may loop over them
+        check_model_sizes(sizes, "model config", {})
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"model config: num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:  # RoPE rotates pairs of dimensions; the kernels need it even
+            raise UnsupportedError(
+                f"model config: head_dim {self.head_dim} is odd; RoPE and the kernels need "
+                "an even head_dim"
+            )
+        check_model_values(self)
+        if self.num_parameters() > MAX_PARAMETERS:
+            raise CheckpointError(
+                f"model config: {self.num_parameters()} parameters exceed llmc's limit of "
+                f"{MAX_PARAMETERS}"
             )
 
     # ---- derived sizes -------------------------------------------------------------
@@ -143,89 +163,184 @@ class ModelSpec:
         unknown = sorted(set(d) - known)
         if unknown:
             raise ConfigError(f"model spec: unknown keys {unknown}")
-        if d.get("rope_scaling") is not None:
-            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
-        d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
-        return cls(**d)
+        try:
+            if d.get("rope_scaling") is not None:
+                d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+            d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
+            return cls(**d)
+        except TypeError as e:  # a missing key, a non-mapping rope_scaling, a non-list
+            raise ConfigError(f"model spec: {e}") from None
 
     @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelSpec:
-        """Build from a HuggingFace ``config.json`` dictionary."""
-        archs = cfg.get("architectures") or []
-        if not archs:
-            mt = cfg.get("model_type", "")
-            archs = {
-                "llama": ["LlamaForCausalLM"],
-                "mistral": ["MistralForCausalLM"],
-                "qwen2": ["Qwen2ForCausalLM"],
-            }.get(mt, [mt or "<missing>"])
-        arch = archs[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise UnsupportedError(
-                f"architecture {arch!r} is not supported; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+    def from_hf_config(cls, cfg: dict[str, Any], where: str = "model config") -> ModelSpec:
+        """Build from a HuggingFace ``config.json`` dictionary. A value of the wrong type, past
+        its limit (compiler/input_bounds.py) or out of range is a CheckpointError naming the
+        config.json key (``where`` names the file); sizes are checked before anything is
+        derived from them."""
+        arch = _architecture(cfg, where)
+
+        def num(key: str, default: Any = None, *, required: bool = True) -> int | None:
+            value = cfg.get(key)
+            if value is None:
+                if default is None and required:
+                    raise CheckpointError(f"{where}: missing required key {key!r}")
+                return default
+            return config_int(value, key, where)
+
+        sizes = {
+            key: num(key, required=key not in ("num_key_value_heads", "head_dim"))
+            for key in HF_CONFIG_KEYS
+            if key != "max_position_embeddings"
+        }
+        sizes["max_position_embeddings"] = num("max_position_embeddings", 2048)
+        given = {k: v for k, v in sizes.items() if v is not None}
+        check_positive_ints(given, where, CheckpointError)
+        check_model_sizes(given, where, HF_CONFIG_KEYS)
+        hidden, heads = sizes["hidden_size"], sizes["num_attention_heads"]
+        if sizes["head_dim"] is None and hidden % heads:
+            raise CheckpointError(
+                f"{where}: hidden_size ({hidden}) is not a multiple of num_attention_heads "
+                f"({heads}) and no head_dim is given"
             )
         if arch == "MistralForCausalLM" and cfg.get("sliding_window") not in (None, 0):
-            sw, mpe = cfg.get("sliding_window"), cfg.get("max_position_embeddings", 0)
-            if sw < mpe:
+            sw = config_int(cfg["sliding_window"], "sliding_window", where)
+            if sw < sizes["max_position_embeddings"]:
                 raise UnsupportedError(
                     f"MistralForCausalLM with sliding_window={sw} is not supported "
                     "(sliding-window attention); only models without a sliding window are"
                 )
-
-        def need(key: str) -> Any:
-            if key not in cfg:
-                raise CheckpointError(f"config.json: missing required key {key!r}")
-            return cfg[key]
-
-        hidden = int(need("hidden_size"))
-        heads = int(need("num_attention_heads"))
-        kv_heads = int(cfg.get("num_key_value_heads") or heads)
-        head_dim = int(cfg.get("head_dim") or hidden // heads)
-        scaling = None
-        rs = cfg.get("rope_scaling")
-        if not rs and isinstance(cfg.get("rope_parameters"), dict):
-            rs = cfg["rope_parameters"]  # transformers >= 5 writes rope_parameters instead
-        if rs:
-            kind = rs.get("rope_type", rs.get("type"))
-            if kind == "llama3":
-                scaling = RopeScaling(
-                    kind="llama3",
-                    factor=float(rs["factor"]),
-                    low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
-                    high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
-                    original_max_position_embeddings=int(
-                        rs.get("original_max_position_embeddings", 8192)
-                    ),
-                )
-            elif kind == "linear":
-                scaling = RopeScaling(kind="linear", factor=float(rs["factor"]))
-            elif kind not in (None, "default"):
-                raise UnsupportedError(
-                    f"rope_scaling type {kind!r} is not supported (supported: llama3, linear)"
-                )
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        theta = cfg.get("rope_theta")
-        if theta is None and isinstance(cfg.get("rope_parameters"), dict):
-            theta = cfg["rope_parameters"].get("rope_theta")
+        rope = cfg.get("rope_parameters")
+        rope = rope if isinstance(rope, dict) else {}  # transformers >= 5 writes these
+        theta = cfg.get("rope_theta", rope.get("rope_theta"))
+        eps = cfg.get("rms_norm_eps", 1e-6 if arch == "Qwen2ForCausalLM" else 1e-5)
         return cls(
             architecture=arch,
-            vocab_size=int(need("vocab_size")),
+            vocab_size=sizes["vocab_size"],
             hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")),
-            num_layers=int(need("num_hidden_layers")),
+            intermediate_size=sizes["intermediate_size"],
+            num_layers=sizes["num_hidden_layers"],
             num_heads=heads,
-            num_kv_heads=kv_heads,
-            head_dim=head_dim,
-            rms_norm_eps=float(
-                cfg.get("rms_norm_eps", 1e-6 if arch == "Qwen2ForCausalLM" else 1e-5)
-            ),
-            rope_theta=float(theta if theta is not None else 10000.0),
-            rope_scaling=scaling,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            num_kv_heads=sizes["num_key_value_heads"] or heads,
+            head_dim=sizes["head_dim"] or hidden // heads,
+            rms_norm_eps=config_float(eps, "rms_norm_eps", where),
+            rope_theta=10000.0 if theta is None else config_float(theta, "rope_theta", where),
+            rope_scaling=_rope_scaling(cfg.get("rope_scaling") or rope or None, where),
+            max_position_embeddings=sizes["max_position_embeddings"],
+            tie_word_embeddings=_flag(cfg, "tie_word_embeddings", where),
             qkv_bias=arch == "Qwen2ForCausalLM",
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=tuple(int(e) for e in eos_ids),
+            bos_token_id=_token_ids(cfg.get("bos_token_id"), "bos_token_id", where, single=True),
+            eos_token_ids=_token_ids(cfg.get("eos_token_id"), "eos_token_id", where),
         )
+
+
+def check_model_values(spec: ModelSpec) -> None:
+    """The values an engine built from ``spec`` would run on: finite positive epsilon and RoPE
+    base, sane RoPE scaling, token ids inside the vocabulary (CheckpointError naming them)."""
+    where = "model config"
+    for name in ("rms_norm_eps", "rope_theta"):
+        value = config_float(getattr(spec, name), name, where)
+        if value <= 0:
+            raise CheckpointError(f"{where}: {name} must be positive, got {value!r}")
+    rs = spec.rope_scaling
+    if rs is not None:
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            if config_float(getattr(rs, name), f"rope_scaling.{name}", where) <= 0:
+                raise CheckpointError(f"{where}: rope_scaling.{name} must be positive")
+        if rs.kind == "llama3" and rs.high_freq_factor <= rs.low_freq_factor:
+            raise CheckpointError(
+                f"{where}: rope_scaling.high_freq_factor ({rs.high_freq_factor}) must be above "
+                f"low_freq_factor ({rs.low_freq_factor})"
+            )
+        check_positive_ints(
+            {"rope_scaling.original_max_position_embeddings": rs.original_max_position_embeddings},
+            where,
+            CheckpointError,
+        )
+    ids = [("bos_token_id", spec.bos_token_id)] if spec.bos_token_id is not None else []
+    ids += [("eos_token_id", e) for e in spec.eos_token_ids]
+    for name, token in ids:
+        if isinstance(token, bool) or not isinstance(token, int):
+            raise CheckpointError(f"{where}: {name} must be an integer, got {token!r}")
+        if not 0 <= token < spec.vocab_size:
+            raise CheckpointError(
+                f"{where}: {name} {token} is outside the vocabulary (0..{spec.vocab_size - 1}); "
+                "the engine could never stop on it"
+            )
+
+
+def _architecture(cfg: dict[str, Any], where: str) -> str:
+    archs = cfg.get("architectures") or []
+    if isinstance(archs, str) or not isinstance(archs, list):
+        raise CheckpointError(f"{where}: architectures must be a list, got {archs!r:.60}")
+    if not archs:
+        mt = cfg.get("model_type", "")
+        mt = mt if isinstance(mt, str) else repr(mt)
+        archs = [_MODEL_TYPES.get(mt, mt or "<missing>")]
+    arch = archs[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedError(
+            f"architecture {str(arch)[:60]!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return arch
+
+
+_MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+
+
+def _rope_scaling(rs: Any, where: str) -> RopeScaling | None:
+    if rs is None:
+        return None
+    if not isinstance(rs, dict):
+        raise CheckpointError(f"{where}: rope_scaling must be a mapping, got {rs!r:.60}")
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind in (None, "default"):
+        return None
+    if kind not in ("llama3", "linear"):
+        raise UnsupportedError(
+            f"rope_scaling type {str(kind)[:60]!r} is not supported (supported: llama3, linear)"
+        )
+    if "factor" not in rs:
+        raise CheckpointError(f"{where}: rope_scaling ({kind}) lacks 'factor'")
+
+    def get(key: str, default: float) -> float:
+        return config_float(rs.get(key, default), f"rope_scaling.{key}", where)
+
+    factor = get("factor", 1.0)
+    if kind == "linear":
+        return RopeScaling(kind="linear", factor=factor)
+    old = rs.get("original_max_position_embeddings", 8192)
+    return RopeScaling(
+        kind="llama3",
+        factor=factor,
+        low_freq_factor=get("low_freq_factor", 1.0),
+        high_freq_factor=get("high_freq_factor", 4.0),
+        original_max_position_embeddings=config_int(
+            old, "rope_scaling.original_max_position_embeddings", where
+        ),
+    )
+
+
+def _flag(cfg: dict[str, Any], key: str, where: str) -> bool:
+    value = cfg.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise CheckpointError(f"{where}: {key} must be true or false, got {value!r:.60}")
+    return bool(value)
+
+
+@overload
+def _token_ids(value: Any, key: str, where: str, *, single: Literal[True]) -> int | None: ...
+@overload
+def _token_ids(value: Any, key: str, where: str) -> tuple[int, ...]: ...
+def _token_ids(value: Any, key: str, where: str, *, single: bool = False) -> Any:
+    """A token id (``single``) or a list of them, as ints; the range is ModelSpec's check."""
+    if value is None:
+        return None if single else ()
+    if single:
+        return config_int(value, key, where)
+    values = value if isinstance(value, list) else [value]
+    return tuple(config_int(v, key, where) for v in values)
