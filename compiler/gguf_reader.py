@@ -86,8 +86,6 @@ def gguf_hf_config(header: GGUFHeader) -> dict[str, Any]:
     def size(key: str, hf_key: str, default: int | None = None) -> int:
         """A size from the metadata, typed and bounded before anything is derived from it."""
         value = need(key) if default is None else header.get(key, default)
-        if isinstance(value, list):  # a token list stands for its length
-            value = len(value)
         n = config_int(value, f"{arch}.{key}", where)
         check_positive_ints({f"{arch}.{key}": n}, where, CheckpointError)
         check_model_sizes({f"{arch}.{key}": n}, where, {f"{arch}.{key}": HF_CONFIG_KEYS[hf_key]})
@@ -127,6 +125,8 @@ def gguf_hf_config(header: GGUFHeader) -> dict[str, Any]:
         "torch_dtype": "float32",
     }
     scaling = header.get("rope.scaling.type")
+    if scaling is not None and not isinstance(scaling, str):
+        raise CheckpointError(f"{where}: {arch}.rope.scaling.type must be a string")
     rope_freqs = next((t for t in header.tensors if t.name == ROPE_FREQS), None)
     if rope_freqs is not None:
         cfg["rope_scaling"] = _llama3_scaling(
