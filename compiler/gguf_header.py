@@ -29,7 +29,7 @@ from llmc.compiler.input_bounds import (
     MAX_GGUF_ARRAY_LEN,
     MAX_GGUF_METADATA_KEYS,
     MAX_GGUF_STRING_BYTES,
-    MAX_GGUF_TENSORS,
+    MAX_TENSORS,
 )
 
 GGUF_MAGIC = b"GGUF"
@@ -161,7 +161,7 @@ def read_gguf_header(path: str | Path, string_arrays: tuple[str, ...] = ()) -> G
             raise UnsupportedError(f"{path}: GGUF version {version} is not supported (2 or 3)")
         for what, n, limit in (
             ("metadata entries", n_kv, MAX_GGUF_METADATA_KEYS),
-            ("tensors", n_tensors, MAX_GGUF_TENSORS),
+            ("tensors", n_tensors, MAX_TENSORS),
         ):
             if n > limit:
                 raise CheckpointError(f"{path}: corrupt GGUF ({n} {what}; llmc's limit is {limit})")

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from llmc.base.errors import CheckpointError, UnsupportedError
-from llmc.compiler.input_bounds import MAX_GGUF_TENSORS, config_int
+from llmc.compiler.input_bounds import MAX_TENSORS, config_int
 
 if TYPE_CHECKING:  # safetensors makes the tensors; importing this module needs no torch
     import torch
@@ -83,9 +83,9 @@ def shard_map(model_dir: str | Path) -> dict[Path, list[str] | None]:
         weight_map = read_json_object(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{index}: has no 'weight_map'")
-        if len(weight_map) > MAX_GGUF_TENSORS:
+        if len(weight_map) > MAX_TENSORS:
             raise CheckpointError(
-                f"{index}: {len(weight_map)} tensors exceed llmc's limit of {MAX_GGUF_TENSORS}"
+                f"{index}: {len(weight_map)} tensors exceed llmc's limit of {MAX_TENSORS}"
             )
         shards: dict[Path, list[str] | None] = {}
         for name, shard in weight_map.items():

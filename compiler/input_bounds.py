@@ -78,7 +78,7 @@ HF_CONFIG_KEYS: dict[str, str] = {
 # ---- file structure ------------------------------------------------------------------------
 MAX_GGUF_METADATA_KEYS = 1 << 16
 """Metadata entries of a GGUF header. Real files have ~40."""
-MAX_GGUF_TENSORS = 1 << 16
+MAX_TENSORS = 1 << 16
 """Tensors of one checkpoint (GGUF table or safetensors index). MAX_LAYERS layers of ~12
 tensors each stay well below it."""
 MAX_GGUF_ARRAY_LEN = 1 << 24

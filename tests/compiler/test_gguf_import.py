@@ -493,3 +493,31 @@ def test_import_into_empty_dir_and_force_replace(tiny_gguf, tmp_path):
     import_gguf(tiny_gguf, out, force=True)
     assert sorted(p.name for p in out.iterdir()) == names  # replaced whole
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "tiny.gguf"]  # no temp left
+
+
+def test_header_counts_and_nesting_are_bounded(tiny_llama_dir, tmp_path):
+    from llmc.compiler.input_bounds import MAX_GGUF_ARRAY_DEPTH
+
+    path = write_gguf(
+        tiny_llama_dir,
+        tmp_path / "deep.gguf",
+        edit=lambda w, t: w.add_array("general.deep", [[[[[1]]]]]),
+    )
+    with pytest.raises(CheckpointError, match=f"nested more than {MAX_GGUF_ARRAY_DEPTH} deep"):
+        read_gguf_header(path)
+    data = bytearray(path.read_bytes())
+    data[8:16] = (10**15).to_bytes(8, "little")  # the tensor count
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="1000000000000000 tensors"):
+        read_gguf_header(path)
+
+
+def test_metadata_of_the_wrong_type_names_the_key(tiny_llama_dir, tmp_path):
+    path = write_gguf(
+        tiny_llama_dir,
+        tmp_path / "m.gguf",
+        edit=lambda w, t: w.add_string("llama.block_count", "2"),
+    )
+    # the writer keeps both block_count entries; the reader's dict keeps the last (a string)
+    with pytest.raises(CheckpointError, match="llama.block_count must be an integer"):
+        read_model_spec(path)

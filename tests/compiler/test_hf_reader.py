@@ -214,3 +214,37 @@ def test_missing_tokenizer(tiny_llama_dir, tmp_path):
     (d / "tokenizer.json").unlink()
     with pytest.raises(CheckpointError, match="tokenizer.json is missing"):
         load_checkpoint(d)
+
+
+def test_index_shards_stay_inside_the_checkpoint(tiny_llama_dir, tmp_path):
+    d = _copy(tiny_llama_dir, tmp_path / "m")
+    index_path = d / "model.safetensors.index.json"
+    (tmp_path / "outside.safetensors").write_bytes((d / "model.safetensors").read_bytes())
+    for shard in ("../outside.safetensors", "/etc/passwd", 7, ""):
+        index_path.write_text(json.dumps({"weight_map": {"model.norm.weight": shard}}))
+        with pytest.raises(CheckpointError, match="inside the checkpoint directory"):
+            load_checkpoint(d)
+
+
+def test_tokenizer_is_loaded_once_at_build(tiny_llama_dir, tmp_path):
+    d = _copy(tiny_llama_dir, tmp_path / "m")
+    (d / "tokenizer.json").write_text('{"model": {"type": "NoSuchModel"}}')
+    with pytest.raises(CheckpointError, match="tokenizer.json: the tokenizer does not load"):
+        load_checkpoint(d)
+
+
+def test_bad_side_files_are_checkpoint_errors(tiny_llama_dir, tmp_path):
+    d = _copy(tiny_llama_dir, tmp_path / "m")
+    (d / "generation_config.json").write_text('["eos"]')
+    with pytest.raises(CheckpointError, match="generation_config.json: expected a JSON object"):
+        read_model_spec(d)
+    (d / "generation_config.json").write_text('{"eos_token_id": [2, "x"]}')
+    with pytest.raises(CheckpointError, match="eos_token_id must be an integer"):
+        read_model_spec(d)
+    (d / "generation_config.json").unlink()
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template")
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (d / "chat_template.jinja").write_bytes(b"{{ \xff }}")
+    with pytest.raises(CheckpointError, match="chat_template.jinja: not UTF-8"):
+        load_checkpoint(d)

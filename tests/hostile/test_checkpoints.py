@@ -135,17 +135,13 @@ CASES: list[tuple[Case, Setup]] = [
             "index.json naming 1e5 tensors",
             BUILD,
             4,
-            [INDEX.replace("__", "."), LIM(B.MAX_GGUF_TENSORS)],
+            [INDEX.replace("__", "."), LIM(B.MAX_TENSORS)],
         ),
         files(
             config(),
             **{
                 INDEX: json.dumps(
-                    {
-                        "weight_map": {
-                            f"t{i}": "a.safetensors" for i in range(B.MAX_GGUF_TENSORS + 1)
-                        }
-                    }
+                    {"weight_map": {f"t{i}": "a.safetensors" for i in range(B.MAX_TENSORS + 1)}}
                 )
             },
         ),

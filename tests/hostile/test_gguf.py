@@ -202,7 +202,7 @@ CASES: list[tuple[Case, Setup]] = [
         header(TINY, n_kv=10**15),
     ),
     (
-        Case("1e15 tensors declared", DRY, 4, ["tensors", LIM(B.MAX_GGUF_TENSORS)]),
+        Case("1e15 tensors declared", DRY, 4, ["tensors", LIM(B.MAX_TENSORS)]),
         header(TINY, n_tensors=10**15),
     ),
     # ---- malformed metadata: arrays, types, strings (issue item 6) -------------------------
