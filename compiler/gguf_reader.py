@@ -91,6 +91,9 @@ def gguf_hf_config(header: GGUFHeader) -> dict[str, Any]:
         check_model_sizes({f"{arch}.{key}": n}, where, {f"{arch}.{key}": HF_CONFIG_KEYS[hf_key]})
         return n
 
+    def token_id(key: str) -> int:
+        return config_int(md[key], key, where)
+
     def real(key: str, default: float) -> float:
         return _float32_repr(config_float(header.get(key, default), f"{arch}.{key}", where))
 
@@ -98,15 +101,10 @@ def gguf_hf_config(header: GGUFHeader) -> dict[str, Any]:
         size("embedding_length", "hidden_size"),
         size("attention.head_count", "num_attention_heads"),
     )
-    if header.get("vocab_size") is None and "tokenizer.ggml.tokens" not in md:
-        raise CheckpointError(f"{header.path}: GGUF metadata has neither vocab_size nor tokens")
-    vocab = header.get("vocab_size", md.get("tokenizer.ggml.tokens"))
-    if isinstance(vocab, list):
-        vocab = len(vocab)
-    vocab = config_int(vocab, f"{arch}.vocab_size", where)
-    check_model_sizes({f"{arch}.vocab_size": vocab}, where, {f"{arch}.vocab_size": "vocab_size"})
+    tokens = md.get("tokenizer.ggml.tokens")  # a list, or its length when skipped
+    vocab = size("vocab_size", "vocab_size", len(tokens) if isinstance(tokens, list) else tokens)
     eos_keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
-    eos = list(dict.fromkeys(config_int(md[k], k, where) for k in eos_keys if k in md))
+    eos = list(dict.fromkeys(token_id(k) for k in eos_keys if k in md))
     cfg: dict[str, Any] = {
         "architectures": [GGUF_ARCHITECTURES[arch]],
         "model_type": arch,
@@ -143,11 +141,12 @@ def gguf_hf_config(header: GGUFHeader) -> dict[str, Any]:
         cfg.update(attention_bias=False, mlp_bias=False)
     else:
         cfg.update(use_sliding_window=False, sliding_window=None)
-    for key, hf_key in (("bos_token_id", "bos_token_id"), ("padding_token_id", "pad_token_id")):
-        if f"tokenizer.ggml.{key}" in md:
-            cfg[hf_key] = config_int(md[f"tokenizer.ggml.{key}"], f"tokenizer.ggml.{key}", where)
+    if "tokenizer.ggml.bos_token_id" in md:
+        cfg["bos_token_id"] = token_id("tokenizer.ggml.bos_token_id")
     if eos:
         cfg["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+    if "tokenizer.ggml.padding_token_id" in md:
+        cfg["pad_token_id"] = token_id("tokenizer.ggml.padding_token_id")
     return cfg
 
 
