@@ -1,5 +1,6 @@
 import pytest
 
+from helpers.checkpoints import TINY_LLAMA
 from llmc.base.errors import ConfigError, UnsupportedError, UsageError
 from llmc.compiler.build_config import BuildConfig
 from llmc.compiler.spec import ModelSpec
@@ -33,16 +34,7 @@ def test_build_config_validation():
 
 
 # ---- size limits and value checks (compiler/input_bounds.py) ----------------------------
-TINY_CFG = {
-    "architectures": ["LlamaForCausalLM"],
-    "vocab_size": 256,
-    "hidden_size": 64,
-    "intermediate_size": 160,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "eos_token_id": 2,
-}
+TINY_CFG = {"architectures": ["LlamaForCausalLM"], **TINY_LLAMA}
 
 
 def test_every_config_size_key_has_a_limit():

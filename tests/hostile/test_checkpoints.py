@@ -18,23 +18,11 @@ from typing import Any
 
 import pytest
 
+from helpers.checkpoints import TINY_LLAMA
 from helpers.hostile import Case, run_case
 from llmc.compiler import input_bounds as B
 
-CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "vocab_size": 256,
-    "hidden_size": 64,
-    "intermediate_size": 160,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 512,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
+CONFIG = {"architectures": ["LlamaForCausalLM"], **TINY_LLAMA}
 """The tiny llama of tests/helpers/checkpoints.py, as its config.json says."""
 
 Setup = Callable[[Path, Path], Path]
