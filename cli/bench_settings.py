@@ -69,8 +69,33 @@ def collect(cli: dict[str, Any], profile: str | None, defaults: dict[str, Any]) 
     return {**defaults, **merge_settings(cli, section)}
 
 
+class _WorkloadTypes:
+    """The types of the workload settings (flags are typed by typer; a YAML profile's
+    ``workload:`` section is checked against these before anything converts it)."""
+
+    engine_dir: str | None
+    dataset: str | None
+    num_requests: int | None
+    isl: int | None
+    osl: int | None
+    isl_stdev: float | None
+    osl_stdev: float | None
+    distribution: str | None
+    seed: int | None
+    warmup: int | None
+    concurrency: int | None
+    request_rate: float | None
+    burstiness: float | None
+    peer: str | None
+    peer_batch_size: int | None
+    peer_cache: str | None
+
+
 def make_settings(s: dict[str, Any]) -> tuple[str, BenchSettings, RuntimeConfig]:
     """(engine_dir, BenchSettings, RuntimeConfig) from merged settings."""
+    from llmc.compiler.input_bounds import check_field_types
+
+    check_field_types(_WorkloadTypes, s, "workload setting")
     engine_dir = s.get("engine_dir")
     if not engine_dir:
         raise UsageError("--engine_dir is required (an engine built with `llmc build`)")

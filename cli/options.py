@@ -57,6 +57,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from llmc.base.errors import LlmcError, UsageError, did_you_mean
+from llmc.base.text import printable
 from llmc.runtime.engine_runtime import RuntimeConfig
 
 PROFILE_SECTIONS = ("description", "model", "build", "workload", "run", "profile")
@@ -205,7 +206,7 @@ def out_console() -> Console:
 
 def fail(message: str, exit_code: int) -> typer.Exit:
     """Print ``error: message`` in red on stderr; return the Exit to raise."""
-    err_console().print(f"[bold red]error:[/] {escape(message)}")
+    err_console().print(f"[bold red]error:[/] {escape(printable(message))}")
     return typer.Exit(exit_code)
 
 

@@ -56,6 +56,7 @@ DRY = ["build", "--dry_run", "--profile", "{prof}"]
 DUMMY = ["build", "--dry_run", "--load_format", "dummy", "--target", "cpu", "--model_config",
          "{prof}"]  # fmt: skip
 RUN = ["run", "--engine_dir", "{tmp}/no_engine", "--prompt", "hi", "--profile", "{prof}"]
+BENCH = ["bench", "--engine_dir", "{tmp}/no_engine", "--profile", "{prof}"]
 
 CASES: list[tuple[Case, Setup]] = [
     # ---- unbounded expansion (issue item 5) ------------------------------------------------
@@ -154,6 +155,18 @@ CASES: list[tuple[Case, Setup]] = [
     (
         Case("run: cuda_graphs a string", RUN, 3, ["cuda_graphs"]),
         text("run:\n  cuda_graphs: 'off'\n"),
+    ),
+    (
+        Case("workload: seed a string", BENCH, 3, ["seed"]),
+        text("workload:\n  seed: x\n"),
+    ),
+    (
+        Case("workload: num_requests a float", BENCH, 3, ["num_requests"]),
+        text("workload:\n  num_requests: 2.5\n"),
+    ),
+    (
+        Case("workload: burstiness .nan", BENCH, 3, ["burstiness"]),
+        text("workload:\n  burstiness: .nan\n"),
     ),
 ]
 
