@@ -155,6 +155,7 @@ def emit_step_responses(
 
     Call after the update, with the Executor's lock held."""
     logprobs = list(getattr(out, "logprobs", None) or [])
+    finished = SequenceStatus.FINISHED
     row = -1
     for ss in batch.sequences:
         if not ss.sample:
@@ -164,8 +165,22 @@ def emit_step_responses(
         state = states.get(seq.request_id)
         if state is None or state.final:  # ended (and maybe delivered) before this step
             continue
+        logprob = logprobs[row] if logprobs else None
         try:
-            _emit_row(seq, state, logprobs[row] if logprobs else None, now, scheduler, emit)
+            if state.deferred and logprob is None and seq.status is not finished:
+                # the common decode row, inline (no call per row): nothing to show until
+                # the end, only the token's time (take_new_tokens)
+                n = len(seq.output_token_ids)
+                if n - state.num_seen == 1:
+                    rec = state.record
+                    rec.token_times.append(now)
+                    state.num_seen = n
+                    if rec.first_token_time is None:
+                        rec.first_token_time = now
+                else:
+                    state.take_new_tokens(None, now)
+                continue
+            _emit_row(seq, state, logprob, now, scheduler, emit)
         except Exception as e:  # this request's tokens broke post-processing: it alone fails
             if seq.status is not SequenceStatus.FINISHED:
                 scheduler.finish(seq.request_id, FinishReason.ERROR)  # frees its blocks
@@ -182,20 +197,9 @@ def _emit_row(
     scheduler: Finisher,
     emit: Callable[[Response], None],
 ) -> None:
-    """One sampled row of ``emit_step_responses``: its timings, text delta, responses."""
+    """One sampled row of ``emit_step_responses`` that has something to show (not the inline
+    deferred decode row): its timings, text delta, responses."""
     finished = SequenceStatus.FINISHED
-    if state.deferred and logprob is None and seq.status is not finished:
-        # nothing to show until the end: only the token's time (take_new_tokens)
-        n = len(seq.output_token_ids)
-        if n - state.num_seen == 1:
-            rec = state.record
-            rec.token_times.append(now)
-            state.num_seen = n
-            if rec.first_token_time is None:
-                rec.first_token_time = now
-        else:
-            state.take_new_tokens(None, now)
-        return
     new, new_lp = state.take_new_tokens(logprob, now)
     reason = seq.finish_reason if seq.status is finished else None
     text_ids = seq.output_token_ids[state.num_text :] if state.deferred else new
