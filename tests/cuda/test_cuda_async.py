@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from llmc.compiler.limits import EngineLimits
+from helpers.engines import load_engine_weights, make_limits
 from llmc.runtime.engine_runtime import EngineRuntime, RuntimeConfig
 from llmc.runtime.types import SamplingParams
 
@@ -21,21 +21,18 @@ def model(tiny_llama_dir):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     pytest.importorskip("cupy")
-    from helpers.engines import load_engine_weights
 
     return load_engine_weights(tiny_llama_dir)
 
 
 def _run(model, sampling, *, async_scheduling, graphs=True, num_blocks=64, policy=None):
     spec, weights = model
-    limits = EngineLimits(
+    limits = make_limits(
         max_batch_size=8,
         max_input_len=64,
         max_seq_len=128,
         max_num_tokens=128,
         tokens_per_block=8,
-        enable_chunked_prefill=True,
-        dtype="float32",
     )
     config = RuntimeConfig(
         device="cuda",

@@ -17,8 +17,8 @@ import random
 import pytest
 import torch
 
+from helpers.engines import load_engine_weights, make_limits
 from llmc.compiler.dummy import dummy_weights
-from llmc.compiler.limits import EngineLimits
 from llmc.compiler.spec import ModelSpec
 from llmc.runtime.engine_runtime import EngineRuntime, RuntimeConfig
 from llmc.runtime.types import SamplingParams
@@ -67,13 +67,12 @@ def generate(
     policy: str = "guaranteed_no_evict",
     sampling: list[SamplingParams] | None = None,
 ) -> tuple[list[list[int]], EngineRuntime, list]:
-    limits = EngineLimits(
+    limits = make_limits(
         max_batch_size=8,
         max_input_len=64,
         max_seq_len=128,
         max_num_tokens=max_num_tokens,
         tokens_per_block=8,
-        enable_chunked_prefill=True,
         dtype=dtype,
     )
     config = RuntimeConfig(
@@ -115,7 +114,6 @@ def assert_same(ours: list[list[int]], ref: list[list[int]], what: str) -> None:
 def model(request):
     if request.param == "smollm2":
         return SMOLLM2, dummy_weights(SMOLLM2, "float32", seed=0, device="cuda")
-    from helpers.engines import load_engine_weights
 
     return load_engine_weights(request.getfixturevalue(f"tiny_{request.param}_dir"))
 
