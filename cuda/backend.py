@@ -99,7 +99,15 @@ BackendOp = Callable[..., Any]
 REFERENCE_NAMES = {"attention": "paged_attention"}
 """Backend op → the name of its reference function, where the two differ."""
 
-OPS_WITHOUT_OUT = frozenset({"linear_residual_add", "sample"})
+FP8_OPS = frozenset(
+    {
+        "quantize_fp8", "rms_norm_fp8", "add_rms_norm_fp8", "silu_and_mul_fp8", "linear_fp8",
+        "norm_linear_fp8", "norm_gate_up_silu_fp8", "linear_residual_add_fp8",
+    }
+)  # fmt: skip
+"""Ops whose reference function lives in ``llmc.cuda.reference_fp8``."""
+
+OPS_WITHOUT_OUT = frozenset({"linear_residual_add", "linear_residual_add_fp8", "sample"})
 """Ops that take no ``out``: the residual is updated in place; sampled ids are the backend's."""
 
 
@@ -129,6 +137,17 @@ class Backend(Protocol):
     norm_gate_up_silu: BackendOp  # silu_and_mul(linear(rms_norm(residual), gate_up))
     linear_residual_add: BackendOp  # residual += linear(x, weight) in place → residual
     sample: BackendOp  # logits [S, V] float32 → token ids [S] int64
+    # FP8 (W8A8) engines: e4m3 weights with per-channel scales, activations quantized per
+    # token by the op that produces them (llmc.cuda.reference_fp8; ``out`` is an Fp8Rows of
+    # workspace views for the ops that return one)
+    quantize_fp8: BackendOp  # x [T, K] → Fp8Rows (the o_proj input)
+    rms_norm_fp8: BackendOp  # x [T, H] → Fp8Rows of rms_norm(x)
+    add_rms_norm_fp8: BackendOp  # residual += x in place → (Fp8Rows of the norm, residual)
+    silu_and_mul_fp8: BackendOp  # [T, 2I] → Fp8Rows of silu(gate) * up
+    linear_fp8: BackendOp  # Fp8Rows [T, in] x e4m3 weight [out, in] → [T, out] in dtype
+    norm_linear_fp8: BackendOp  # linear_fp8(rms_norm_fp8(residual), weight, scale, bias)
+    norm_gate_up_silu_fp8: BackendOp  # silu_and_mul(linear_fp8(rms_norm_fp8(residual), gu))
+    linear_residual_add_fp8: BackendOp  # residual += linear_fp8(quantize_fp8(x), w) in place
 
 
 BACKEND_OPS: tuple[str, ...] = tuple(n for n in Backend.__annotations__ if n != "device")

@@ -37,6 +37,7 @@ import torch
 
 from llmc.base.errors import UnsupportedError
 from llmc.cuda.backend import AttentionMetadata, SamplingMetadata, check_fused_decode_max_tokens
+from llmc.cuda.fp8_ops import Fp8Ops
 from llmc.cuda.gemv_ops import FUSED_DECODE_DEFAULT, GEMV_MAX_TOKENS, GEMV_SMEM_BYTES, GemvOps
 from llmc.cuda.kernels import KernelConfig, KernelLibrary
 from llmc.cuda.launch_args import aligned as _aligned
@@ -53,7 +54,17 @@ CLUSTER_SPLITS = 8  # paged_attention_cluster_kernel: CTAs per (token, kv head) 
 CLUSTER_THREADS = 256  # its block (CNW * 32); __launch_bounds__(256, 2): 2 CTAs per SM
 
 
-class CudaBackend(GemvOps):
+def _need_kv_scales(k_cache: torch.Tensor, k_scale: float, v_scale: float) -> None:
+    """The 16-bit/32-bit cache kernels store values as they are: scales must be 1."""
+    if k_cache.dtype == torch.float8_e4m3fn:
+        raise UnsupportedError("CudaBackend: an fp8 KV cache needs the fp8 attention kernels")
+    if k_scale != 1.0 or v_scale != 1.0:
+        raise UnsupportedError(
+            f"CudaBackend: KV scales {k_scale}, {v_scale} apply to an fp8 KV cache only"
+        )
+
+
+class CudaBackend(GemvOps, Fp8Ops):
     """Backend on CuPy kernels. ``kernels_dir``: an engine's cubins (None = NVRTC).
 
     ``fused_decode_max_tokens`` (0..8, default 4; 0 = off): the ModelRunner runs steps of
@@ -213,8 +224,11 @@ class CudaBackend(GemvOps):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        _need_kv_scales(k_cache, k_scale, v_scale)
         _need(qkv, "qkv")
         _need(positions, "positions", torch.int64)
         _need(slot_mapping, "slot_mapping", torch.int64)
@@ -276,8 +290,11 @@ class CudaBackend(GemvOps):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        _need_kv_scales(k_cache, k_scale, v_scale)
         _need(q, "q")
         _need(k_cache, "k_cache", q.dtype)
         _need(v_cache, "v_cache", q.dtype)

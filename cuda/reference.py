@@ -128,6 +128,8 @@ def rope_and_cache_write(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Rotate q and k, write k and v to the paged cache; return rotated q.
 
@@ -135,6 +137,8 @@ def rope_and_cache_write(
     cos/sin [max_position, hd // 2] float32; k_cache/v_cache [num_blocks, tokens_per_block,
     nkv, hd]; slot_mapping [T] int64, slot = block * tokens_per_block + offset, -1 = do not
     write. Returns q [T, nq, hd] in qkv.dtype. Rotation math is float32, cast once.
+    An e4m3 cache (``llmc.cuda.reference_fp8``) stores ``sat(k * float32(1 / k_scale))``
+    (v likewise) from the float32 rotated k and the v values; other caches ignore the scales.
     """
     nkv, hd = k_cache.shape[2], k_cache.shape[3]
     t = qkv.shape[0]
@@ -144,12 +148,28 @@ def rope_and_cache_write(
     v = qkv[:, (nq + nkv) * hd :].view(t, nkv, hd)
     c, s = cos.index_select(0, positions), sin.index_select(0, positions)
     q_rot = apply_rope(q, c, s).to(qkv.dtype)
-    k_rot = apply_rope(k, c, s).to(k_cache.dtype)
+    k_rot = apply_rope(k, c, s)
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    k_cache.view(-1, nkv, hd)[slots] = k_rot[keep]
-    v_cache.view(-1, nkv, hd)[slots] = v[keep].to(v_cache.dtype)
+    k_cache.view(-1, nkv, hd)[slots] = to_cache(k_rot[keep], k_cache.dtype, k_scale)
+    v_cache.view(-1, nkv, hd)[slots] = to_cache(v[keep], v_cache.dtype, v_scale)
     return q_rot
+
+
+def to_cache(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """Values as a cache of ``dtype`` stores them: e4m3 ``sat(x * float32(1 / scale))``
+    (float32 math, round to nearest even), else a plain cast."""
+    if dtype != torch.float8_e4m3fn:
+        return x.to(dtype)
+    inv = torch.tensor(1.0 / scale, dtype=torch.float32)
+    return (x.float() * inv).clamp(-448.0, 448.0).to(dtype)
+
+
+def from_cache(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """Cached values in float32: e4m3 codes times their scale, others as they are."""
+    if x.dtype != torch.float8_e4m3fn:
+        return x.float()
+    return x.float() * torch.tensor(scale, dtype=torch.float32)
 
 
 # ---------------------------------------------------------------------------------------
@@ -184,7 +204,12 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
 
 
 def paged_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal varlen GQA attention over each sequence's paged cache.
 
@@ -194,6 +219,8 @@ def paged_attention(
     ``seq_lens[b] - q_len_b + i`` and attends to keys at positions 0..that position. Scale
     1/sqrt(hd); softmax in float32; returns [T, nq * hd] in q.dtype. Rows of no sequence
     (beyond cu_seqlens_q[B]) are zero.
+
+    An e4m3 cache is read as codes times ``k_scale`` / ``v_scale`` (``from_cache``).
 
     The first ``num_decode_seqs`` sequences (one query each) are computed as one padded
     batch; each other sequence on its own. Reads the lengths to the host (a sync on CUDA:
@@ -208,8 +235,8 @@ def paged_attention(
         tpb = k_cache.shape[1]
         nblocks = -(-max(lens[:d]) // tpb)
         blocks = meta.block_tables[:d, :nblocks].long().clamp(min=0)  # -1 pads read block 0
-        k = k_cache[blocks].flatten(1, 2)  # [d, nblocks * tpb, nkv, hd]
-        v = v_cache[blocks].flatten(1, 2)
+        k = from_cache(k_cache[blocks].flatten(1, 2), k_scale)  # [d, nblocks * tpb, nkv, hd]
+        v = from_cache(v_cache[blocks].flatten(1, 2), v_scale)
         pos = torch.arange(k.shape[1], device=q.device)
         mask = (pos[None, :] < meta.seq_lens[:d, None].long())[:, None, :]  # [d, 1, L]
         out[cu[0] : cu[d]] = _attend(q[cu[0] : cu[d]].view(d, 1, nq, hd), k, v, mask)[:, 0]
@@ -217,8 +244,8 @@ def paged_attention(
         lo, hi, ctx = cu[b], cu[b + 1], lens[b]
         if hi == lo:
             continue
-        k = gather_kv(k_cache, meta.block_tables[b], ctx)
-        v = gather_kv(v_cache, meta.block_tables[b], ctx)
+        k = from_cache(gather_kv(k_cache, meta.block_tables[b], ctx), k_scale)
+        v = from_cache(gather_kv(v_cache, meta.block_tables[b], ctx), v_scale)
         qpos = torch.arange(ctx - (hi - lo), ctx, device=q.device)
         mask = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]
         out[lo:hi] = _attend(q[None, lo:hi], k[None], v[None], mask[None])[0]

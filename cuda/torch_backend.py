@@ -22,14 +22,19 @@ from typing import Any
 import torch
 
 from llmc.cuda import reference as ref
+from llmc.cuda import reference_fp8 as ref8
 from llmc.cuda.backend import check_fused_decode_max_tokens
+from llmc.cuda.reference_fp8 import Fp8Rows
 
 
-def _into(out: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
+def _into(out: Any, value: Any) -> Any:
     """``value``, or ``out`` holding a copy of it (viewed as ``value``'s shape where the
-    op's result has another shape than the workspace buffer, as rotated q does)."""
+    op's result has another shape than the workspace buffer, as rotated q does). Tensors
+    and ``Fp8Rows`` (codes and scales copied) alike."""
     if out is None:
         return value
+    if isinstance(value, Fp8Rows) != isinstance(out, Fp8Rows):
+        raise TypeError(f"out must be a {type(value).__name__}, got {type(out).__name__}")
     if out.shape != value.shape:
         out = out.view(value.shape)
     out.copy_(value)
@@ -84,3 +89,12 @@ class TorchBackend:
     # in place on ``residual`` / a fresh id tensor: no ``out`` in the protocol
     linear_residual_add = staticmethod(ref.linear_residual_add)
     sample = staticmethod(ref.sample)
+    # FP8 (W8A8): dequantize-and-matmul in float32, on any device
+    quantize_fp8 = _reference_op(ref8.quantize_fp8)
+    rms_norm_fp8 = _reference_op(ref8.rms_norm_fp8)
+    add_rms_norm_fp8 = _reference_op(ref8.add_rms_norm_fp8)
+    silu_and_mul_fp8 = _reference_op(ref8.silu_and_mul_fp8)
+    linear_fp8 = _reference_op(ref8.linear_fp8)
+    norm_linear_fp8 = _reference_op(ref8.norm_linear_fp8)
+    norm_gate_up_silu_fp8 = _reference_op(ref8.norm_gate_up_silu_fp8)
+    linear_residual_add_fp8 = staticmethod(ref8.linear_residual_add_fp8)

@@ -16,7 +16,14 @@ from transformers.models.llama import modeling_llama as hf_llama
 
 from llmc.compiler.spec import ModelSpec
 from llmc.cuda import reference as ref
-from llmc.cuda.backend import BACKEND_OPS, OPS_WITHOUT_OUT, REFERENCE_NAMES, AttentionMetadata
+from llmc.cuda import reference_fp8 as ref8
+from llmc.cuda.backend import (
+    BACKEND_OPS,
+    FP8_OPS,
+    OPS_WITHOUT_OUT,
+    REFERENCE_NAMES,
+    AttentionMetadata,
+)
 from llmc.cuda.torch_backend import TorchBackend
 from llmc.runtime.rope import cos_sin_tables
 
@@ -228,7 +235,7 @@ def test_torch_backend_writes_into_out_views():
 
 
 def _reference(op: str):
-    return getattr(ref, REFERENCE_NAMES.get(op, op))
+    return getattr(ref8 if op in FP8_OPS else ref, REFERENCE_NAMES.get(op, op))
 
 
 def test_torch_backend_ops_are_the_reference_functions():
