@@ -95,7 +95,11 @@ profile_run() {
     cp "$RES/profile_decode.txt" "$OUT/profile_decode.txt"
     pack
 }
-ROWS=${ROWS:-b1 128 peer smol profile 2048 long nographs}
+F8=$ENG/llama3-8b-fp8
+fp8_engine() {  # built on first use: fp8 weights (W8A8) + fp8 KV cache
+    [ -f "$F8/manifest.json" ] || build llama3-8b "$F8" --quantization fp8 --kv_cache_dtype fp8
+}
+ROWS=${ROWS:-b1 128 peer smol profile 2048 long nographs fp8b1 fp8128 fp82048 fp8long}
 for r in $ROWS; do
     case $r in
     b1) bench llama8b_b1_128_512 "$L8" 120 --num_requests "$N_B1" --isl 128 --osl 512 \
@@ -128,6 +132,14 @@ for r in $ROWS; do
             --warmup 2 --json "$RES/profile_smol.json" > "$RES/profile_smol.txt" 2>&1 \
             || { log "profile smol FAILED"; status=1; }
         pack ;;
+    fp8b1) fp8_engine; bench llama8b_fp8_b1_128_512 "$F8" 120 --num_requests "$N_B1" \
+            --isl 128 --osl 512 --concurrency 1 --warmup 1 ;;
+    fp8128) fp8_engine; bench llama8b_fp8_128_128 "$F8" 200 --num_requests "$N_128" \
+            --isl 128 --osl 128 ;;
+    fp82048) fp8_engine; bench llama8b_fp8_2048_128 "$F8" 200 --num_requests "$N_2048" \
+            --isl 2048 --osl 128 ;;
+    fp8long) fp8_engine; bench llama8b_fp8_128_2048 "$F8" 200 --num_requests "${N_LONG_FP8:-$N_LONG}" \
+            --isl 128 --osl 2048 ;;
     b1sync) bench llama8b_b1_sync "$L8" 90 --num_requests "$N_B1" --isl 128 --osl 512 \
             --concurrency 1 --warmup 1 --no_async_scheduling ;;
     nographs) bench llama8b_b1_nographs "$L8" 60 --num_requests 2 --isl 128 --osl 512 \

@@ -34,7 +34,19 @@ ROWS = (
     ("llama8b_b1_sync", "Llama-3-8B batch 1, --no_async_scheduling"),
     ("llama8b_b1_mb256", "Llama-3-8B batch 1, --max_batch_size 256"),
     ("llama8b_128_128_mb1024", "Llama-3-8B 128/128 offline, max_batch_size 1024"),
+    ("llama8b_fp8_128_128", "Llama-3-8B FP8 + FP8 KV 128/128 offline"),
+    ("llama8b_fp8_b1_128_512", "Llama-3-8B FP8 + FP8 KV batch 1, 128/512"),
+    ("llama8b_fp8_2048_128", "Llama-3-8B FP8 + FP8 KV 2048/128 offline"),
+    ("llama8b_fp8_128_2048", "Llama-3-8B FP8 + FP8 KV 128/2048 offline"),
 )
+
+TRTLLM_FP8 = {
+    "llama8b_fp8_128_128": 29526.0,
+    "llama8b_fp8_2048_128": 3794.0,
+    "llama8b_fp8_128_2048": 26221.0,
+}
+"""TensorRT-LLM v0.17's published Llama-3.1-8B FP8 H200 throughput (output tok/s), the
+anchor of the FP8 rows (issue 12)."""
 
 
 def _get(d: Any, *path: str) -> Any:
@@ -57,7 +69,9 @@ def rooflines(res: dict[str, Any]) -> dict[str, float | None]:
     qkv = (eng["num_heads"] + 2 * eng["num_kv_heads"]) * hd
     per_layer = h * qkv + eng["num_heads"] * hd * h + 3 * h * eng["intermediate_size"]
     flops0 = 2.0 * (eng["num_layers"] * per_layer + eng["vocab_size"] * h)  # matmuls only
-    tf, bw = ceil.get("matmul_tflops"), ceil.get("copy_bandwidth_gb_s")
+    fp8 = eng.get("quantization") == "fp8"
+    tf = ceil.get("fp8_matmul_tflops") if fp8 else ceil.get("matmul_tflops")
+    bw = ceil.get("copy_bandwidth_gb_s")
     compute = None
     if flops0 and tf and isl and osl:
         compute = tf * 1e12 / (flops0 * (isl + osl) / osl)
@@ -111,6 +125,7 @@ def row(name: str, label: str, res: dict[str, Any]) -> dict[str, Any]:
         "mfu": _get(res, "achieved", "mfu"),
         "failed": a.get("num_failed"),
         "cuda_graphs": _get(res, "config", "runtime", "cuda_graphs"),
+        "trtllm_fp8_published_tok_s": TRTLLM_FP8.get(name),
     }
 
 
@@ -131,7 +146,7 @@ def main(argv: list[str]) -> int:
     (d / "summary.json").write_text(json.dumps(summary, indent=1))
     head = (
         "| row | req | out tok/s | roofline | % roof | TTFT p50 ms | TPOT p50 ms | peer tok/s "
-        "| vs peer | KV peak | preempt | batch | graphs |"
+        "| vs peer | KV peak | preempt | batch | graphs | TRT-LLM FP8 |"
     )
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
@@ -145,7 +160,8 @@ def main(argv: list[str]) -> int:
             f"| {_f(r['share_of_roofline'], '.0%')} | {_f(r['ttft_median_ms'], '.1f')} "
             f"| {_f(r['tpot_median_ms'], '.2f')} | {_f(r['peer_output_tok_s'])} "
             f"| {_f(r['vs_peer'], '.2f')}x | {_f(r['kv_peak_utilization'], '.0%')} "
-            f"| {r['preemptions']} | {_f(r['mean_batch'], '.0f')} | {r['cuda_graphs']} |"
+            f"| {r['preemptions']} | {_f(r['mean_batch'], '.0f')} | {r['cuda_graphs']} "
+            f"| {_f(r['trtllm_fp8_published_tok_s'])} |"
         )
     if "gpu_idle" in summary:
         print("GPU idle (llmc profile, decode-heavy run):", json.dumps(summary["gpu_idle"]))

@@ -6,7 +6,9 @@ were measured, so every report can say where its ceiling came from.
 
 - CUDA: device-to-device ``copy_`` of a 1 GiB buffer, bandwidth counted as bytes read +
   bytes written (the convention of bandwidth tests and gpt-fast); bf16 ``n×n @ n×n``
-  matmul (n = 8192), 2·n³ FLOP each. Timed with CUDA events, best of several repeats.
+  matmul (n = 8192), 2·n³ FLOP each; on sm_89+ also the FP8 (e4m3) matmul of the same
+  size through ``torch._scaled_mm`` with row-wise scales (what FP8 engines run), BF16 out.
+  Timed with CUDA events, best of several repeats.
 - CPU: ``copy_`` of a 128 MiB buffer and an fp32 matmul (n = 1024), timed with
   ``perf_counter``, best of several repeats.
 
@@ -42,6 +44,8 @@ class Ceilings:
     torch_version: str
     source: str = ""
     """Where the numbers come from: 'measured now' or the cache file they were read from."""
+    fp8_matmul_tflops: float | None = None
+    """e4m3 row-scaled matmul rate (sm_89+ CUDA devices; None elsewhere)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -102,6 +106,24 @@ def _matmul_seconds(
     return timer(lambda: torch.mm(a, b, out=out), 5, inner)
 
 
+def _fp8_matmul_seconds(device: torch.device, n: int, timer: Any, inner: int) -> float | None:
+    """Seconds of one n×n e4m3 ``torch._scaled_mm`` (row-wise scales), None below sm_89."""
+    if torch.cuda.get_device_capability(device) < (8, 9):
+        return None
+    a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn).t()  # column-major operand
+    sa = torch.ones(n, 1, device=device)
+    sb = torch.ones(1, n, device=device)
+
+    def mm() -> Any:
+        return torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+
+    try:
+        return timer(mm, 5, inner)
+    except RuntimeError:  # a torch build without FP8 GEMMs for this device
+        return None
+
+
 def measure(
     device: torch.device, copy_bytes: int | None = None, matmul_n: int | None = None
 ) -> Ceilings:
@@ -113,6 +135,7 @@ def measure(
     timer = _time_cuda if cuda else _time_cpu
     copy_s = _copy_seconds(device, copy_bytes, timer, 10 if cuda else 2)
     mm_s = _matmul_seconds(device, matmul_n, dtype, timer, 10 if cuda else 2)
+    fp8_s = _fp8_matmul_seconds(device, matmul_n, timer, 10) if cuda else None
     if cuda:
         torch.cuda.empty_cache()
     return Ceilings(
@@ -125,6 +148,7 @@ def measure(
         measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         torch_version=torch.__version__,
         source="measured now",
+        fp8_matmul_tflops=2 * matmul_n**3 / fp8_s / 1e12 if fp8_s else None,
     )
 
 
@@ -145,7 +169,7 @@ def get_ceilings(device: torch.device | str, refresh: bool = False) -> Ceilings:
     path = _cache_path()
     cache = _read_cache(path)
     entry = cache.get(key)
-    if entry and not refresh:
+    if entry and not refresh and (device.type != "cuda" or "fp8_matmul_tflops" in entry):
         try:
             c = Ceilings(**{**entry, "source": ""})
             return Ceilings(**{**asdict(c), "source": f"cached in {path} ({c.measured_at})"})
