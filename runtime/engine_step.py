@@ -154,6 +154,8 @@ def emit_step_responses(
     """Turn the tokens ``Scheduler.update`` appended for ``batch`` into Responses (``emit``).
 
     Call after the update, with the Executor's lock held."""
+    if getattr(out, "prompt_logprobs", None):
+        _store_prompt_logprobs(out.prompt_logprobs, states, scheduler, emit)
     logprobs = list(getattr(out, "logprobs", None) or [])
     finished = SequenceStatus.FINISHED
     row = -1
@@ -182,11 +184,42 @@ def emit_step_responses(
                 continue
             _emit_row(seq, state, logprob, now, scheduler, emit)
         except Exception as e:  # this request's tokens broke post-processing: it alone fails
-            if seq.status is not SequenceStatus.FINISHED:
-                scheduler.finish(seq.request_id, FinishReason.ERROR)  # frees its blocks
-            if not state.final:
-                fault = RequestFault.caused(seq.request_id, "post-processing its tokens", e)
-                emit(state.error_response(fault))
+            _fail_row(state, scheduler, emit, "post-processing its tokens", e)
+
+
+def _store_prompt_logprobs(
+    spans: list[Any],
+    states: Mapping[int, RequestState],
+    scheduler: Finisher,
+    emit: Callable[[Response], None],
+) -> None:
+    """The step's prompt-logprob spans (``prompt_logprobs.PromptSpan``) into their requests'
+    states; a request whose entries cannot be stored fails alone."""
+    for span in spans:
+        state = states.get(span.request_id)
+        if state is None or state.final:
+            continue
+        try:
+            state.add_prompt_logprobs(span.first, span.entries)
+        except Exception as e:  # this request's entries only
+            _fail_row(state, scheduler, emit, "storing its prompt logprobs", e)
+
+
+def _fail_row(
+    state: RequestState,
+    scheduler: Finisher,
+    emit: Callable[[Response], None],
+    what: str,
+    error: BaseException,
+) -> None:
+    """A request whose step post-processing raised: finished (its blocks freed) with an
+    error Response."""
+    seq = state.seq
+    assert seq is not None
+    if seq.status is not SequenceStatus.FINISHED:
+        scheduler.finish(seq.request_id, FinishReason.ERROR)  # frees its blocks
+    if not state.final:
+        emit(state.error_response(RequestFault.caused(seq.request_id, what, error)))
 
 
 def _emit_row(
@@ -241,4 +274,5 @@ def request_output(
         error_code=final.error_code,
         logprobs=logprobs or None,
         record=record,
+        prompt_logprobs=final.prompt_logprobs,
     )

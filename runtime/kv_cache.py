@@ -176,8 +176,14 @@ class KVCacheManager:
 
         At most ``(num_tokens - 1) // tokens_per_block`` blocks: the last known token is
         always recomputed (it produces the next token's logits), in a block of its own.
+        None shared for a request with ``prompt_logprobs`` (every prompt position must be
+        computed, as in vLLM).
         """
-        if not self.enable_block_reuse or not self._cached:
+        if (
+            not self.enable_block_reuse
+            or not self._cached
+            or seq.sampling.prompt_logprobs is not None
+        ):
             return []
         max_blocks = (seq.num_tokens - 1) // self.tokens_per_block
         hits: list[int] = []
@@ -239,7 +245,7 @@ class KVCacheManager:
         if self.is_allocated(seq) or seq.block_table:
             raise RuntimeError(f"request {seq.request_id} is already admitted to the KV cache")
         hits = self._lookup_prefix(seq)
-        if self.enable_block_reuse:
+        if self.enable_block_reuse and seq.sampling.prompt_logprobs is None:
             eligible = (seq.num_tokens - 1) // self.tokens_per_block
             self._counts.reuse_hits += len(hits)
             self._counts.reuse_misses += eligible - len(hits)

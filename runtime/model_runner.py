@@ -12,7 +12,10 @@ Per ``step(batch)``:
    instead (norm+qkv, o_proj+add, norm+gate_up+SiLU, down+add; see ``forward``).
    Every op writes into a view of the workspace arena (the memory plan's offsets).
 3. sample: ``backend.sample`` → ``sampled_ids``; ONE device→host copy returns the ids (and,
-   when a row asked for them, the log-probabilities packed in the same copy).
+   when a row asked for them, the log-probabilities packed in the same copy). A prefill
+   step with rows that score prompt tokens (``prompt_logprobs``) then runs lm_head over
+   them in slices of the logits workspace (``llmc.runtime.prompt_logprobs``: forward keeps
+   their hidden states after the final norm) and reads the packed entries back.
 
 After ``capture_cuda_graphs()``, decode-only steps (one new token per sequence, plain
 sampling) instead replay the CUDA graph of their batch-size bucket
@@ -24,7 +27,8 @@ the KV-cache tensors (``kv_cache``) are written only at the step's slots; on CUD
 synchronisation is the final device→host copy, so ``phase_times['forward']`` measures
 launch time there and ``'sample'`` includes waiting for the device. Nothing is allocated on
 the device inside a step except torch-internal temporaries of the reference ops and, only
-when a row uses them, penalty counts and logprobs (documented in llmc.runtime.sampling).
+when a row uses them, penalty counts and logprobs (documented in llmc.runtime.sampling) and
+the scored prompt rows' hidden states (llmc.runtime.prompt_logprobs).
 """
 
 from __future__ import annotations
@@ -40,12 +44,13 @@ from llmc.compiler.limits import EngineLimits, check_positive_int
 from llmc.compiler.memory_plan import PlannedBuffer, plan_workspace
 from llmc.compiler.spec import ModelSpec
 from llmc.cuda.backend import Backend
+from llmc.runtime import prompt_logprobs as plp
 from llmc.runtime import sampling as smp
 from llmc.runtime.cuda_graphs import DecodeGraphs
 from llmc.runtime.kv_tensors import KVCacheTensors, allocate_kv_cache
 from llmc.runtime.rope import cos_sin_tables
 from llmc.runtime.step_inputs import StepInputBuilder, StepInputs
-from llmc.runtime.types import ScheduledBatch
+from llmc.runtime.types import RequestFault, ScheduledBatch
 from llmc.runtime.workspace import TORCH_DTYPES, Workspace
 
 
@@ -55,8 +60,10 @@ class StepOutput:
 
     token_ids: list[int]
     logprobs: list[smp.TokenLogprobs | None] | None = None
+    prompt_logprobs: list[plp.PromptSpan] | None = None
+    """The prompt-logprob entries this step computed (``prompt_logprobs``), else None."""
     phase_times: dict[str, float] = field(default_factory=dict)
-    """Seconds of 'prepare', 'forward' and 'sample'."""
+    """Seconds of 'prepare', 'forward' and 'sample' (prompt logprobs included)."""
 
 
 class ModelRunner:
@@ -185,12 +192,17 @@ class ModelRunner:
             be.linear(normed, w[p + "gate_up_proj"], out=gate_up)
             be.silu_and_mul(gate_up, out=act)
             be.linear(act, w[p + "down_proj"], out=proj_out)
-        if s == 0:
+        prompt = inp.prompt
+        if s == 0 and prompt is None:
             return None
         if fused:  # the residual already holds every add
             be.rms_norm(residual, w["final_norm"], eps, out=normed)
         else:
             be.add_rms_norm(proj_out, residual, w["final_norm"], eps, out=normed)
+        if prompt is not None:  # copied out: lm_head's logits may reuse normed's bytes
+            prompt.hidden = normed.index_select(0, prompt.index)
+        if s == 0:
+            return None
         last_hidden = ws["last_hidden"][:s]
         torch.index_select(normed, 0, inp.logits_indices, out=last_hidden)
         logits = ws["logits"][:s]
@@ -236,8 +248,23 @@ class ModelRunner:
         logits = self.forward(inp)
         t2 = time.perf_counter()
         times: dict[str, Any] = {"prepare": t1 - t0, "forward": t2 - t1}
+        pending = self._sample(inp, logits, times)
+        times["sample"] = time.perf_counter() - t2  # sampling launch; result() adds the wait
+        if inp.prompt is not None:  # after the sampler: the slices reuse the logits rows
+            packed = plp.score(
+                self.backend, inp.prompt, self.weights["lm_head"], self.workspace["logits"]
+            )
+            try:
+                pending.prompt_logprobs = plp.unpack(inp.prompt, packed.tolist())
+            except RequestFault:  # the Executor runs the step again without that request
+                pending.result()  # (its ids are read and dropped: no unread step is left)
+                raise
+            times["sample"] = time.perf_counter() - t2
+        return pending
+
+    def _sample(self, inp: StepInputs, logits: torch.Tensor | None, times: dict) -> PendingStep:
+        """Sample the step's rows from ``logits``; the ids (and logprobs) of a PendingStep."""
         if logits is None or inp.sampling is None:
-            times["sample"] = 0.0
             return PendingStep(self, None, None, times, token_ids=[])
         s, meta = inp.num_sampled, inp.sampling
         ids = self.backend.sample(logits, meta)
@@ -247,11 +274,8 @@ class ModelRunner:
             packed = smp.logprob_tensor(logits, meta, out_ids, meta.num_logprobs).cpu().tolist()
             token_ids = [int(row[0]) for row in packed]
             logprobs = smp.unpack_logprobs(packed, [x.seq for x in inp.sampled])
-            times["sample"] = time.perf_counter() - t2
             return PendingStep(self, None, None, times, token_ids=token_ids, logprobs=logprobs)
-        pending = self._read_back_ids(s, times)
-        times["sample"] = time.perf_counter() - t2  # sampling launch; result() adds the wait
-        return pending
+        return self._read_back_ids(s, times)
 
     def _read_back_ids(self, n: int, times: dict[str, Any]) -> PendingStep:
         """Start the device→host copy of the first ``n`` sampled ids (pinned buffer, event)."""
@@ -284,18 +308,26 @@ class PendingStep:
     ) -> None:
         self._runner, self._host, self._event = runner, host, event
         self.times = times
+        self._ids, self._logprobs = token_ids, logprobs
+        self.prompt_logprobs: list[plp.PromptSpan] | None = None
+        """Set by ``ModelRunner.launch`` when the step scored prompt tokens."""
         self._out: StepOutput | None = None
-        if token_ids is not None:
-            self._out = StepOutput(token_ids=token_ids, logprobs=logprobs, phase_times=times)
 
     def result(self) -> StepOutput:
         if self._out is None:
-            t0 = time.perf_counter()
-            if self._event is not None:
-                self._event.synchronize()
-            assert self._host is not None
-            ids = self._host.tolist()
-            self._runner._unread -= 1
-            self.times["sample"] = self.times.get("sample", 0.0) + time.perf_counter() - t0
-            self._out = StepOutput(token_ids=ids, phase_times=self.times)
+            ids = self._ids
+            if ids is None:  # wait for the ids' device→host copy
+                t0 = time.perf_counter()
+                if self._event is not None:
+                    self._event.synchronize()
+                assert self._host is not None
+                ids = self._host.tolist()
+                self._runner._unread -= 1
+                self.times["sample"] = self.times.get("sample", 0.0) + time.perf_counter() - t0
+            self._out = StepOutput(
+                token_ids=ids,
+                logprobs=self._logprobs,
+                prompt_logprobs=self.prompt_logprobs,
+                phase_times=self.times,
+            )
         return self._out

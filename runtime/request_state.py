@@ -38,6 +38,8 @@ class RequestState:
     sees a delta, so per-step detokenization would be wasted host time)."""
     num_text: int = 0
     """Output tokens of ``seq`` already fed to the detokenizer."""
+    prompt_logprobs: list[Any] | None = None
+    """With ``prompt_logprobs``: one entry per prompt token as the steps compute them."""
 
     @property
     def text(self) -> str:
@@ -62,6 +64,20 @@ class RequestState:
             self.logprobs.append(logprob)
             return new, [logprob]
         return new, []
+
+    def add_prompt_logprobs(self, first: int, entries: tuple[Any, ...]) -> None:
+        """Entries of prompt tokens ``first, first + 1, ...`` (a recomputed one replaces)."""
+        assert self.seq is not None
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = [None] * len(self.seq.prompt_token_ids)
+        self.prompt_logprobs[first : first + len(entries)] = entries
+
+    def _prompt_logprobs_out(self) -> list[Any] | None:
+        if self.request.sampling.prompt_logprobs is None or self.seq is None:
+            return None
+        if self.prompt_logprobs is None:  # a one-token prompt scores nothing
+            return [None] * len(self.seq.prompt_token_ids)
+        return list(self.prompt_logprobs)
 
     def detokenize(self, token_ids: list[int]) -> str:
         """Text delta of ``token_ids`` ('' without a tokenizer); see ``stopped_by_string``."""
@@ -110,6 +126,7 @@ class RequestState:
             logprobs=(new_lp if streaming else self.logprobs) or None,
             token_ids=ids,
             text=self.text,
+            prompt_logprobs=self._prompt_logprobs_out(),
         )
 
     def error_response(self, error: BaseException) -> Response:

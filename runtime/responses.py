@@ -38,6 +38,9 @@ class Response:
     """Final response only: every output token id."""
     text: str | None = None
     """Final response only: the whole output text."""
+    prompt_logprobs: list[Any] | None = None
+    """Final response only, when the request asked for ``prompt_logprobs``: one entry per
+    prompt token (``llmc.runtime.prompt_logprobs.PromptLogprob``; None for the first)."""
 
 
 @dataclass(frozen=True)
@@ -61,8 +64,8 @@ class RequestTimings:
 @dataclass
 class RequestOutput:
     """The result of one request of ``Executor.generate`` / ``LLM.generate`` (exported as
-    ``llmc.GenerationOutput`` too): text, token ids, finish reason, error, the timing
-    record and its ``timings``."""
+    ``llmc.GenerationOutput`` too): text, token ids, finish reason, error, logprobs and
+    prompt logprobs when asked for, the timing record and its ``timings``."""
 
     request_id: int
     prompt: Any
@@ -74,6 +77,9 @@ class RequestOutput:
     error_code: int | None
     logprobs: list[Any] | None
     record: RequestRecord
+    prompt_logprobs: list[Any] | None = None
+    """With ``SamplingParams.prompt_logprobs``: aligned with ``prompt_token_ids``, the first
+    entry None, then each token's ``PromptLogprob`` (logprob, rank, top-k {id: logprob})."""
 
     @property
     def ok(self) -> bool:

@@ -31,6 +31,7 @@ from llmc.base.errors import ConfigError, EngineError, RequestError
 from llmc.compiler.limits import EngineLimits
 from llmc.compiler.spec import ModelSpec
 from llmc.cuda.backend import AttentionMetadata, SamplingMetadata
+from llmc.runtime import prompt_logprobs as plp
 from llmc.runtime import sampling as smp
 from llmc.runtime.types import RequestFault, ScheduledBatch, ScheduledSequence, Sequence
 from llmc.runtime.workspace import Staging, Workspace
@@ -160,6 +161,8 @@ class StepInputs:
     input_ids: torch.Tensor
     logits_indices: torch.Tensor
     sampling: SamplingMetadata | None
+    prompt: plp.PromptRows | None = None
+    """The rows that score prompt tokens (``prompt_logprobs``), None in most steps."""
 
 
 def _flatten(order: list[ScheduledSequence], tpb: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -204,6 +207,7 @@ class StepInputBuilder:
         t, b, nb = limits.max_num_tokens, limits.max_batch_size, limits.max_blocks_per_seq
         stage_bytes = 8 * (4 * t + 3 * b) + 4 * (2 * b + 1 + b * nb)
         stage_bytes += 4 * b * (1 + len(smp.FLOAT_COLUMNS)) + 8 * 32
+        stage_bytes += 16 * t  # prompt-logprob rows and targets
         self.staging = Staging(stage_bytes, device)
         self.row_cache = DecodeRowCache(2 * b + 64, nb)
 
@@ -349,6 +353,8 @@ class StepInputBuilder:
                 )
             cols = {name: col[flags] for name, col in dcols.items()}
             num_decode, max_query = b, 1
+            # a row that samples nothing is a one-token chunk of a prompt: it may score one
+            prompt = None if flags.all() else plp.prompt_rows(order, range(b))
         else:
             self._check(batch)
             order = [s for s in seqs if s.num_new_tokens == 1]
@@ -372,6 +378,7 @@ class StepInputBuilder:
             num_decode = sum(1 for s in order if s.num_new_tokens == 1)
             max_query = max(s.num_new_tokens for s in order)
             cols = smp.sampling_columns([s.seq for s in sampled])
+            prompt = plp.prompt_rows(order, cu)
         st = self.staging
         st.begin()
         st.add("input_ids", flat_ids, "int64")
@@ -389,7 +396,12 @@ class StepInputBuilder:
             st.add(name, cols[name], "int32")
         for name in smp.FLOAT_COLUMNS:
             st.add(name, cols[name], "float32")
+        if prompt is not None:  # last: the sections before keep the CUDA graphs' layout
+            st.add("prompt_rows", prompt.rows, "int64")
+            st.add("prompt_targets", prompt.targets, "int64")
         dev = st.upload()
+        if prompt is not None:
+            prompt.index, prompt.target_ids = dev["prompt_rows"], dev["prompt_targets"]
         ws = self.workspace
         t = len(flat_ids)
         static = {}
@@ -430,4 +442,5 @@ class StepInputBuilder:
             input_ids=static["input_ids"],
             logits_indices=static["logits_indices"],
             sampling=meta,
+            prompt=prompt,
         )

@@ -24,6 +24,8 @@ INT32_MAX = 2**31 - 1
 FLOAT32_MAX = 3.4028234663852886e38
 """The float columns are float32: a larger value would become inf on the device."""
 MAX_LOGPROBS = 20
+"""The engine's logprobs limit: top alternatives a request may ask for (``logprobs``,
+``prompt_logprobs``), as vLLM's ``max_logprobs``."""
 MAX_STOP_STRINGS = 64
 MAX_STOP_TOKEN_IDS = 1024
 MAX_PROMPT_IDS = 1 << 24
@@ -71,6 +73,18 @@ def _real(
         extra = f" ({note})" if note else ""
         raise _bad(owner, name, f"must be a finite number in {low}{lo:g}, {hi:g}]{extra}")
     return number
+
+
+def _top_count(owner: Any, name: str) -> int:
+    """A count of top alternatives: an integer >= 0, at most the engine's MAX_LOGPROBS
+    (a larger one is refused naming both numbers)."""
+    value = _index(getattr(owner, name))
+    if value is None or value < 0:
+        raise _bad(owner, name, "must be an integer >= 0 (0: only the token's own logprob)")
+    if value > MAX_LOGPROBS:
+        limit = f"{value} top logprobs are more than the engine's limit of {MAX_LOGPROBS}"
+        raise _bad(owner, name, limit)
+    return value
 
 
 def _strings(owner: Any, name: str) -> tuple[str, ...]:
@@ -133,6 +147,12 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     """Return the log-probability of each sampled token (and this many top alternatives)."""
+    prompt_logprobs: int | None = None
+    """vLLM's ``prompt_logprobs``: None = off; k >= 0 = return, for every prompt token but
+    the first (whose entry is None), its log-probability given the tokens before it (raw
+    logits, float32 log_softmax), its rank and the k most likely tokens there. Computed in
+    the prefill (``llmc.runtime.prompt_logprobs``); such a request shares no cached prefix
+    blocks (every prompt position must be computed)."""
     clamp_max_new_tokens: bool = False
     """If prompt + max_new_tokens exceeds max_seq_len: clamp instead of failing the request."""
 
@@ -158,6 +178,8 @@ class SamplingParams:
             put("seed", _integer(self, "seed", None, None, "any integer, taken modulo 2**64"))
         if self.logprobs is not None:
             put("logprobs", _integer(self, "logprobs", 0, MAX_LOGPROBS))
+        if self.prompt_logprobs is not None:
+            put("prompt_logprobs", _top_count(self, "prompt_logprobs"))
         for name in ("ignore_eos", "clamp_max_new_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(self, name, "must be True or False")
