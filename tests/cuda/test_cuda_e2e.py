@@ -13,6 +13,7 @@ kernels and the reference, so greedy paths may part after a near-tie).
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -55,7 +56,7 @@ def _prompts(vocab: int, seed: int = 0) -> list[list[int]]:
 NEW = (24, 9, 30, 16, 5, 27)  # different lengths: the decode batch shrinks step by step
 
 
-def generate(
+def runtime(
     spec: ModelSpec,
     weights: dict[str, torch.Tensor],
     backend: str,
@@ -65,8 +66,7 @@ def generate(
     max_num_tokens: int = 128,
     num_blocks: int = 64,
     policy: str = "guaranteed_no_evict",
-    sampling: list[SamplingParams] | None = None,
-) -> tuple[list[list[int]], EngineRuntime, list]:
+) -> EngineRuntime:
     limits = make_limits(
         max_batch_size=8,
         max_input_len=64,
@@ -82,7 +82,7 @@ def generate(
         scheduler_policy=policy,
         enable_block_reuse=False,
     )
-    rt = EngineRuntime.from_weights(
+    return EngineRuntime.from_weights(
         spec,
         weights,
         limits=limits,
@@ -91,6 +91,30 @@ def generate(
         backend=backend,
         config=config,
     )
+
+
+def generate(
+    spec: ModelSpec,
+    weights: dict[str, torch.Tensor],
+    backend: str,
+    *,
+    sampling: list[SamplingParams] | None = None,
+    **kw: Any,
+) -> tuple[list[list[int]], EngineRuntime, list]:
+    outs, rt, steps = generate_outputs(spec, weights, backend, sampling=sampling, **kw)
+    return [o.token_ids for o in outs], rt, steps
+
+
+def generate_outputs(
+    spec: ModelSpec,
+    weights: dict[str, torch.Tensor],
+    backend: str,
+    *,
+    sampling: list[SamplingParams] | None = None,
+    **kw: Any,
+) -> tuple[list, EngineRuntime, list]:
+    """(RequestOutputs, runtime, step records) of the test prompts (``runtime`` settings)."""
+    rt = runtime(spec, weights, backend, **kw)
     ex = rt.executor()
     prompts = _prompts(spec.vocab_size)
     sp = sampling or [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in NEW]
@@ -98,7 +122,7 @@ def generate(
     assert all(o.ok for o in outs), [o.error for o in outs if not o.ok]
     assert [len(o.token_ids) for o in outs] == [s.max_new_tokens for s in sp]
     rt.kv.check_invariants()
-    return [o.token_ids for o in outs], rt, ex.step_records
+    return outs, rt, ex.step_records
 
 
 def _first_diff(a: list[int], b: list[int]) -> int:
@@ -178,3 +202,38 @@ def test_bf16_agreement_rate_reported():
         f"position-wise {equal}/{total} ({equal / total:.1%})"
     )
     assert first >= 0.5, f"bf16 first-token agreement {first:.0%}"
+
+
+@pytest.mark.parametrize("budget", [128, 13], ids=["whole", "chunked"])
+def test_prompt_logprobs_cuda_equal_torch(model, budget):
+    """Prompt logprobs (prefill steps, eager; short prompts take the fused small-step ops)
+    of the CUDA backend against the torch backend's on the same fp32 weights, CUDA graphs
+    on for the decode steps; with chunked prefill the rows are scored chunk by chunk."""
+    spec, w = model
+    tops = (3, 0, 5, None, 2, 20)
+    sp = [
+        SamplingParams(max_new_tokens=n, ignore_eos=True, prompt_logprobs=k)
+        for n, k in zip(NEW, tops, strict=True)
+    ]
+    ref, _, _ = generate_outputs(spec, w, "torch", graphs=False, sampling=sp, max_num_tokens=budget)
+    ours, _, steps = generate_outputs(spec, w, "cuda", sampling=sp, max_num_tokens=budget)
+    assert [o.token_ids for o in ours] == [o.token_ids for o in ref]
+    if budget == 13:
+        assert any(s.num_prefill_tokens and s.num_decode_tokens for s in steps)
+    ranks_equal = total = 0
+    for o, r, k in zip(ours, ref, tops, strict=True):
+        if k is None:
+            assert o.prompt_logprobs is None and r.prompt_logprobs is None
+            continue
+        assert len(o.prompt_logprobs) == len(r.prompt_logprobs) == len(o.prompt_token_ids)
+        assert o.prompt_logprobs[0] is None and r.prompt_logprobs[0] is None
+        for a, b in zip(o.prompt_logprobs[1:], r.prompt_logprobs[1:], strict=True):
+            assert a.token_id == b.token_id and len(a.top) == len(b.top) == k
+            assert abs(a.logprob - b.logprob) <= 1e-3, (a, b)
+            torch.testing.assert_close(
+                torch.tensor(list(a.top.values())), torch.tensor(list(b.top.values())),
+                atol=1e-3, rtol=0,
+            )  # fmt: skip
+            ranks_equal += a.rank == b.rank
+            total += 1
+    assert total and ranks_equal >= 0.9 * total, f"ranks equal {ranks_equal}/{total}"
