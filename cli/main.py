@@ -15,6 +15,7 @@ from llmc.cli import (
     bench_cmd,
     build_cmd,
     compare_cmd,
+    eval_cmd,
     import_cmd,
     profile_cmd,
     run_cmd,
@@ -58,7 +59,7 @@ def _root(
     del version
 
 
-for _command in (build_cmd, import_cmd, run_cmd, bench_cmd, profile_cmd, compare_cmd):
+for _command in (build_cmd, import_cmd, run_cmd, bench_cmd, profile_cmd, eval_cmd, compare_cmd):
     _command.register(app)
 
 
