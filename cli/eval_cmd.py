@@ -65,7 +65,7 @@ def render_eval(result: dict[str, Any], console: Console) -> None:
     """The result as one Rich table."""
     table = Table(title="llmc eval: perplexity", show_header=False, title_justify="left")
     table.add_column("what", style="bold")
-    table.add_column("value", justify="right")
+    table.add_column("value")
     rt = result["runtime"]
     rows = [
         ("engine", f"{result['engine_dir']} ({rt['dtype']}, {rt['device']}/{rt['backend']})"),

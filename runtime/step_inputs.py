@@ -3,8 +3,9 @@
 ``StepInputBuilder.prepare(batch)`` orders the sequences decode-first (one-token sequences
 first, then the rest in batch order), flattens their new tokens with no padding, computes
 positions, cache slots (from each ``seq.block_table``, allocated by the KVCacheManager before
-the step), the sequences' offsets/context lengths/block tables, the rows to sample and the
-sampling columns; stages all of it in one host buffer (``staging``) and sends it with ONE
+the step), the sequences' offsets/context lengths/block tables, the rows to sample, the
+sampling columns and the rows that score prompt tokens (``prompt_logprobs.prompt_rows``,
+staged last and only when some request asks); stages all of it in one host buffer (``staging``) and sends it with ONE
 host→device copy, then copies each section into its static workspace buffer
 (device-to-device). ``decode_rows`` is the vectorised (numpy) row building of a decode-only
 batch, shared with the CUDA-graph path (``llmc.runtime.cuda_graphs``).
@@ -354,7 +355,7 @@ class StepInputBuilder:
             cols = {name: col[flags] for name, col in dcols.items()}
             num_decode, max_query = b, 1
             # a row that samples nothing is a one-token chunk of a prompt: it may score one
-            prompt = None if flags.all() else plp.prompt_rows(order, range(b))
+            prompt = None if len(sampled) == b else plp.prompt_rows(order, range(b))
         else:
             self._check(batch)
             order = [s for s in seqs if s.num_new_tokens == 1]
