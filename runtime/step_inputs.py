@@ -5,10 +5,11 @@ first, then the rest in batch order), flattens their new tokens with no padding,
 positions, cache slots (from each ``seq.block_table``, allocated by the KVCacheManager before
 the step), the sequences' offsets/context lengths/block tables, the rows to sample, the
 sampling columns and the rows that score prompt tokens (``prompt_logprobs.prompt_rows``,
-staged last and only when some request asks); stages all of it in one host buffer (``staging``) and sends it with ONE
-host→device copy, then copies each section into its static workspace buffer
-(device-to-device). ``decode_rows`` is the vectorised (numpy) row building of a decode-only
-batch, shared with the CUDA-graph path (``llmc.runtime.cuda_graphs``).
+staged last and only when some request asks); stages all of it in one host buffer
+(``staging``) and sends it with ONE host→device copy, then copies each section into its
+static workspace buffer (device-to-device). ``decode_rows`` is the vectorised (numpy) row
+building of a decode-only batch, shared with the CUDA-graph path
+(``llmc.runtime.cuda_graphs``).
 
 Invariants: every batch is checked against the run's ``EngineLimits`` (max_num_tokens,
 max_batch_size, max_seq_len, block tables, vocabulary) before anything is staged, and a bad
