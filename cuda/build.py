@@ -22,12 +22,29 @@ from importlib.util import find_spec
 from pathlib import Path
 
 from llmc.base.errors import UnsupportedError
-from llmc.cuda.kernels import FAMILIES, NVCC_FLAGS, KernelConfig, cubin_name, source
+from llmc.cuda.kernels import (
+    FAMILIES,
+    NVCC_FLAGS,
+    KernelConfig,
+    cubin_name,
+    family_arch,
+    has_kernels,
+    source,
+)
 
 
-def families_for(cfg: KernelConfig) -> list[str]:
-    """Families that have kernels under ``cfg`` (no tensor-core prefill for fp32)."""
-    return [f for f in FAMILIES if f != "prefill_attention" or cfg.tensor_core_prefill]
+def families_for(cfg: KernelConfig, arch: str | None = None) -> list[str]:
+    """Families that have kernels under ``cfg`` (no tensor-core prefill for fp32; the sm_90a
+    prefill only for 16-bit head_dim 64 / 128, and only on sm_90 when ``arch`` is given)."""
+    return [f for f in FAMILIES if has_kernels(f, cfg, arch)]
+
+
+def arch_flags(arch: str) -> list[str]:
+    """nvcc target flags: ``-arch=sm_XY``; arch-specific targets (``sm_90a``) in the
+    ``-gencode`` form, which assembles only that target."""
+    if arch.endswith("a"):
+        return [f"-gencode=arch=compute_{arch[3:]},code={arch}"]
+    return [f"-arch={arch}"]
 
 
 def _check_arch(arch: str) -> None:
@@ -43,7 +60,7 @@ def nvcc_compile(src: str, arch: str, out: Path, extra: tuple[str, ...] = ()) ->
     with tempfile.TemporaryDirectory() as tmp:
         cu = Path(tmp) / (out.stem + ".cu")
         cu.write_text(src)
-        cmd = [nvcc, "-cubin", f"-arch={arch}", *NVCC_FLAGS, *extra, "-o", str(out), str(cu)]
+        cmd = [nvcc, "-cubin", *arch_flags(arch), *NVCC_FLAGS, *extra, "-o", str(out), str(cu)]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
             raise UnsupportedError(
@@ -93,15 +110,16 @@ def compile_engine_kernels(spec, dtype: str, arch: str, out_dir: Path) -> list[P
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     use_nvcc = kernel_compiler() == "nvcc"
-    jobs = [(f, out_dir / cubin_name(f, cfg, arch)) for f in families_for(cfg)]
+    jobs = [(f, family_arch(f, arch) or arch) for f in families_for(cfg, arch)]
 
-    def one(job: tuple[str, Path]) -> Path:
-        family, path = job
+    def one(job: tuple[str, str]) -> Path:
+        family, family_target = job
+        path = out_dir / cubin_name(family, cfg, family_target)
         src = source(family, cfg)
         if use_nvcc:
-            nvcc_compile(src, arch, path)
+            nvcc_compile(src, family_target, path)
         else:
-            nvrtc_compile(src, arch, path)
+            nvrtc_compile(src, family_target, path)
         return path
 
     workers = max(1, min(len(jobs), os.cpu_count() or 1))

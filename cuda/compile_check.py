@@ -1,9 +1,10 @@
 """``python -m llmc.cuda.compile_check``: every .cu file compiles for sm_90 with nvcc.
 
-Each family is compiled (in parallel) for a few configs: the three dtypes at the
-Llama-8B-like defaults (head_dim 128, GQA 32/8), and odd shapes (SmolLM2's 64-dim 9/3
-heads, the tiny test model's 16-dim 4/2). Prints a skip message and exits 0 when nvcc is
-absent; exits 1 on any failure, printing the compiler's error.
+Each family is compiled (in parallel; prefill_attention_sm90.cu for sm_90a) for a few
+configs: the three dtypes at the Llama-8B-like defaults (head_dim 128, GQA 32/8), and odd
+shapes (SmolLM2's 64-dim 9/3 heads, the tiny test model's 16-dim 4/2). Prints a skip
+message and exits 0 when nvcc is absent; exits 1 on any failure, printing the compiler's
+error.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from llmc.base.errors import LlmcError
 from llmc.cuda.build import families_for, nvcc_compile
-from llmc.cuda.kernels import FAMILIES, KernelConfig, source
+from llmc.cuda.kernels import FAMILIES, KernelConfig, family_arch, source
 
 CHECK_CONFIGS = (
     KernelConfig("bfloat16", 128, 32, 8),
@@ -29,12 +30,12 @@ CHECK_CONFIGS = (
 )
 
 
-def jobs() -> list[tuple[str, KernelConfig]]:
+def jobs(arch: str = "sm_90") -> list[tuple[str, KernelConfig]]:
     """(family, config) pairs to compile; config-free families once per dtype."""
     out: list[tuple[str, KernelConfig]] = []
     seen: set[str] = set()
     for cfg in CHECK_CONFIGS:
-        for fam in families_for(cfg):
+        for fam in families_for(cfg, arch):
             key = source(fam, cfg)
             if key not in seen:
                 seen.add(key)
@@ -46,7 +47,7 @@ def main(arch: str = "sm_90") -> int:
     if shutil.which("nvcc") is None:
         print("compile_check: nvcc not found on PATH; skipping the kernel compile check")
         return 0
-    todo = jobs()
+    todo = jobs(arch)
     t0 = time.time()
     failures: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -55,7 +56,8 @@ def main(arch: str = "sm_90") -> int:
             fam, cfg = job
             out = Path(tmp) / f"{fam}-{abs(hash(cfg))}.cubin"
             try:
-                nvcc_compile(source(fam, cfg), arch, out, extra=("-Werror", "all-warnings"))
+                target = family_arch(fam, arch) or arch
+                nvcc_compile(source(fam, cfg), target, out, extra=("-Werror", "all-warnings"))
             except LlmcError as e:
                 return f"{FAMILIES[fam][0]} {cfg}: {e}"
             return None

@@ -44,6 +44,7 @@ from llmc.cuda.launch_args import aligned as _aligned
 from llmc.cuda.launch_args import i32 as _i
 from llmc.cuda.launch_args import need as _need
 from llmc.cuda.launch_args import ptr as _p
+from llmc.cuda.prefill_sm90_ops import Sm90Prefill, enabled_by_default, supports
 
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 LOG2E = 1.4426950408889634
@@ -111,6 +112,10 @@ class CudaBackend(GemvOps, Fp8Ops):
         self.cluster_decode = torch.cuda.get_device_capability(self.device)[0] >= 9
         self.force_splits: int | None = None  # benchmark override of num_splits
         self.force_min_keys: int | None = None  # benchmark override of min_split_keys
+        # prefill rows on prefill_attention_sm90.cu (sm_90; False or LLMC_SM90_PREFILL=0:
+        # prefill_attention.cu; see llmc.cuda.prefill_sm90_ops)
+        self.sm90_prefill = enabled_by_default(torch.cuda.get_device_capability(self.device))
+        self._sm90 = Sm90Prefill(self)
 
     # ---- plumbing ------------------------------------------------------------------
     def _lib(self, dtype: torch.dtype, hd: int = 2, nq: int = 1, nkv: int = 1) -> KernelLibrary:
@@ -284,6 +289,14 @@ class CudaBackend(GemvOps, Fp8Ops):
         by_len = math.ceil(max(1, max_seq_len) / self.min_split_keys(num_decode, num_kv_heads))
         return max(1, min(want, by_len, MAX_SPLITS, budget))
 
+    def prefill_kernel(self, dtype: torch.dtype, head_dim: int, block_size: int) -> str:
+        """The family that serves prefill rows: prefill_sm90, prefill_attention or (fp32,
+        odd head dims) decode_attention's paged kernel."""
+        if self.sm90_prefill and supports(dtype, head_dim, block_size):
+            return "prefill_sm90"
+        tensor_core = self._lib(dtype, head_dim).cfg.tensor_core_prefill
+        return "prefill_attention" if tensor_core else "decode_attention"
+
     def attention(
         self,
         q: torch.Tensor,
@@ -338,7 +351,9 @@ class CudaBackend(GemvOps, Fp8Ops):
             )  # fmt: skip
             self._launch(paged, (nd, nkv, splits), (128,), args)
         if b > nd and t > nd:
-            if lib.cfg.tensor_core_prefill:
+            if self.prefill_kernel(q.dtype, hd, bs) == "prefill_sm90":
+                self._sm90.launch(q, k_cache, v_cache, meta, out)
+            elif lib.cfg.tensor_core_prefill:
                 g = nq // nkv
                 tiles = math.ceil(meta.max_query_len * g / 64)
                 pre = lib.get("prefill_attention", "prefill_attention_kernel")

@@ -38,6 +38,7 @@ FAMILIES: dict[str, tuple[str, bool]] = {
     "rope_kv": ("rope_kv.cu", True),
     "decode_attention": ("decode_attention.cu", True),
     "prefill_attention": ("prefill_attention.cu", True),
+    "prefill_sm90": ("prefill_attention_sm90.cu", True),
     "sampling": ("sampling.cu", False),
     "gemv": ("gemv.cu", False),
 }
@@ -77,6 +78,34 @@ class KernelConfig:
     def tensor_core_prefill(self) -> bool:
         """Whether prefill_attention.cu has a kernel for this config (16-bit, hd % 16 == 0)."""
         return self.dtype != "float32" and self.head_dim % 16 == 0
+
+    @property
+    def sm90_prefill(self) -> bool:
+        """Whether prefill_attention_sm90.cu has kernels for this config (16-bit, hd 64/128)."""
+        return self.dtype != "float32" and self.head_dim in (64, 128)
+
+
+# Families built only for one arch, with the arch-specific ("a") features their PTX uses
+# (wgmma, setmaxnreg exist on sm_90a and nowhere else): family -> (device arch, build arch).
+ARCH_SPECIFIC: dict[str, tuple[str, str]] = {"prefill_sm90": ("sm_90", "sm_90a")}
+
+
+def family_arch(family: str, arch: str) -> str | None:
+    """The arch ``family`` is compiled for on an ``arch`` device; None when it has no
+    kernels there (an arch-specific family on another arch)."""
+    if family not in ARCH_SPECIFIC:
+        return arch
+    device_arch, build_arch = ARCH_SPECIFIC[family]
+    return build_arch if arch == device_arch else None
+
+
+def has_kernels(family: str, cfg: KernelConfig, arch: str | None = None) -> bool:
+    """Whether ``family`` has kernels under ``cfg`` (on ``arch``, when given)."""
+    if family == "prefill_attention" and not cfg.tensor_core_prefill:
+        return False
+    if family == "prefill_sm90" and not cfg.sm90_prefill:
+        return False
+    return arch is None or family_arch(family, arch) is not None
 
 
 def macros(family: str, cfg: KernelConfig) -> dict[str, int]:
@@ -134,16 +163,20 @@ class KernelLibrary:
             return mod
         import cupy
 
-        if family == "prefill_attention" and not self.cfg.tensor_core_prefill:
+        arch = family_arch(family, self._arch())
+        if arch is None or not has_kernels(family, self.cfg):
             raise UnsupportedError(
-                f"prefill_attention has no kernel for dtype {self.cfg.dtype} / head_dim "
-                f"{self.cfg.head_dim} (needs a 16-bit dtype and head_dim % 16 == 0)"
+                f"{family} has no kernel for dtype {self.cfg.dtype} / head_dim "
+                f"{self.cfg.head_dim} on {self._arch()}"
             )
         if self.kernel_dir is not None:
-            path = self.kernel_dir / cubin_name(family, self.cfg, self._arch())
+            path = self.kernel_dir / cubin_name(family, self.cfg, arch)
             if path.is_file():
                 mod = cupy.RawModule(path=str(path))
                 self.loaded_from[family] = str(path)
+        if mod is None and family in ARCH_SPECIFIC:
+            mod = cupy.RawModule(path=str(_nvrtc_cubin(family, self.cfg, arch)))
+            self.loaded_from[family] = "nvrtc"
         if mod is None:
             mod = cupy.RawModule(code=source(family, self.cfg), options=NVCC_FLAGS[:1])
             self.loaded_from[family] = "nvrtc"
@@ -152,3 +185,22 @@ class KernelLibrary:
 
     def get(self, family: str, name: str) -> Any:
         return self.module(family).get_function(name)
+
+
+def _nvrtc_cubin(family: str, cfg: KernelConfig, arch: str) -> Path:
+    """NVRTC-compiled cubin of an arch-specific family (CuPy's own NVRTC path can only
+    target plain ``sm_XX``), cached by name (source digest) under the temp dir; written
+    atomically, kept for the process's lazy module loads."""
+    import os
+    import tempfile
+
+    from llmc.cuda.build import nvrtc_compile  # build imports this module
+
+    cache = Path(tempfile.gettempdir()) / f"llmc-nvrtc-{os.getuid()}"
+    cache.mkdir(parents=True, exist_ok=True)
+    path = cache / cubin_name(family, cfg, arch)
+    if not path.is_file():
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        nvrtc_compile(source(family, cfg), arch, tmp)
+        os.replace(tmp, path)
+    return path
