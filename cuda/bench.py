@@ -4,7 +4,8 @@ Measures the device-to-device copy bandwidth (bytes read + written) and the bf16
 rate once per run, then times every CudaBackend kernel on random inputs at the issue's
 shapes (CUDA events, warm-up, median of repeats; tensors of 64 MB and up, so L2 does not
 serve them) and prints a table: achieved GB/s (memory-bound kernels) or TFLOP/s
-(prefill attention), the fraction of the ceiling, and the target of issue 4. Writes JSON
+(prefill attention: ``llmc.cuda.bench_prefill``), the fraction of the ceiling, and the target
+of issue 4 (issue 12 for the sm90 prefill). Writes JSON
 (``--json PATH``, default ``$OUT/kernel_bench.json`` when OUT is set).
 """
 
@@ -181,40 +182,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     decode_short(be, rows, mem_row)
     fused_gemv(be, rows, mem_row)
 
-    # Prefill attention: 4096 tokens causal, one sequence, GQA 32/8, head_dim 128, bf16
-    for tq in (4096,):
-        nb = tq // bs
-        kc = torch.randn(nb, bs, nkv, hd, device=DEV).to(BF16)
-        vc = torch.randn(nb, bs, nkv, hd, device=DEV).to(BF16)
-        meta = AttentionMetadata(
-            positions=torch.arange(tq, device=DEV),
-            slot_mapping=torch.arange(tq, device=DEV),
-            cu_seqlens_q=torch.tensor([0, tq], dtype=torch.int32, device=DEV),
-            seq_lens=torch.tensor([tq], dtype=torch.int32, device=DEV),
-            block_tables=torch.arange(nb, dtype=torch.int32, device=DEV)[None].contiguous(),
-            num_decode_seqs=0,
-            max_query_len=tq,
-            max_seq_len=tq,
-        )
-        q = torch.randn(tq, nq, hd, device=DEV).to(BF16)
-        ao = torch.empty(tq, nq * hd, device=DEV, dtype=BF16)
-        flops = 4.0 * nq * hd * tq * (tq + 1) / 2
-        ms = time_ms(lambda q=q, kc=kc, vc=vc, meta=meta, ao=ao: be.attention(q, kc, vc, meta, ao))
-        flops_row("prefill_attention", f"{tq} tok causal 32/8x128 bf16", flops, ms, 0.35)
-        # torch SDPA on contiguous K/V, for comparison (not paged)
-        qs = q.transpose(0, 1)[None]
-        ks = kc.view(tq, nkv, hd).transpose(0, 1)[None]
-        vs = vc.view(tq, nkv, hd).transpose(0, 1)[None]
-        try:
-            sdpa = torch.nn.functional.scaled_dot_product_attention
-            ms = time_ms(
-                lambda qs=qs, ks=ks, vs=vs, sdpa=sdpa: sdpa(
-                    qs, ks, vs, is_causal=True, enable_gqa=True
-                )
-            )
-            flops_row("torch_sdpa (reference point)", f"{tq} tok causal", flops, ms, None)
-        except Exception as e:  # pragma: no cover - informational only
-            print("sdpa comparison skipped:", e)
+    # Prefill attention: sm90 and mma.sync kernels, bf16 / fp8 KV, beside torch SDPA
+    from llmc.cuda.bench_prefill import prefill_rows
+
+    prefill_rows(be, flops_row, time_ms)
 
     # Sampling: 64 rows x 128256 vocab (time only)
     from llmc.cuda.backend import SamplingMetadata

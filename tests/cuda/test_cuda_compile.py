@@ -8,7 +8,7 @@ import pytest
 
 from llmc.cuda import compile_check
 from llmc.cuda.build import families_for
-from llmc.cuda.kernels import FAMILIES, KernelConfig, cubin_name, source
+from llmc.cuda.kernels import FAMILIES, KernelConfig, cubin_name, family_arch, source
 
 
 def test_sources_are_self_contained():
@@ -37,7 +37,7 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     assert set(fams) == set(FAMILIES)
 
     def one(fam: str) -> None:
-        nvcc_compile(source(fam, cfg), "sm_90", tmp_path / f"{fam}.cubin")
+        nvcc_compile(source(fam, cfg), family_arch(fam, "sm_90"), tmp_path / f"{fam}.cubin")
 
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(one, fams))
@@ -53,3 +53,64 @@ def test_compile_error_is_reported(tmp_path):
         nvcc_compile(
             'extern "C" __global__ void k() { undefined_thing(); }', "sm_90", tmp_path / "bad.cubin"
         )
+
+
+def test_sm90_prefill_family_selection():
+    """prefill_attention_sm90.cu: 16-bit head_dim 64 / 128 only, built for sm_90a on sm_90
+    and for no other arch (wgmma / setmaxnreg exist only there)."""
+    for cfg, ok in (
+        (KernelConfig("bfloat16", 128, 32, 8), True),
+        (KernelConfig("float16", 64, 9, 3), True),
+        (KernelConfig("bfloat16", 96, 8, 8), False),
+        (KernelConfig("float32", 128, 32, 8), False),
+    ):
+        assert ("prefill_sm90" in families_for(cfg, "sm_90")) == ok
+        assert "prefill_sm90" not in families_for(cfg, "sm_80")
+        assert "prefill_sm90" not in families_for(cfg, "sm_100")
+    assert family_arch("prefill_sm90", "sm_90") == "sm_90a"
+    assert family_arch("rmsnorm", "sm_90") == "sm_90"
+    cfg = KernelConfig("bfloat16", 128, 32, 8)
+    assert ".sm_90a." in cubin_name("prefill_sm90", cfg, family_arch("prefill_sm90", "sm_90"))
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        KernelConfig("bfloat16", 128, 32, 8),
+        KernelConfig("float16", 128, 32, 8),
+        KernelConfig("bfloat16", 64, 9, 3),
+    ],
+    ids=str,
+)
+def test_sm90_prefill_compiles_without_spills(tmp_path, cfg):
+    """The sm_90a build through the project's nvcc path, warnings as errors; ptxas reports no
+    spills and honours setmaxnreg (else it warns), and both kernels hold wgmma.mma_async."""
+    from llmc.cuda.build import nvcc_compile
+
+    out = tmp_path / "prefill_sm90.cubin"
+    src = source("prefill_sm90", cfg)
+    assert src.count("wgmma.mma_async") == 3 and 'extern "C" __global__' in src
+    nvcc_compile(src, "sm_90a", out, extra=("-Werror", "all-warnings", "-Xptxas", "-v"))
+    assert out.stat().st_size > 0
+    import subprocess
+
+    res = subprocess.run(
+        [shutil.which("nvcc"), "-cubin", "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17",
+         "-O3", "-Xptxas", "-v", "-x", "cu", "-o", str(tmp_path / "v.cubin"), "-"],
+        input=src, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    log = res.stderr
+    assert log.count("0 bytes spill stores, 0 bytes spill loads") == 2, log
+    assert "prefill_sm90_kernel" in log and "prefill_sm90_fp8_kernel" in log
+    assert "setmaxnreg" not in log and "Potential Performance Loss" not in log, log
+
+
+def test_sm90_prefill_compiles_with_nvrtc(tmp_path):
+    """The NVRTC fallback (CuPy's bindings) targets sm_90a as the runtime does."""
+    pytest.importorskip("cupy")
+    from llmc.cuda.build import nvrtc_compile
+
+    out = tmp_path / "p.cubin"
+    nvrtc_compile(source("prefill_sm90", KernelConfig("bfloat16", 128, 32, 8)), "sm_90a", out)
+    assert out.stat().st_size > 0

@@ -7,13 +7,12 @@ with NaN before each run; relative error ||out - ref|| / ||ref|| below 1e-5 (flo
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
+from helpers.attention import paged_batch
 from llmc.cuda import reference as ref
-from llmc.cuda.backend import AttentionMetadata, SamplingMetadata
+from llmc.cuda.backend import SamplingMetadata
 
 pytestmark = pytest.mark.cuda
 
@@ -137,30 +136,7 @@ def test_rope_unaligned_tables(be):
 
 def make_batch(decode_lens, prefill, bs, nblocks_extra=3):
     """Metadata for decode sequences (context lengths) then prefill chunks (ql, seq_len)."""
-    seqs = [(1, n) for n in decode_lens] + list(prefill)
-    max_blocks = max(math.ceil(sl / bs) for _, sl in seqs)
-    total_blocks = sum(math.ceil(sl / bs) for _, sl in seqs) + nblocks_extra
-    perm = torch.randperm(total_blocks).tolist()
-    tables = torch.full((len(seqs), max_blocks + 1), -1, dtype=torch.int32)
-    k = 0
-    for i, (_, sl) in enumerate(seqs):
-        nb = math.ceil(sl / bs)
-        tables[i, :nb] = torch.tensor(perm[k : k + nb], dtype=torch.int32)
-        k += nb
-    cu = [0]
-    for ql, _ in seqs:
-        cu.append(cu[-1] + ql)
-    meta = AttentionMetadata(
-        positions=torch.zeros(cu[-1], dtype=torch.int64, device=DEV),
-        slot_mapping=torch.zeros(cu[-1], dtype=torch.int64, device=DEV),
-        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=DEV),
-        seq_lens=torch.tensor([sl for _, sl in seqs], dtype=torch.int32, device=DEV),
-        block_tables=tables.to(DEV),
-        num_decode_seqs=len(decode_lens),
-        max_query_len=max(ql for ql, _ in seqs),
-        max_seq_len=max(sl for _, sl in seqs),
-    )
-    return meta, total_blocks, cu[-1]
+    return paged_batch(decode_lens, prefill, bs, DEV, nblocks_extra)
 
 
 ATTN_CASES = [

@@ -3,6 +3,8 @@
 tests/ is on ``sys.path`` (pytest's rootdir conftest), so a test imports these as
 ``from helpers.engines import make_limits``:
 
+- ``helpers.attention``: paged-attention batches (metadata, shuffled block tables) for the
+  GPU kernel tests;
 - ``helpers.checkpoints``: tiny random HF checkpoints (Llama / Qwen2) and their tokenizer;
 - ``helpers.engines``: the tiny CPU build config, EngineLimits for a test, spec + engine
   weights straight from a checkpoint;
