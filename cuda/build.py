@@ -29,6 +29,7 @@ from llmc.cuda.kernels import (
     cubin_name,
     family_arch,
     has_kernels,
+    nvrtc_compile,
     source,
 )
 
@@ -66,23 +67,6 @@ def nvcc_compile(src: str, arch: str, out: Path, extra: tuple[str, ...] = ()) ->
             raise UnsupportedError(
                 f"nvcc failed for {out.name} ({' '.join(cmd)}):\n{res.stderr.strip()}"
             )
-
-
-def nvrtc_compile(src: str, arch: str, out: Path) -> None:
-    """Compile self-contained source text to a cubin with NVRTC (CuPy's bindings)."""
-    from cupy.cuda import nvrtc
-
-    prog = nvrtc.createProgram(src, out.stem + ".cu", [], [])
-    try:
-        opts = [b"-std=c++17", f"--gpu-architecture={arch}".encode()]
-        try:
-            nvrtc.compileProgram(prog, opts)
-        except nvrtc.NVRTCError as e:
-            log = nvrtc.getProgramLog(prog)
-            raise UnsupportedError(f"NVRTC failed for {out.name}: {e}\n{log}") from e
-        out.write_bytes(nvrtc.getCUBIN(prog))
-    finally:
-        nvrtc.destroyProgram(prog)
 
 
 def kernel_compiler() -> str:

@@ -7,11 +7,12 @@ and loops are sized at compile time). Everything else (token counts, hidden size
 size, vocab) is a run-time argument.
 
 The source handed to a compiler is self-contained: the ``#define`` lines of the config,
-then the file with ``#include "common.cuh"`` replaced by that header's text. The same
-text goes to nvcc (``llmc.cuda.build``) and NVRTC (here), so a cubin in an engine's
-``kernels/`` directory and a run-time compile are the same program. File names of cubins
-carry the config key; a missing or stale cubin falls back to NVRTC through
-``cupy.RawModule``.
+then the file with each ``#include`` of ``HEADERS`` (common.cuh, sm90.cuh) replaced by that
+header's text. The same text goes to nvcc (``llmc.cuda.build``) and NVRTC (here), so a
+cubin in an engine's ``kernels/`` directory and a run-time compile are the same program.
+File names of cubins carry the config key; a missing or stale cubin falls back to NVRTC
+through ``cupy.RawModule`` (arch-specific families, ``ARCH_SPECIFIC``: through
+``nvrtc_compile`` for their ``sm_XXa`` target, cached as a cubin file).
 
 Invariant: importing this module needs neither CuPy nor a GPU (CPU tests and the engine
 builder use the source helpers); ``KernelLibrary`` imports CuPy lazily.
@@ -28,6 +29,7 @@ from llmc.base.errors import UnsupportedError, check_positive_ints
 
 CUDA_DIR = Path(__file__).resolve().parent
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
+HEADERS = ("common.cuh", "sm90.cuh")  # inlined by ``source`` (the compilers see no #include)
 NVCC_FLAGS = ("-std=c++17", "-O3")
 
 # family -> (source file, uses model constants)
@@ -124,8 +126,9 @@ def source(family: str, cfg: KernelConfig | None = None) -> str:
     """Self-contained source text of ``family`` (config macros first, header inlined)."""
     file, _ = FAMILIES[family]
     text = (CUDA_DIR / file).read_text()
-    header = (CUDA_DIR / "common.cuh").read_text().replace("#pragma once\n", "")
-    text = text.replace('#include "common.cuh"', header)
+    for header in HEADERS:  # each at most once per file, in the file's own #include lines
+        body = (CUDA_DIR / header).read_text().replace("#pragma once\n", "")
+        text = text.replace(f'#include "{header}"', body)
     defines = "".join(f"#define {k} {v}\n" for k, v in (macros(family, cfg) if cfg else {}).items())
     return defines + text
 
@@ -187,14 +190,29 @@ class KernelLibrary:
         return self.module(family).get_function(name)
 
 
+def nvrtc_compile(src: str, arch: str, out: Path) -> None:
+    """Compile self-contained source text to a cubin with NVRTC (CuPy's bindings)."""
+    from cupy.cuda import nvrtc
+
+    prog = nvrtc.createProgram(src, out.stem + ".cu", [], [])
+    try:
+        opts = [b"-std=c++17", f"--gpu-architecture={arch}".encode()]
+        try:
+            nvrtc.compileProgram(prog, opts)
+        except nvrtc.NVRTCError as e:
+            log = nvrtc.getProgramLog(prog)
+            raise UnsupportedError(f"NVRTC failed for {out.name}: {e}\n{log}") from e
+        out.write_bytes(nvrtc.getCUBIN(prog))
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
 def _nvrtc_cubin(family: str, cfg: KernelConfig, arch: str) -> Path:
     """NVRTC-compiled cubin of an arch-specific family (CuPy's own NVRTC path can only
     target plain ``sm_XX``), cached by name (source digest) under the temp dir; written
     atomically, kept for the process's lazy module loads."""
     import os
     import tempfile
-
-    from llmc.cuda.build import nvrtc_compile  # build imports this module
 
     cache = Path(tempfile.gettempdir()) / f"llmc-nvrtc-{os.getuid()}"
     cache.mkdir(parents=True, exist_ok=True)

@@ -24,10 +24,10 @@ import itertools
 import pytest
 import torch
 
-from llmc.cuda.kernels import CUDA_DIR
+from llmc.cuda.kernels import KernelConfig, source
 from llmc.cuda.prefill_sm90_ops import KEYS_PER_TILE, ROWS_PER_CTA, smem_bytes, stages
 
-SRC = (CUDA_DIR / "prefill_attention_sm90.cu").read_text()
+SRC = source("prefill_sm90", KernelConfig("bfloat16", 128, 32, 8))  # sm90.cuh inlined
 BM, BN = ROWS_PER_CTA, KEYS_PER_TILE
 
 
