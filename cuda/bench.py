@@ -147,7 +147,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "rope_kv_write",
         f"{t} tok 32/8x128 bf16",
         2 * qkv.nbytes,
-        time_ms(lambda: be.rope_and_cache_write(qkv, pos, cos, sin, kc, vc, slots, qo)),
+        time_ms(lambda: be.rope_and_cache_write(qkv, pos, cos, sin, kc, vc, slots, out=qo)),
         0.8,
     )
 
@@ -175,7 +175,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     auto = be.num_splits(batch, nkv, ctx)
     for splits in [None, 1, 2, 4, 8]:
         be.force_splits = splits
-        ms = time_ms(lambda: be.attention(q, kc, vc, meta, ao))
+        ms = time_ms(lambda: be.attention(q, kc, vc, meta, out=ao))
         name = f"decode_attention(splits={splits or auto}{' auto' if splits is None else ''})"
         mem_row(name, f"{batch}x{ctx} 32/8x128 bf16", kv_bytes, ms, 0.7 if splits is None else None)
     be.force_splits = None
@@ -258,7 +258,7 @@ def decode_short(be: Any, rows: list, mem_row: Callable) -> None:
                 continue  # split plans are for paged_attention_kernel only
             be.force_splits, be.force_min_keys = plan if plan else (None, None)
             ms = graph_ms(
-                lambda q=q, kc=kc, vc=vc, meta=meta, ao=ao: be.attention(q, kc, vc, meta, ao)
+                lambda q=q, kc=kc, vc=vc, meta=meta, ao=ao: be.attention(q, kc, vc, meta, out=ao)
             )
             if plan is None and cluster:
                 label = f"auto: cluster kernel, min_keys={be.min_split_keys(batch, nkv)}"

@@ -66,7 +66,7 @@ def prefill_rows(be: Any, flops_row: Callable, time_ms: Callable) -> None:
         kern = be.prefill_kernel(BF16, hd, BS)
 
         def run(q=q, kc=kc, vc=vc, meta=meta, ao=ao) -> Any:
-            return be.attention(q, kc, vc, meta, ao)
+            return be.attention(q, kc, vc, meta, out=ao)
 
         flops_row(f"prefill_attention({kern})", f"{label} bf16", flops, time_ms(run), target)
         if kern == "prefill_sm90":
