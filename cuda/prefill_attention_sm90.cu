@@ -124,6 +124,22 @@ __device__ __forceinline__ void load_tile_fp8(unsigned dst, const unsigned char*
     }
 }
 
+// One K or V tile into a stage, then this thread's arrival on the stage's full barrier:
+// cp.async copies arrive when they land; converted fp8 stores are fenced for wgmma first.
+template <bool FP8>
+__device__ __forceinline__ void produce(unsigned dst, const void* cache, unsigned full,
+                                        const int* bt, int bs_shift, int kt, int kv_end, int kvh,
+                                        int p) {
+    if constexpr (FP8) {
+        load_tile_fp8(dst, (const unsigned char*)cache, bt, bs_shift, kt, kv_end, kvh, p);
+        fence_async_smem();
+        mbar_arrive(full);
+    } else {
+        load_tile(dst, (const scalar_t*)cache, bt, bs_shift, kt, kv_end, kvh, p);
+        mbar_arrive_copies(full);
+    }
+}
+
 // ---- consumer softmax ----------------------------------------------------------------
 // S of tile kt (raw scores, this thread's rows A = lane / 4 and B = A + 8 of its warp's 16)
 // -> exponentials in place (log2 domain, scale folded in), running maxima updated; returns
@@ -283,27 +299,11 @@ __device__ __forceinline__ void prefill_sm90(const scalar_t* __restrict__ q, con
             const int st = t % STAGES;
             const unsigned ph = ((t / STAGES) & 1) ^ 1;  // first round passes at once
             mbar_wait(KEMPTY(st), ph);
-            if constexpr (FP8) {
-                load_tile_fp8(sK + st * TILE_BYTES, (const unsigned char*)k_cache, bt, bs_shift,
-                              t * BN, kv_end, kvh, p);
-                fence_async_smem();
-                mbar_arrive(KFULL(st));
-            } else {
-                load_tile(sK + st * TILE_BYTES, (const scalar_t*)k_cache, bt, bs_shift, t * BN,
-                          kv_end, kvh, p);
-                mbar_arrive_copies(KFULL(st));
-            }
+            produce<FP8>(sK + st * TILE_BYTES, k_cache, KFULL(st), bt, bs_shift, t * BN, kv_end,
+                         kvh, p);
             mbar_wait(VEMPTY(st), ph);
-            if constexpr (FP8) {
-                load_tile_fp8(sV + st * TILE_BYTES, (const unsigned char*)v_cache, bt, bs_shift,
-                              t * BN, kv_end, kvh, p);
-                fence_async_smem();
-                mbar_arrive(VFULL(st));
-            } else {
-                load_tile(sV + st * TILE_BYTES, (const scalar_t*)v_cache, bt, bs_shift, t * BN,
-                          kv_end, kvh, p);
-                mbar_arrive_copies(VFULL(st));
-            }
+            produce<FP8>(sV + st * TILE_BYTES, v_cache, VFULL(st), bt, bs_shift, t * BN, kv_end,
+                         kvh, p);
         }
         asm volatile("cp.async.wait_all;" ::: "memory");  // no copy outlives its thread
     } else {

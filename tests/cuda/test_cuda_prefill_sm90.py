@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.attention import paged_batch
+from helpers.attention import paged_batch, rel_err
 from llmc.base.errors import UnsupportedError
 from llmc.cuda import reference as ref
 
@@ -45,12 +45,6 @@ def be():
     from llmc.cuda.cuda_backend import CudaBackend
 
     return CudaBackend(DEV)
-
-
-def rel_err(out: torch.Tensor, want: torch.Tensor) -> float:
-    assert not torch.isnan(out).any(), "NaN in kernel output"
-    o, w = out.double(), want.double()
-    return ((o - w).norm() / w.norm().clamp_min(1e-30)).item()
 
 
 def inputs(case, hd, nq, nkv, dtype):

@@ -4,6 +4,7 @@
 (one query each, the given context lengths) then prefill chunks ``(q_len, seq_len)``, their
 blocks scattered over a shuffled pool with a few spare blocks; returns (meta, pool blocks,
 query tokens). Block tables are padded with -1 past each sequence's blocks.
+``rel_err(out, want)``: ||out - want|| / ||want|| in float64, asserting out has no NaN.
 """
 
 from __future__ import annotations
@@ -47,3 +48,10 @@ def paged_batch(
         max_seq_len=max(sl for _, sl in seqs),
     )
     return meta, total_blocks, cu[-1]
+
+
+def rel_err(out: torch.Tensor, want: torch.Tensor) -> float:
+    """See the module docstring."""
+    assert not torch.isnan(out).any(), "NaN in kernel output"
+    o, w = out.double(), want.double()
+    return ((o - w).norm() / w.norm().clamp_min(1e-30)).item()
