@@ -308,7 +308,7 @@ __device__ __forceinline__ void prefill_sm90(const scalar_t* __restrict__ q, con
         asm volatile("cp.async.wait_all;" ::: "memory");  // no copy outlives its thread
     } else {
         // ================= consumers =================
-        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(FP8 ? 224 : 232));
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(FP8 ? 208 : 216));
         const int cw = wg - 1;  // consumer 0 / 1: CTA rows cw * 64 .. cw * 64 + 63
         const int lane = threadIdx.x & 31, wl = (threadIdx.x >> 5) & 3, tq = lane & 3;
         const int RA = row0 + cw * 64 + wl * 16 + (lane >> 2), RB = RA + 8;

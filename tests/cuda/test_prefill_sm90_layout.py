@@ -203,3 +203,18 @@ def test_e4m3_to_16_bit_is_exact():
     f = f[torch.isfinite(f)]
     assert torch.equal(f.half().float(), f)
     assert torch.equal(f.half().float().bfloat16().float(), f)
+
+
+def test_register_split_fits_the_pool():
+    """setmaxnreg: the producer warpgroup gives back what the two consumers take, with slack
+    when ptxas reports fewer than 168 registers at entry (a short pool would make the
+    consumers' setmaxnreg.inc wait forever)."""
+    import re
+
+    dec = re.search(r'setmaxnreg\.dec\.sync\.aligned\.u32 %0;" ::"n"\(FP8 \? (\d+) : (\d+)\)', SRC)
+    inc = re.search(r'setmaxnreg\.inc\.sync\.aligned\.u32 %0;" ::"n"\(FP8 \? (\d+) : (\d+)\)', SRC)
+    assert dec and inc
+    for producer, consumer in zip(map(int, dec.groups()), map(int, inc.groups()), strict=True):
+        assert producer % 8 == 0 and consumer % 8 == 0 and 24 <= producer < consumer <= 256
+        for entry in (160, 168):  # 65536 / 384 = 168 at most
+            assert 128 * (entry - producer) >= 256 * (consumer - entry), (producer, consumer)
