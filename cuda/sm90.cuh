@@ -38,16 +38,31 @@ __device__ __forceinline__ void mbar_arrive(unsigned bar) {
 __device__ __forceinline__ void mbar_arrive_copies(unsigned bar) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
 }
-__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+__device__ __forceinline__ bool mbar_try_wait(unsigned bar, unsigned parity) {
     unsigned done;
-    do {
-        asm volatile(
-            "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; "
-            "selp.u32 %0, 1, 0, p; }"
-            : "=r"(done)
-            : "r"(bar), "r"(parity)
-            : "memory");
-    } while (!done);
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; "
+        "selp.u32 %0, 1, 0, p; }"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+    return done != 0;
+}
+// Waits for the phase of parity `parity` to complete. Watchdog: a wait of more than 2^31 SM
+// cycles (~1 s; real waits last microseconds) traps, so that a pipeline bug ends the launch
+// with an error instead of hanging the GPU (32-bit clock: one register).
+__device__ __forceinline__ unsigned sm_clock() {
+    unsigned c;
+    asm volatile("mov.u32 %0, %%clock;" : "=r"(c));
+    return c;
+}
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+    if (mbar_try_wait(bar, parity)) return;
+    const unsigned c0 = sm_clock();
+    bool ok;
+    while (!(ok = mbar_try_wait(bar, parity)) && sm_clock() - c0 <= 0x80000000u) {
+    }
+    if (!ok) asm volatile("trap;");  // after the loop: a trap inside it costs spills
 }
 // Shared memory written through the generic proxy (cp.async, st.shared), read next by wgmma
 // (async proxy).
