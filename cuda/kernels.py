@@ -196,7 +196,7 @@ def nvrtc_compile(src: str, arch: str, out: Path) -> None:
 
     prog = nvrtc.createProgram(src, out.stem + ".cu", [], [])
     try:
-        opts = [b"-std=c++17", f"--gpu-architecture={arch}".encode()]
+        opts = ["-std=c++17", f"--gpu-architecture={arch}"]  # CuPy encodes each option
         try:
             nvrtc.compileProgram(prog, opts)
         except nvrtc.NVRTCError as e:
