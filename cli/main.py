@@ -19,11 +19,12 @@ from llmc.cli import (
     import_cmd,
     profile_cmd,
     run_cmd,
+    serve_cmd,
 )
 
 app = typer.Typer(
     name="llmc",
-    help="Compile LLM checkpoints into engines, then run, benchmark and profile them.",
+    help="Compile LLM checkpoints into engines, then run, serve, benchmark and profile them.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -59,7 +60,16 @@ def _root(
     del version
 
 
-for _command in (build_cmd, import_cmd, run_cmd, bench_cmd, profile_cmd, eval_cmd, compare_cmd):
+for _command in (
+    build_cmd,
+    import_cmd,
+    run_cmd,
+    bench_cmd,
+    profile_cmd,
+    eval_cmd,
+    compare_cmd,
+    serve_cmd,
+):
     _command.register(app)
 
 

@@ -26,8 +26,8 @@ Rules this module implements:
   flags, which it receives in ``**flags``.
 - Profiles (``--profile NAME|PATH``): YAML mappings from ``llmc.profiles`` (by name) or a
   path, with sections ``PROFILE_SECTIONS`` (``model``: an HF-style config for dummy weights,
-  ``build``: build settings, ``workload``/``run``/``profile``/``eval``: settings of those
-  commands).
+  ``build``: build settings, ``workload``/``run``/``profile``/``eval``/``serve``: settings of
+  those commands).
   A file that is not a mapping, or an unknown section, is a UsageError (exit 2) with a
   did-you-mean, and so is one that is not UTF-8, too large or expands past a bound through
   YAML aliases (``input_bounds.load_yaml``); each command checks the keys of its own
@@ -61,7 +61,7 @@ from llmc.base.errors import LlmcError, UsageError, did_you_mean
 from llmc.base.text import printable
 from llmc.runtime.engine_runtime import RuntimeConfig
 
-PROFILE_SECTIONS = ("description", "model", "build", "workload", "run", "profile", "eval")
+PROFILE_SECTIONS = ("description", "model", "build", "workload", "run", "profile", "eval", "serve")
 """Top-level keys a profile YAML may have; each command reads the section(s) it owns."""
 
 F = TypeVar("F", bound=Callable[..., Any])

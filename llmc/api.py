@@ -35,6 +35,7 @@ from typing import Any
 from llmc.base.errors import ConfigError, EngineError, error_class
 from llmc.compiler.build_config import BuildConfig
 from llmc.compiler.engine_cache import cached_build, rebuild
+from llmc.runtime.admission import SchedulerStats
 from llmc.runtime.engine_runtime import EngineRuntime, RuntimeConfig
 from llmc.runtime.executor import Executor
 from llmc.runtime.kv_cache import KVCacheStats
@@ -272,6 +273,10 @@ class LLM:
     def kv_stats(self) -> KVCacheStats:
         """The KV pool now: total, used and free blocks, peak use, prefix-reuse hits."""
         return self._live().kv_stats()
+
+    def scheduler_stats(self) -> SchedulerStats:
+        """The scheduler's counters now: running and waiting requests, steps, preemptions."""
+        return self._live().scheduler_stats()
 
     @contextlib.contextmanager
     def in_caller_thread(self) -> Iterator[LLM]:
