@@ -5,8 +5,10 @@ Flags → ``BenchSettings`` + ``RuntimeConfig`` (precedence: command line > the 
 ``llmc.runtime.bench.driver.run_bench`` → Rich report on stdout. Logs and the progress bar
 (only when stderr is a terminal) share one stderr console, so log lines print above the bar.
 ``--json FILE`` writes the versioned result (``--json -``: the JSON on stdout instead of the
-report). Exit code: BenchFailure (9) when the failed share exceeds --max_failure_rate
-(default 0).
+report). With ``--url URL --model NAME`` no engine is loaded: the same workload goes to an
+OpenAI-compatible server over streamed HTTP (``llmc.runtime.bench.http_driver``) and the
+same aggregates are computed from the client's chunk arrival times. Exit code:
+BenchFailure (9) when the failed share exceeds --max_failure_rate (default 0).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from llmc.base.errors import BenchFailure, ConfigError
+from llmc.base.errors import BenchFailure, ConfigError, UsageError
 from llmc.cli.bench_settings import WORKLOAD_FLAGS, collect, make_settings, open_llm, write_json
 from llmc.cli.options import (
     ENGINE_DIR_FLAG,
@@ -45,6 +47,16 @@ PEER_FLAGS: tuple[Flag, ...] = (
          "dynamic. Default: auto."),
     Flag("max_failure_rate", float, "Exit non-zero (9) when the failed share of requests "
          "exceeds this. Default: 0."),
+)
+HTTP_FLAGS: tuple[Flag, ...] = (
+    Flag("url", str, "Benchmark an OpenAI-compatible server instead of loading the engine: "
+         "its base URL, e.g. http://127.0.0.1:8000/v1 (llmc serve, vLLM, TensorRT-LLM, ...). "
+         "Default: none (in-process).", metavar="URL"),
+    Flag("model", str, "With --url: the model name to request. Default: none (required)."),
+    Flag("tokenizer", str, "With --url and no --engine_dir: a directory with tokenizer.json, "
+         "for synthetic token ids and ShareGPT lengths. Default: none.", metavar="DIR"),
+    Flag("api_key", str, "With --url: sent as Authorization: Bearer KEY. Default: "
+         "$LLMC_API_KEY, else $OPENAI_API_KEY, else none."),
 )
 # fmt: on
 
@@ -80,7 +92,7 @@ def check_failures(result: dict[str, Any], max_failure_rate: float) -> None:
         )
 
 
-@with_flags((ENGINE_DIR_FLAG,), WORKLOAD_FLAGS, PEER_FLAGS, RUNTIME_FLAGS)
+@with_flags((ENGINE_DIR_FLAG,), HTTP_FLAGS, WORKLOAD_FLAGS, PEER_FLAGS, RUNTIME_FLAGS)
 def bench_command(
     json_file: Annotated[
         str | None,
@@ -99,23 +111,46 @@ def bench_command(
     from llmc.runtime.bench.report import render_bench
 
     s = collect(flags, profile, BENCH_DEFAULTS)
-    engine, settings, runtime = make_settings(s)
+    engine, settings, runtime = make_settings(s, need_engine=not s.get("url"))
     mfr = float(s.get("max_failure_rate", 0.0))
     if not 0.0 <= mfr <= 1.0:
         raise ConfigError(f"max_failure_rate must be in [0, 1], got {mfr}")
     log = err_console()
-    with (
-        open_llm(engine, runtime, log) as llm,
-        progress_bar(log, settings.synthetic.num_requests) as bar,
-    ):
-        outcome = run_bench(llm, settings, log=lambda m: log.print(m, markup=False), progress=bar)
-    result = outcome.result.to_dict()
+    say = lambda m: log.print(m, markup=False)  # noqa: E731
+    if s.get("url"):
+        with progress_bar(log, settings.synthetic.num_requests) as bar:
+            result = _bench_url(s, engine, settings, say, bar).to_dict()
+    else:
+        assert engine is not None
+        with (
+            open_llm(engine, runtime, log) as llm,
+            progress_bar(log, settings.synthetic.num_requests) as bar,
+        ):
+            result = run_bench(llm, settings, log=say, progress=bar).result.to_dict()
     result["config"]["max_failure_rate"] = mfr
     if json_file:
         write_json(json_file, result, log)
     if json_file != "-":
         render_bench(result, out_console())
     check_failures(result, mfr)
+
+
+def _bench_url(
+    s: dict[str, Any], engine: str | None, settings: Any, say: Any, bar: ProgressFn | None
+) -> Any:
+    """The benchmark against ``--url`` (no engine is loaded here)."""
+    import os
+
+    from llmc.runtime.bench.http_driver import Endpoint, client_model, run_bench_http
+
+    if not s.get("model"):
+        raise UsageError("--url needs --model NAME (the model the server serves)")
+    if s.get("peer"):
+        raise UsageError("--peer runs in-process only; leave it out with --url")
+    key = s.get("api_key") or os.environ.get("LLMC_API_KEY") or os.environ.get("OPENAI_API_KEY")
+    endpoint = Endpoint(s["url"], s["model"], key or None)
+    model = client_model(engine, s.get("tokenizer"))
+    return run_bench_http(endpoint, settings, model, log=say, progress=bar)
 
 
 def register(app: typer.Typer) -> None:

@@ -38,8 +38,9 @@ WORKLOAD_FLAGS: tuple[Flag, ...] = (
     Flag("isl_stdev", float, "Stdev of input lengths, tokens. Default: 0."),
     Flag("osl_stdev", float, "Stdev of output lengths, tokens. Default: 0."),
     Flag("distribution", str, "Length distribution: normal or uniform. Default: normal."),
-    Flag("dataset", str, "trtllm-bench JSONL (task_id, prompt|input_ids, output_tokens) "
-         "instead of synthetic requests. Default: none.", metavar="FILE"),
+    Flag("dataset", str, "trtllm-bench JSONL (task_id, prompt|input_ids, output_tokens) or "
+         "ShareGPT JSON (a JSON array) instead of synthetic requests. Default: none.",
+         metavar="FILE"),
     Flag("concurrency", int, "Closed loop: keep N requests in flight. Default: offline (all "
          "at once)."),
     Flag("request_rate", float, "Open loop: R requests/s with gamma arrivals. Default: offline."),
@@ -52,7 +53,17 @@ WORKLOAD_FLAGS: tuple[Flag, ...] = (
 """The workload of one benchmark (``SyntheticSpec``, ``ArrivalSpec``, ``BenchSettings``)."""
 
 WORKLOAD_KEYS = tuple(f.name for f in WORKLOAD_FLAGS)
-BENCH_KEYS = ("peer", "peer_batch_size", "peer_cache", "max_failure_rate", "engine_dir")
+BENCH_KEYS = (
+    "peer",
+    "peer_batch_size",
+    "peer_cache",
+    "max_failure_rate",
+    "engine_dir",
+    "url",
+    "model",
+    "tokenizer",
+    "api_key",
+)
 """Keys a ``workload:`` section may hold beside the workload and the runtime settings."""
 
 
@@ -89,15 +100,22 @@ class _WorkloadTypes:
     peer: str | None
     peer_batch_size: int | None
     peer_cache: str | None
+    url: str | None
+    model: str | None
+    tokenizer: str | None
+    api_key: str | None
 
 
-def make_settings(s: dict[str, Any]) -> tuple[str, BenchSettings, RuntimeConfig]:
-    """(engine_dir, BenchSettings, RuntimeConfig) from merged settings."""
+def make_settings(
+    s: dict[str, Any], need_engine: bool = True
+) -> tuple[str | None, BenchSettings, RuntimeConfig]:
+    """(engine_dir, BenchSettings, RuntimeConfig) from merged settings (``need_engine``:
+    --engine_dir is required; a run against --url takes it only to read the vocabulary)."""
     from llmc.compiler.input_bounds import check_field_types
 
     check_field_types(_WorkloadTypes, s, "workload setting")
     engine_dir = s.get("engine_dir")
-    if not engine_dir:
+    if not engine_dir and need_engine:
         raise UsageError("--engine_dir is required (an engine built with `llmc build`)")
     seed = int(s.get("seed", 0))
     synthetic = SyntheticSpec(
@@ -123,7 +141,7 @@ def make_settings(s: dict[str, Any]) -> tuple[str, BenchSettings, RuntimeConfig]
         peer_batch_size=s.get("peer_batch_size"),
         peer_cache=s.get("peer_cache", "auto"),
     )
-    return str(engine_dir), settings, runtime_config(s)
+    return (str(engine_dir) if engine_dir else None), settings, runtime_config(s)
 
 
 def open_llm(engine_dir: str, runtime: RuntimeConfig, log: Console) -> LLM:

@@ -87,16 +87,35 @@ def parse_percentiles(text: str | Sequence[float]) -> tuple[float, ...]:
 
 
 def build_requests(
-    settings: BenchSettings, vocab_size: int, tokenizer: Any
+    settings: BenchSettings,
+    vocab_size: int | None,
+    tokenizer: Any,
+    limits: tuple[int, int] | None = None,
+    need_ids: bool = True,
 ) -> tuple[list[WorkloadRequest], list[WorkloadRequest]]:
-    """(warm-up requests, measured requests); text prompts tokenized here."""
+    """(warm-up requests, measured requests); text prompts tokenized here when there is a
+    tokenizer (always in-process; over HTTP without one they are sent as text).
+    ``limits``: the engine's (max_input_len, max_seq_len), for the ShareGPT filter."""
     n = settings.synthetic.num_requests
     if settings.dataset is not None:
-        reqs = load_dataset(settings.dataset, n + settings.warmup, vocab_size)
+        encode = tokenizer.encode if tokenizer is not None else None
+        reqs = load_dataset(
+            settings.dataset,
+            n + settings.warmup,
+            vocab_size,
+            encode=encode,
+            seed=settings.synthetic.seed,
+            limits=limits,
+        )
     else:
+        if vocab_size is None:
+            raise UsageError(
+                "a synthetic workload over HTTP needs the model's vocabulary: give "
+                "--engine_dir (the served engine) or --tokenizer, or a --dataset"
+            )
         spec = dataclasses.replace(settings.synthetic, num_requests=n + settings.warmup)
         reqs = synthetic_workload(spec, vocab_size)
-    if any(r.prompt_token_ids is None for r in reqs):
+    if any(r.prompt_token_ids is None for r in reqs) and (need_ids or tokenizer is not None):
         if tokenizer is None:
             raise UsageError(
                 f"dataset {settings.dataset} has text prompts but the engine has no tokenizer; "
@@ -190,7 +209,10 @@ def run_bench(
     """Run one benchmark on ``llm``. ``measure`` (a profiling session) is entered around
     the measured requests (warm-up excluded)."""
     rt = llm.runtime
-    warm, reqs = build_requests(settings, rt.spec.vocab_size, rt.tokenizer)
+    lim = rt.limits
+    warm, reqs = build_requests(
+        settings, rt.spec.vocab_size, rt.tokenizer, (lim.max_input_len, lim.max_seq_len)
+    )
     summary = llm.summary()
     log(
         f"engine on {rt.device} ({rt.backend} backend): KV pool {summary['kv_tokens']:,} tokens; "

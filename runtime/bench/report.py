@@ -1,8 +1,9 @@
 """Rich rendering of bench results (the JSON dict of ``BenchResult.to_dict()``).
 
 Renders from the saved dict, so a live run, a saved ``--json`` file and ``llmc compare``
-all print the same way. Sections: engine and build config, workload, throughput (each
-rate beside its measured ceiling), latency percentiles, KV cache and scheduler, failures.
+all print the same way. Sections: engine and build config (the endpoint, for an HTTP run),
+workload, throughput (each rate beside its measured ceiling), latency percentiles, KV cache
+and scheduler (in-process runs), failures.
 When the result holds a peer run, a peer column and an llmc ÷ peer column are added.
 
 Invariants: a missing number prints as "n/a", never as 0; every string taken from a result
@@ -128,7 +129,22 @@ def _kv_table(title: str, rows: list[tuple[str, str]]) -> Table:
     return t
 
 
+def endpoint_section(result: dict[str, Any]) -> Table:
+    """What an HTTP run (``llmc bench --url``) measured: the endpoint, timed by the client."""
+    ep = dig(result, "config.endpoint") or {}
+    env = result.get("environment") or {}
+    rows = [
+        ("endpoint", f"{ep.get('url', NA)} (OpenAI completions, streamed)"),
+        ("model", str(ep.get("model", NA))),
+        ("timed by", f"the client, on {env.get('device_name', NA)}"),
+        ("versions", f"llmc {env.get('llmc_version', NA)} ({env.get('git_commit', NA)})"),
+    ]
+    return _kv_table("Endpoint", rows)
+
+
 def engine_section(result: dict[str, Any]) -> Table:
+    if dig(result, "config.endpoint") is not None:
+        return endpoint_section(result)
     e = dig(result, "config.engine") or {}
     rt = dig(result, "config.runtime") or {}
     env = result.get("environment") or {}
@@ -266,7 +282,9 @@ def latency_section(result: dict[str, Any]) -> Table:
     return t
 
 
-def kv_section(result: dict[str, Any]) -> Table:
+def kv_section(result: dict[str, Any]) -> Table | None:
+    if dig(result, "config.endpoint") is not None:
+        return None  # the engine's steps are the server's; /metrics has its KV use
     a = result.get("aggregates") or {}
     rows = [
         (

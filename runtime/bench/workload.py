@@ -2,10 +2,17 @@
 
 Requests come from a synthetic generator (random token ids, input/output lengths drawn
 from a normal or uniform distribution with a given mean and standard deviation, seeded) or
-from a dataset file in trtllm-bench's JSONL form, one request per line::
+from a dataset file: trtllm-bench's JSONL form, one request per line::
 
     {"task_id": 0, "prompt": "text ...", "output_tokens": 128}
     {"task_id": 1, "input_ids": [1, 2, 3], "output_tokens": 64}
+
+or a ShareGPT JSON file (a JSON array, as vLLM's ``bench`` reads it: each entry's first
+turn is the prompt, the second's token count the output length; entries with fewer than two
+turns are skipped, the rest shuffled with the seed, and pairs with a prompt or reply under
+4 tokens, a prompt over 1,024 tokens or a total over 2,048 — or over the engine's
+max_input_len / max_seq_len when smaller — are skipped). A file whose first non-blank
+character is ``[`` is ShareGPT, anything else JSONL.
 
 Arrival modes: ``offline`` (every request at t=0), ``concurrency`` (closed loop: N requests
 in flight, a new one enters when one finishes) and ``request_rate`` (open loop: gamma
@@ -20,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -186,13 +194,30 @@ def _parse_line(obj: Any, where: str, vocab_size: int | None) -> WorkloadRequest
     )
 
 
+def is_sharegpt(path: str | Path) -> bool:
+    """Whether a dataset file is ShareGPT JSON (its first non-blank character is ``[``)."""
+    with Path(path).open("rb") as f:
+        head = f.read(4096).lstrip()
+    return head.startswith(b"[")
+
+
 def load_dataset(
-    path: str | Path, num_requests: int | None = None, vocab_size: int | None = None
+    path: str | Path,
+    num_requests: int | None = None,
+    vocab_size: int | None = None,
+    *,
+    encode: Callable[[str], list[int]] | None = None,
+    seed: int = 0,
+    limits: tuple[int, int] | None = None,
 ) -> list[WorkloadRequest]:
-    """Read a trtllm-bench JSONL dataset (blank lines skipped); first ``num_requests``."""
+    """Read a dataset: trtllm-bench JSONL (blank lines skipped) or ShareGPT JSON (needs
+    ``encode``, the engine's tokenizer; ``limits``: the engine's (max_input_len,
+    max_seq_len) when known); the first ``num_requests``."""
     p = Path(path)
     if not p.is_file():
         raise UsageError(f"dataset {str(p)!r} does not exist or is not a file")
+    if is_sharegpt(p):
+        return load_sharegpt(p, num_requests, encode, seed, limits)
     out: list[WorkloadRequest] = []
     with p.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -208,6 +233,70 @@ def load_dataset(
                 break
     if not out:
         raise UsageError(f"dataset {str(p)!r} holds no requests")
+    return out
+
+
+SHAREGPT_MIN_TOKENS = 4
+SHAREGPT_MAX_PROMPT = 1024
+SHAREGPT_MAX_TOTAL = 2048
+
+
+def _sharegpt_pairs(data: Any, where: str) -> list[tuple[str, str, str]]:
+    """(id, prompt, reply) of each entry with at least two turns."""
+    if not isinstance(data, list):
+        raise UsageError(f"{where}: a ShareGPT file is a JSON array of conversations")
+    pairs = []
+    for n, entry in enumerate(data):
+        turns = entry.get("conversations") if isinstance(entry, dict) else None
+        if not isinstance(turns, list):
+            raise UsageError(f"{where}: entry {n} has no 'conversations' list")
+        if len(turns) < 2:
+            continue
+        texts = []
+        for turn in turns[:2]:
+            value = turn.get("value") if isinstance(turn, dict) else None
+            if not isinstance(value, str):
+                raise UsageError(f"{where}: entry {n}: a turn without a text 'value'")
+            texts.append(value)
+        pairs.append((str(entry.get("id", n)), texts[0], texts[1]))
+    return pairs
+
+
+def load_sharegpt(
+    path: Path,
+    num_requests: int | None,
+    encode: Callable[[str], list[int]] | None,
+    seed: int = 0,
+    limits: tuple[int, int] | None = None,
+) -> list[WorkloadRequest]:
+    """Requests from a ShareGPT JSON file (see the module docstring for the rules)."""
+    where = str(path)
+    if encode is None:
+        raise UsageError(
+            f"dataset {where!r} is ShareGPT: its output lengths are the replies' token counts, "
+            "which need the engine's tokenizer (give --engine_dir or --tokenizer)"
+        )
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UsageError(f"{where}: not valid JSON ({getattr(e, 'msg', e)})") from None
+    pairs = _sharegpt_pairs(data, where)
+    random.Random(seed).shuffle(pairs)
+    max_prompt, max_total = SHAREGPT_MAX_PROMPT, SHAREGPT_MAX_TOTAL
+    if limits is not None:
+        max_prompt, max_total = min(max_prompt, limits[0]), min(max_total, limits[1])
+    out: list[WorkloadRequest] = []
+    for task_id, prompt, reply in pairs:
+        if num_requests is not None and len(out) >= num_requests:
+            break
+        ids, n_out = encode(prompt), len(encode(reply))
+        if len(ids) < SHAREGPT_MIN_TOKENS or n_out < SHAREGPT_MIN_TOKENS:
+            continue
+        if len(ids) > max_prompt or len(ids) + n_out > max_total:
+            continue
+        out.append(WorkloadRequest(task_id, n_out, tuple(ids), prompt))
+    if not out:
+        raise UsageError(f"dataset {where!r} holds no conversation within the length limits")
     return out
 
 
