@@ -131,7 +131,10 @@ def completion_logprobs(entries: list[Any], texts: TokenTexts, offset: int) -> d
         t = texts(e.token_id)
         tokens.append(t)
         lps.append(e.logprob)
-        tops.append({texts(i): lp for i, lp in e.top})
+        top: dict[str, float] = {}
+        for i, lp in e.top:  # two ids may decode alike: the likelier one names the text
+            top.setdefault(texts(i), lp)
+        tops.append(top)
         offsets.append(offset)
         offset += len(t)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}

@@ -1,6 +1,7 @@
 """``/metrics``: the server's Prometheus metrics (``prometheus-client``, its own registry).
 
-Counted by the server as requests go: requests by model and outcome (``success``,
+Counted by the server as requests go: requests routed to each replica, requests by model
+and outcome (``success``,
 ``cancelled`` — the client left —, ``client_error`` — 4xx —, ``rejected`` — 503 —,
 ``server_error`` — 5xx), prompt and generated tokens, and the latency histograms seen from
 the HTTP side: time to first token and inter-token latency (streamed requests: a
@@ -97,6 +98,10 @@ class ServerMetrics:
         self.requests = Counter(
             "llmc_requests", "HTTP requests by model and outcome.", ["model", "outcome"],
             registry=reg,
+        )  # fmt: skip
+        self.routed = Counter(
+            "llmc_replica_requests", "HTTP requests routed to each replica.",
+            ["model", "replica"], registry=reg,
         )  # fmt: skip
         self.prompt_tokens = Counter(
             "llmc_prompt_tokens", "Prompt tokens of served requests.", ["model"], registry=reg

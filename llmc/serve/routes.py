@@ -94,6 +94,7 @@ def make_router(state: Any) -> APIRouter:
         except APIError as e:
             metrics.outcome(name, outcome_of(e.status))
             raise
+        metrics.routed.labels(replica.model, str(replica.index)).inc()
         state.request_started()
         return response
 

@@ -95,11 +95,11 @@ class _Server(uvicorn.Server):
         self.should_exit = True
 
 
-def serve(config: ServeConfig, say: Callable[[str], None] | None = None) -> int:
-    """Serve until stopped; returns the process exit code (0 after a drain)."""
+def make_server(config: ServeConfig, say: Callable[[str], None] | None = None) -> _Server:
+    """The server of ``config``, not started (``run()`` serves until it should exit; off the
+    main thread it installs no signal handlers and stops when ``should_exit`` is set)."""
     speak = say or (lambda m: print(m, file=sys.stderr, flush=True))
-    pool = EnginePool(config)
-    state = ServerState(config, pool)
+    state = ServerState(config, EnginePool(config))
     uv = uvicorn.Config(
         create_app(state),
         host=config.host,
@@ -110,14 +110,19 @@ def serve(config: ServeConfig, say: Callable[[str], None] | None = None) -> int:
         timeout_graceful_shutdown=5,
         timeout_keep_alive=30,
     )
-    server = _Server(uv, state, speak)
+    return _Server(uv, state, speak)
+
+
+def serve(config: ServeConfig, say: Callable[[str], None] | None = None) -> int:
+    """Serve until stopped; returns the process exit code (0 after a drain)."""
+    server = make_server(config, say)
     previous = sys.getswitchinterval()
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     try:
         server.run()
+    except SystemExit as e:  # uvicorn exits when it cannot bind (it logged why)
+        return int(e.code) if isinstance(e.code, int) else 1
     finally:
         sys.setswitchinterval(previous)
-        pool.shutdown()
-    if not server.started and server.exit_code == 0:
-        return 1  # could not bind (uvicorn logged why)
+        server.state.pool.shutdown()
     return server.exit_code

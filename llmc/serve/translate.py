@@ -10,7 +10,8 @@ Range checks are ``SamplingParams``'s (the one home of the rules); its RequestEr
 llmc field, which ``sampling_error`` maps back to the OpenAI parameter the client sent.
 Engine refusals that come back in a final Response (prompt over max_input_len, prompt +
 max_tokens over max_seq_len, a prompt id outside the vocabulary) map to 400 with the param
-they concern (``response_error``); any other failure of a request is a 500.
+they concern (``response_error``); any other failure of a request — a ``RequestFault`` in a
+step, an engine failure — is a 500.
 """
 
 from __future__ import annotations
@@ -228,16 +229,17 @@ def strip_request_id(message: str) -> str:
 
 
 def response_error(plan: Plan, message: str, error_code: int | None) -> APIError:
-    """A request's final error Response → 400 (the engine refused it: too long, bad id)
-    naming the param it concerns, or 500 (its processing failed)."""
+    """A request's final error Response → 400 when the engine refused it at admission
+    (prompt over max_input_len, prompt + max_tokens over max_seq_len or the KV pool, a token
+    id outside the vocabulary, an empty prompt), naming the param it concerns; any other
+    failure (a RequestFault inside a step, an engine failure) is the server's: 500."""
     text = strip_request_id(message)
-    if error_code != RequestError.exit_code:
-        return APIError(500, f"the request failed: {text}", code="request_failed")
-    if "max_input_len" in text or "vocabulary" in text:
+    refused = error_code == RequestError.exit_code
+    if refused and ("max_input_len" in text or "vocabulary" in text or "is empty" in text):
         code = "context_length_exceeded" if "max_input_len" in text else None
         return bad_request(text, param=plan.prompt_param, code=code)
-    if "max_seq_len" in text or "KV-cache blocks" in text:
+    if refused and ("max_seq_len" in text or "KV-cache blocks" in text):
         text = text.replace(" or set clamp_max_new_tokens", "")  # not an OpenAI field
         text = text.replace("max_new_tokens", plan.tokens_param)
         return bad_request(text, param=plan.tokens_param, code="context_length_exceeded")
-    return bad_request(text)
+    return APIError(500, f"the request failed: {text}", code="request_failed")
