@@ -13,6 +13,7 @@ from llmc.runtime.bench.workload import (
     SyntheticSpec,
     WorkloadRequest,
     arrival_offsets,
+    is_sharegpt,
     load_dataset,
     synthetic_workload,
     write_dataset,
@@ -116,3 +117,60 @@ def test_git_commit_named_by_llmc_commit(monkeypatch):
     assert git_commit() == "abc123def456"
     monkeypatch.delenv("LLMC_COMMIT")
     assert git_commit() != "abc123def456"
+
+
+def _conv(prompt: str, reply: str, **extra) -> dict:
+    turns = [{"from": "human", "value": prompt}, {"from": "gpt", "value": reply}]
+    return {"conversations": turns, **extra}
+
+
+def test_sharegpt_is_read_as_vllm_reads_it(tmp_path) -> None:
+    def encode(text: str) -> list[int]:  # one id per character
+        return [ord(c) % 200 for c in text]
+
+    data = [
+        _conv("p" * 10, "r" * 6, id="keep"),
+        _conv("p" * 3, "r" * 9, id="prompt too short"),
+        _conv("p" * 9, "r" * 2, id="reply too short"),
+        _conv("p" * 60, "r" * 6, id="over max_input_len"),
+        _conv("p" * 40, "r" * 40, id="over max_seq_len"),
+        {"conversations": [{"from": "human", "value": "one turn"}]},
+        _conv("q" * 8, "s" * 5, id="keep too"),
+    ]
+    path = tmp_path / "sg.json"
+    path.write_text("\n  " + json.dumps(data))
+    assert is_sharegpt(path)
+    reqs = load_dataset(path, encode=encode, limits=(50, 64))
+    assert sorted(r.task_id for r in reqs) == ["keep", "keep too"]
+    keep = next(r for r in reqs if r.task_id == "keep")
+    assert keep.output_tokens == 6 and keep.prompt_token_ids == tuple(encode("p" * 10))
+    assert len(load_dataset(path, 1, encode=encode, limits=(50, 64))) == 1
+    orders = {tuple(r.task_id for r in load_dataset(path, encode=encode, seed=s)) for s in range(6)}
+    assert len(orders) > 1  # shuffled by the seed, as vLLM does
+    assert [r.task_id for r in load_dataset(path, encode=encode, seed=4)] == [
+        r.task_id for r in load_dataset(path, encode=encode, seed=4)
+    ]
+
+
+@pytest.mark.parametrize(
+    "content,needle",
+    [
+        ('{"a": 1}', "task_id"),  # a JSON object is JSONL, whose keys are checked
+        ("[1, 2]", "no 'conversations' list"),
+        ('[{"conversations": [{"value": 3}, {"value": "x"}]}]', "text 'value'"),
+        ('[{"conversations": []}]', "no conversation within"),
+        ("[not json", "not valid JSON"),
+    ],
+)
+def test_sharegpt_errors_name_the_file(tmp_path, content, needle) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    with pytest.raises(UsageError, match=needle):
+        load_dataset(path, encode=lambda t: [1] * len(t))
+
+
+def test_sharegpt_needs_a_tokenizer(tmp_path) -> None:
+    path = tmp_path / "sg.json"
+    path.write_text(json.dumps([_conv("hello there", "general kenobi")]))
+    with pytest.raises(UsageError, match="tokenizer"):
+        load_dataset(path)
