@@ -9,7 +9,7 @@ STAMP     := $(VENV)/.installed
 # CPU build of torch: an unpinned torch pulls a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: venv demo test lint fmt kernels model device-test bench-h200 clean
+.PHONY: venv demo test lint fmt kernels model device-test bench-h200 serve-h200 clean
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -52,6 +52,10 @@ device-test:
 
 bench-h200:
 	bash scripts/bench_h200.sh
+
+# On the lent H200: llmc serve + llmc bench --url against in-process bench (issue 15).
+serve-h200:
+	bash scripts/serve_h200.sh
 
 clean:
 	rm -rf $(VENV) engines build *.egg-info .pytest_cache .ruff_cache
