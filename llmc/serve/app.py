@@ -26,6 +26,7 @@ from llmc.base.version import __version__
 from llmc.serve.api_errors import APIError
 from llmc.serve.config import ServeConfig
 from llmc.serve.engines import EnginePool
+from llmc.serve.generation import RAW_SEND
 from llmc.serve.metrics import ServerMetrics, outcome_of
 from llmc.serve.routes import make_router
 
@@ -109,6 +110,7 @@ class Gate:
                 started = True
             await send(message)
 
+        scope[RAW_SEND] = send  # streamed chunks skip the per-message wrappers
         try:
             await self.app(scope, counted_receive, tracked_send)
         except APIError as e:  # raised outside a route (nothing else answers it)

@@ -46,6 +46,8 @@ from llmc.serve.metrics import ServerMetrics
 from llmc.serve.translate import Plan, response_error
 
 log = logging.getLogger("llmc.serve")
+RAW_SEND = "llmc.raw_send"
+"""Scope key of the server's own ``send`` (set by ``app.Gate``)."""
 SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
     (b"cache-control", b"no-cache"),
@@ -88,6 +90,7 @@ class GenerationResponse(StarletteResponse):
         self.choices = {rid: _Choice(i) for i, rid in enumerate(self.ids)}
         self.texts = TokenTexts(replica.tokenizer) if plan.num_top_logprobs is not None else None
         self.first_token: float | None = None
+        self.model_metrics = metrics.of_model(replica.model)
         self.status_code = 200
         self.background = None
 
@@ -98,7 +101,7 @@ class GenerationResponse(StarletteResponse):
         outcome = "server_error"
         try:
             if self.plan.streaming:
-                outcome = await self._stream(send)
+                outcome = await self._stream(send, scope.get(RAW_SEND, send))
             else:
                 outcome = await self._whole(send)
         except APIError as e:  # raised before anything was sent
@@ -137,14 +140,14 @@ class GenerationResponse(StarletteResponse):
                 return
 
     def _account(self, outcome: str) -> None:
-        m, model = self.metrics, self.replica.model
-        m.outcome(model, outcome)
-        m.e2e.labels(model).observe(time.perf_counter() - self.arrival)
+        m = self.model_metrics
+        self.metrics.outcome(self.replica.model, outcome)
+        m.e2e.observe(time.perf_counter() - self.arrival)
         if outcome == "success":
-            m.prompt_tokens.labels(model).inc(sum(len(p) for p in self.plan.prompts))
+            m.prompt_tokens.inc(sum(len(p) for p in self.plan.prompts))
         generated = sum(c.tokens for c in self.choices.values())
         if generated:
-            m.generation_tokens.labels(model).inc(generated)
+            m.generation_tokens.inc(generated)
 
     # ---- the two shapes of an answer ----------------------------------------------------
     def _refusal(self, items: list[tuple[float, Any]]) -> APIError | None:
@@ -193,7 +196,10 @@ class GenerationResponse(StarletteResponse):
         await send({"type": "http.response.body", "body": body})
         return "success"
 
-    async def _stream(self, send: Any) -> str:
+    async def _stream(self, send: Any, body_send: Any) -> str:
+        """``send`` starts the response through every middleware (which then knows it has
+        started); the body chunks go to ``body_send``, the server's own send (the Gate puts
+        it in the scope), past the middlewares' per-message wrappers."""
         items = await self.channel.take()
         if not items:
             return "cancelled"
@@ -207,15 +213,15 @@ class GenerationResponse(StarletteResponse):
             events, failure = self._events(items)
             open_choices = sum(c.final is None for c in self.choices.values())
             if failure is not None:
-                await send({"type": "http.response.body", "body": failure.sse_event() + DONE})
+                await body_send({"type": "http.response.body", "body": failure.sse_event() + DONE})
                 return "client_error" if failure.status < 500 else "server_error"
             if not open_choices:
                 tail = self.shape.usage_chunk(self._usage()) if self.plan.include_usage else ""
                 body = (events + tail).encode() + DONE
-                await send({"type": "http.response.body", "body": body})
+                await body_send({"type": "http.response.body", "body": body})
                 return "success"
             if events:
-                await send(
+                await body_send(
                     {"type": "http.response.body", "body": events.encode(), "more_body": True}
                 )
             items = await self.channel.take()
@@ -226,7 +232,7 @@ class GenerationResponse(StarletteResponse):
         """The stream chunk of a batch of Responses (each choice's deltas merged), or the
         error of a choice that failed."""
         merged: dict[int, list[Any]] = {}
-        m, model = self.metrics, self.replica.model
+        m = self.model_metrics
         for when, r in items:
             c = self.choices[r.request_id]
             if r.is_final and r.error is not None:
@@ -236,9 +242,9 @@ class GenerationResponse(StarletteResponse):
             if n:
                 if self.first_token is None:
                     self.first_token = when
-                    m.ttft.labels(model).observe(when - self.arrival)
+                    m.ttft.observe(when - self.arrival)
                 elif c.last_time is not None:
-                    m.itl.labels(model).observe((when - c.last_time) / n)
+                    m.itl.observe((when - c.last_time) / n)
                 c.last_time = when
                 c.tokens += n
             if r.is_final:

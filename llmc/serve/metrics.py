@@ -17,6 +17,7 @@ index under the model).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -88,6 +89,17 @@ class ReplicaCollector(Collector):
         yield from families
 
 
+@dataclass(frozen=True)
+class ModelMetrics:
+    """One model's labelled histograms and counters."""
+
+    ttft: Any
+    itl: Any
+    e2e: Any
+    prompt_tokens: Any
+    generation_tokens: Any
+
+
 class ServerMetrics:
     """The server's metrics, in a registry of their own (several servers in one process,
     as the tests make, do not share counters)."""
@@ -122,6 +134,21 @@ class ServerMetrics:
             ["model"], buckets=LATENCY_BUCKETS, registry=reg,
         )  # fmt: skip
         reg.register(ReplicaCollector(replicas))
+        self._models: dict[str, ModelMetrics] = {}
+
+    def of_model(self, model: str) -> ModelMetrics:
+        """The per-model children, looked up once per model (``labels()`` costs a lock and
+        a dict lookup: not per token)."""
+        m = self._models.get(model)
+        if m is None:
+            m = self._models[model] = ModelMetrics(
+                self.ttft.labels(model),
+                self.itl.labels(model),
+                self.e2e.labels(model),
+                self.prompt_tokens.labels(model),
+                self.generation_tokens.labels(model),
+            )
+        return m
 
     def outcome(self, model: str, outcome: str) -> None:
         self.requests.labels(model, outcome).inc()
