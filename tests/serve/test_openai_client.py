@@ -135,3 +135,18 @@ def test_logprobs_name_tokens_by_text(client) -> None:
     content = chat.choices[0].logprobs.content
     assert len(content) == 3 and all(len(t.top_logprobs) == 3 for t in content)
     assert all(t.bytes == list(t.token.encode()) for t in content)
+
+
+def test_readme_serving_snippet_runs(shared_server, monkeypatch, capsys) -> None:
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    blocks = [
+        b for b in re.findall(r"^```python\n(.*?)^```", readme, re.S | re.M) if "OpenAI(" in b
+    ]
+    assert len(blocks) == 1, "README.md needs one ```python block with the openai client"
+    monkeypatch.setenv("LLMC_URL", shared_server.base_url)
+    monkeypatch.setenv("LLMC_MODEL", "tiny")
+    exec(compile(blocks[0], "README.md", "exec"), {"__name__": "readme"})
+    assert capsys.readouterr().out.endswith("\n")  # it printed the answer (may be empty)
