@@ -10,7 +10,8 @@
 #    `llmc bench --url`, then stops the server with SIGTERM (it must drain and exit 0);
 # 5. prints ONE summary (scripts/serve_summary.py) and packs every result into $OUT.
 # Env: N (3000), CONC (256), N_C1 (32 requests, 128/32), PORT (8000), LLMC_COMMIT (the commit
-# to name: the device copy of the tree keeps a stale .git).
+# to name: the device copy of the tree keeps a stale .git); for a CPU dry run of the script:
+# ENGINE=DIR (skip the build), ISL/OSL, SKIP_WHEELS=1, EXTRA="--device cpu".
 set -u
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$REPO/serve-out}
@@ -32,7 +33,7 @@ T0=$(date +%s)
 log() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/serve_h200.log"; }
 pack() { tar czf "$OUT/results.tgz" -C "$(dirname "$RES")" results; }
 
-if ls "$REPO"/.whl/*.whl >/dev/null 2>&1; then
+if [ "${SKIP_WHEELS:-0}" != 1 ] && ls "$REPO"/.whl/*.whl >/dev/null 2>&1; then
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site "$REPO"/.whl/*.whl || { echo "wheel install failed"; exit 1; }
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
@@ -45,13 +46,19 @@ fi
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   echo "commit ${LLMC_COMMIT:-unknown}"; } >> "$OUT/serve_h200.log" 2>&1
 
-log "build llama3-8b"
-timeout 300 $LLMC build --profile llama3-8b --output_dir "$ENG" --target sm_90 --dtype bfloat16 \
-    --force >> "$OUT/serve_h200.log" 2>&1 || { log "build FAILED"; exit 1; }
+if [ -n "${ENGINE:-}" ]; then  # an engine already built (a CPU dry run of this script)
+    ENG=$ENGINE
+else
+    log "build llama3-8b"
+    timeout 300 $LLMC build --profile llama3-8b --output_dir "$ENG" --target sm_90 \
+        --dtype bfloat16 --force >> "$OUT/serve_h200.log" 2>&1 || { log "build FAILED"; exit 1; }
+fi
 
 status=0
-W256=(--num_requests "$N" --isl 128 --osl 128 --concurrency "$CONC" --warmup 8)
-WC1=(--num_requests "$N_C1" --isl 128 --osl 32 --concurrency 1 --warmup 2)
+ISL=${ISL:-128}
+OSL=${OSL:-128}
+W256=(--num_requests "$N" --isl "$ISL" --osl "$OSL" --concurrency "$CONC" --warmup 8)
+WC1=(--num_requests "$N_C1" --isl "$ISL" --osl 32 --concurrency 1 --warmup 2)
 run() {  # name, timeout, bench flags...
     local name=$1 to=$2; shift 2
     log "bench $name: $*"
@@ -60,22 +67,37 @@ run() {  # name, timeout, bench flags...
     grep -E "Output tokens/s|TTFT|Completed" "$RES/$name.txt" | head -4 | tee -a "$OUT/serve_h200.log"
     pack
 }
-run inproc_256 150 --engine_dir "$ENG" "${W256[@]}"
-run inproc_c1 90 --engine_dir "$ENG" "${WC1[@]}"
+run inproc_256 150 --engine_dir "$ENG" "${W256[@]}" ${EXTRA:-}
+run inproc_c1 90 --engine_dir "$ENG" "${WC1[@]}" ${EXTRA:-}
 
 log "llmc serve on 127.0.0.1:$PORT"
-$LLMC serve --engine "llama3-8b=$ENG" --host 127.0.0.1 --port "$PORT" > "$RES/serve.log" 2>&1 &
+$LLMC serve --engine "llama3-8b=$ENG" --host 127.0.0.1 --port "$PORT" ${EXTRA:-} \
+    > "$RES/serve.log" 2>&1 &
 SERVER=$!
-for _ in $(seq 1 600); do  # up to 120 s for the engine to load
-    curl -sf "http://127.0.0.1:$PORT/health" > /dev/null 2>&1 && break
-    kill -0 $SERVER 2>/dev/null || break
-    sleep 0.2
-done
-if curl -sf "http://127.0.0.1:$PORT/health" > /dev/null 2>&1; then
+ready() {  # wait up to $1 s for /health to say 200 while the server lives (no curl needed)
+    $PY - "$1" "$PORT" "$SERVER" <<'EOF'
+import os, sys, time, urllib.request
+limit, port, pid = float(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+deadline = time.monotonic() + limit
+while time.monotonic() < deadline:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        sys.exit(1)
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+            sys.exit(0 if r.status == 200 else 1)
+    except OSError:
+        time.sleep(0.2)
+sys.exit(1)
+EOF
+}
+if ready 180; then
     log "server ready"
     run http_256 150 --url "$URL" --model llama3-8b --engine_dir "$ENG" "${W256[@]}"
     run http_c1 90 --url "$URL" --model llama3-8b --engine_dir "$ENG" "${WC1[@]}"
-    curl -s "http://127.0.0.1:$PORT/metrics" > "$RES/metrics.txt"
+    $PY -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:$PORT/metrics').read().decode())" \
+        > "$RES/metrics.txt" 2>&1
 else
     log "server did not get ready"; tail -20 "$RES/serve.log"; status=1
 fi
