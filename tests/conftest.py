@@ -2,7 +2,8 @@
 
 Layout: one folder per source folder (tests/compiler, tests/runtime, tests/bench for the
 measurement wing runtime/bench, tests/cuda, tests/cli, tests/base for llmc/base, tests/api for
-llmc/api.py and llmc/profiler_api.py, tests/serve for llmc/serve); tests/test_layers.py walks the package's imports.
+llmc/api.py and llmc/profiler_api.py, tests/serve for llmc/serve); tests/test_layers.py walks
+the package's imports.
 Test module names are unique across folders (no ``__init__.py``: pytest puts each test's
 folder on ``sys.path``).
 
