@@ -7,9 +7,10 @@ and loops are sized at compile time). Everything else (token counts, hidden size
 size, vocab) is a run-time argument.
 
 The source handed to a compiler is self-contained: the ``#define`` lines of the config,
-then the file with each ``#include`` of ``HEADERS`` (common.cuh, sm90.cuh) replaced by that
-header's text. The same text goes to nvcc (``llmc.cuda.build``) and NVRTC (here), so a
-cubin in an engine's ``kernels/`` directory and a run-time compile are the same program.
+then the file with each ``#include`` of ``HEADERS`` (common.cuh, sm90.cuh,
+prefill_sm90_producer.cuh) replaced by that header's text. The same text goes to nvcc
+(``llmc.cuda.build``) and NVRTC (here), so a cubin in an engine's ``kernels/`` directory
+and a run-time compile are the same program.
 File names of cubins carry the config key; a missing or stale cubin falls back to NVRTC
 through ``cupy.RawModule`` (arch-specific families, ``ARCH_SPECIFIC``: through
 ``nvrtc_compile`` for their ``sm_XXa`` target, cached as a cubin file).
@@ -29,7 +30,8 @@ from llmc.base.errors import UnsupportedError, check_positive_ints
 
 CUDA_DIR = Path(__file__).resolve().parent
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
-HEADERS = ("common.cuh", "sm90.cuh")  # inlined by ``source`` (the compilers see no #include)
+# inlined by ``source`` (the compilers see no #include)
+HEADERS = ("common.cuh", "sm90.cuh", "prefill_sm90_producer.cuh")
 NVCC_FLAGS = ("-std=c++17", "-O3")
 
 # family -> (source file, uses model constants)

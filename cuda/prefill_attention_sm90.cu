@@ -11,10 +11,13 @@
 // Block of 384 threads = 3 warpgroups (warp specialisation):
 //   WG0, producer (setmaxnreg.dec): loads the Q tile, then K and V tiles of BN = 128 keys
 //     through the block table into a STAGES-deep ring, each stage with a "full" and an
-//     "empty" mbarrier. bf16/f16 caches: cp.async 16-byte copies completing on the full
-//     barrier (cp.async.mbarrier.arrive.noinc, one arrival per producer thread); fp8 caches:
-//     16-byte loads converted e4m3 -> 16-bit in registers (exact), st.shared, proxy fence,
-//     then a plain arrival. Every stage is zero-filled past the sequence's last key.
+//     "empty" mbarrier (loaders in prefill_sm90_producer.cuh). bf16/f16 caches: cp.async
+//     16-byte copies completing on the full barrier (cp.async.mbarrier.arrive.noinc, one
+//     arrival per producer thread), a tile's block-table entries shuffled from one load per
+//     warp so the copies issue back to back; fp8 caches: each thread's 16-byte groups copied
+//     raw (cp.async) into a 2-slot ring one tile ahead, then converted e4m3 -> 16-bit from
+//     shared memory (exact), st.shared, proxy fence, a plain arrival. Every stage is
+//     zero-filled past the sequence's last key.
 //   WG1, WG2, consumers (setmaxnreg.inc): 64 query rows each. Per K/V tile t:
 //     S = Q K^T   wgmma m64n128k16, A (Q) and B (K) from shared memory (K-major)
 //     O += P V    wgmma m64n{HD}k16, A (P, bf16) from registers, B (V) MN-major
@@ -24,7 +27,7 @@
 //     warpgroup's softmax overlaps the other's matrix products.
 //
 // Shared memory (dynamic, base rounded up to 1024 bytes): Q [CB][BM][128 B], then STAGES K
-// tiles and STAGES V tiles [CB][BN][128 B]. Every tile is stored as CB = HD / 64 column
+// tiles and STAGES V tiles [CB][BN][128 B], then (fp8) the raw ring: 2 x (K, V) e4m3 tiles. Every tile is stored as CB = HD / 64 column
 // blocks of 128-byte rows (64 16-bit elements) in the 128-byte swizzle: 16-byte chunk c of
 // row r lives at r * 128 + ((c ^ (r % 8)) * 16) (swz). The wgmma descriptors below read
 // exactly that (tests/cuda/test_prefill_sm90_layout.py checks the math against the PTX
@@ -49,96 +52,22 @@
 #define SMEM_BYTES (Q_BYTES + 2 * STAGES * TILE_BYTES)  // + 1024 of alignment slack
 #define NTHREADS 384
 #define SCHED_BAR0 1                        // named barriers 1, 2: consumer ping-pong
+#define RAW_BYTES (BN * HD)                 // fp8: one raw e4m3 K or V tile
+// Producer variant, the one-line fallback: 1 = a tile's block-table entries loaded once per
+// warp and shuffled to the keys, the copies issued back to back; fp8 tiles copied raw
+// (cp.async) into a 2-slot ring and converted there, one tile ahead; 0 = one dependent table
+// load per copy and fp8 converted from global loads in registers (the 88a49e6 producer,
+// latency-bound: ~1 copy per table-load latency per thread).
+#ifndef SM90_PRODUCER_V2
+#define SM90_PRODUCER_V2 1
+#endif
 
 // Byte offset of 16-byte chunk c (0 .. CH-1) of row r in a [CB][rows][128 B] swizzled tile.
 __device__ __forceinline__ unsigned swz(int r, int c, int rows) {
     return (unsigned)((c >> 3) * rows * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4));
 }
 
-// ---- producer: one K or V tile --------------------------------------------------------
-// Keys [kt, kt + BN) of kv head kvh into a swizzled stage; keys >= kv_end are zeros.
-// Thread p copies chunk column p % CH of keys p / CH + i * (128 / CH).
-__device__ __forceinline__ void load_tile(unsigned dst, const scalar_t* cache, const int* bt,
-                                          int bs_shift, int kt, int kv_end, int kvh, int p) {
-    constexpr int kpp = 128 / CH;  // keys per pass
-    const int c = p % CH;
-#pragma unroll 4
-    for (int i = 0; i < BN / kpp; ++i) {
-        const int key = p / CH + i * kpp, j = kt + key;
-        const scalar_t* src = cache;
-        int bytes = 0;
-        if (j < kv_end) {
-            const long long slot = ((long long)bt[j >> bs_shift] << bs_shift) + (j & ((1 << bs_shift) - 1));
-            src = cache + (slot * NKV + kvh) * HD + c * 8;
-            bytes = 16;
-        }
-        cp_async16(dst + swz(key, c, BN), src, bytes);
-    }
-}
-
-// Two e4m3 (low byte first) -> one 32-bit register of two 16-bit activation values (exact).
-__device__ __forceinline__ unsigned e4m3x2_to_16(unsigned short v) {
-    unsigned h;
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(v));
-#if LLMC_DTYPE == 2
-    float lo, hi;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"((unsigned short)(h & 0xffffu)));
-    asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"((unsigned short)(h >> 16)));
-    return pack2(lo, hi);
-#else
-    return h;
-#endif
-}
-
-// fp8 cache: thread p converts 16-byte group g = p % (HD / 16) (16 values = 2 smem chunks)
-// of keys p / (HD / 16) + i * kpp.
-__device__ __forceinline__ void load_tile_fp8(unsigned dst, const unsigned char* cache,
-                                              const int* bt, int bs_shift, int kt, int kv_end,
-                                              int kvh, int p) {
-    constexpr int gpr = HD / 16, kpp = 128 / gpr;
-    const int g = p % gpr;
-#pragma unroll 4
-    for (int i = 0; i < BN / kpp; ++i) {
-        const int key = p / gpr + i * kpp, j = kt + key;
-        v4u raw = {0u, 0u, 0u, 0u};
-        if (j < kv_end) {
-            const long long slot = ((long long)bt[j >> bs_shift] << bs_shift) + (j & ((1 << bs_shift) - 1));
-            const unsigned char* src = cache + (slot * NKV + kvh) * HD + g * 16;
-            asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];"
-                         : "=r"(raw.x), "=r"(raw.y), "=r"(raw.z), "=r"(raw.w)
-                         : "l"(src));
-        }
-        const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
-        unsigned h[8];
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            h[2 * k] = e4m3x2_to_16((unsigned short)(w[k] & 0xffffu));
-            h[2 * k + 1] = e4m3x2_to_16((unsigned short)(w[k] >> 16));
-        }
-        asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" ::"r"(dst + swz(key, 2 * g, BN)),
-                     "r"(h[0]), "r"(h[1]), "r"(h[2]), "r"(h[3])
-                     : "memory");
-        asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" ::"r"(dst + swz(key, 2 * g + 1, BN)),
-                     "r"(h[4]), "r"(h[5]), "r"(h[6]), "r"(h[7])
-                     : "memory");
-    }
-}
-
-// One K or V tile into a stage, then this thread's arrival on the stage's full barrier:
-// cp.async copies arrive when they land; converted fp8 stores are fenced for wgmma first.
-template <bool FP8>
-__device__ __forceinline__ void produce(unsigned dst, const void* cache, unsigned full,
-                                        const int* bt, int bs_shift, int kt, int kv_end, int kvh,
-                                        int p) {
-    if constexpr (FP8) {
-        load_tile_fp8(dst, (const unsigned char*)cache, bt, bs_shift, kt, kv_end, kvh, p);
-        fence_async_smem();
-        mbar_arrive(full);
-    } else {
-        load_tile(dst, (const scalar_t*)cache, bt, bs_shift, kt, kv_end, kvh, p);
-        mbar_arrive_copies(full);
-    }
-}
+#include "prefill_sm90_producer.cuh"
 
 // ---- consumer softmax ----------------------------------------------------------------
 // S of tile kt (raw scores, this thread's rows A = lane / 4 and B = A + 8 of its warp's 16)
@@ -258,6 +187,9 @@ __device__ __forceinline__ void prefill_sm90(const scalar_t* __restrict__ q, con
 
     const unsigned base = (smem_u32(smem_raw) + 1023u) & ~1023u;
     const unsigned sQ = base, sK = base + Q_BYTES, sV = sK + STAGES * TILE_BYTES;
+#if SM90_PRODUCER_V2
+    const unsigned sR = sV + STAGES * TILE_BYTES;  // fp8: raw ring of 2 K + 2 V tiles
+#endif
     const unsigned bar0 = smem_u32(bars);
     // bars: [0] Q full, [1 + s] K full, [1 + S + s] V full, [1 + 2S + s] K empty, [1 + 3S + s] V
     // empty (8 B each)
@@ -269,7 +201,8 @@ __device__ __forceinline__ void prefill_sm90(const scalar_t* __restrict__ q, con
     if (threadIdx.x == 0) {
         unsigned dyn;
         asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
-        if (dyn < SMEM_BYTES + 1024) asm volatile("trap;");  // launcher passed too little
+        const unsigned need = SMEM_BYTES + 1024 + (FP8 && SM90_PRODUCER_V2 ? 4 * RAW_BYTES : 0);
+        if (dyn < need) asm volatile("trap;");  // launcher passed too little
         mbar_init(QFULL, 128);
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(KFULL(s), 128);  // one (copy-completion) arrival per producer thread
@@ -295,6 +228,61 @@ __device__ __forceinline__ void prefill_sm90(const scalar_t* __restrict__ q, con
             cp_async16(sQ + swz(r, c, BM), src, R < rows ? 16 : 0);
         }
         mbar_arrive_copies(QFULL);
+#if SM90_PRODUCER_V2
+        const int lane = p & 31;
+        if constexpr (FP8) {
+            // raw ring: slot r of K at sR + 2r * RAW_BYTES, of V one RAW_BYTES further. Tile t
+            // is copied while tile t - 1 is converted; this thread's cp.async groups complete
+            // in order K(t), V(t), K(t + 1), V(t + 1).
+            const unsigned char* kc = (const unsigned char*)k_cache;
+            const unsigned char* vc = (const unsigned char*)v_cache;
+            int ent = tile_blocks(bt, bs_shift, 0, kv_end, lane);
+            copy_raw_fp8(sR, kc, ent, bt, bs_shift, 0, kv_end, kvh, p);
+            cp_async_commit();
+            copy_raw_fp8(sR + RAW_BYTES, vc, ent, bt, bs_shift, 0, kv_end, kvh, p);
+            cp_async_commit();
+            for (int t = 0; t < n_tiles; ++t) {
+                const int st = t % STAGES;
+                const unsigned ph = ((t / STAGES) & 1) ^ 1;  // first round passes at once
+                const unsigned raw = sR + (t & 1) * 2 * RAW_BYTES;
+                const bool more = t + 1 < n_tiles;
+                if (more) {  // the raw slot of tile t - 1: this thread converted it already
+                    const unsigned nxt = sR + ((t + 1) & 1) * 2 * RAW_BYTES;
+                    const int kt = (t + 1) * BN;
+                    ent = tile_blocks(bt, bs_shift, kt, kv_end, lane);
+                    copy_raw_fp8(nxt, kc, ent, bt, bs_shift, kt, kv_end, kvh, p);
+                    cp_async_commit();
+                    copy_raw_fp8(nxt + RAW_BYTES, vc, ent, bt, bs_shift, kt, kv_end, kvh, p);
+                    cp_async_commit();
+                    cp_async_wait<3>();  // K(t) landed
+                } else {
+                    cp_async_wait<1>();
+                }
+                mbar_wait(KEMPTY(st), ph);
+                convert_raw_fp8(sK + st * TILE_BYTES, raw, KFULL(st), p);
+                if (more)
+                    cp_async_wait<2>();  // V(t) landed
+                else
+                    cp_async_wait<0>();
+                mbar_wait(VEMPTY(st), ph);
+                convert_raw_fp8(sV + st * TILE_BYTES, raw + RAW_BYTES, VFULL(st), p);
+            }
+        } else {
+            for (int t = 0; t < n_tiles; ++t) {
+                const int st = t % STAGES;
+                const unsigned ph = ((t / STAGES) & 1) ^ 1;  // first round passes at once
+                const int ent = tile_blocks(bt, bs_shift, t * BN, kv_end, lane);  // K and V
+                mbar_wait(KEMPTY(st), ph);
+                load_tile_v2(sK + st * TILE_BYTES, (const scalar_t*)k_cache, ent, bt, bs_shift,
+                             t * BN, kv_end, kvh, p);
+                mbar_arrive_copies(KFULL(st));
+                mbar_wait(VEMPTY(st), ph);
+                load_tile_v2(sV + st * TILE_BYTES, (const scalar_t*)v_cache, ent, bt, bs_shift,
+                             t * BN, kv_end, kvh, p);
+                mbar_arrive_copies(VFULL(st));
+            }
+        }
+#else
         for (int t = 0; t < n_tiles; ++t) {
             const int st = t % STAGES;
             const unsigned ph = ((t / STAGES) & 1) ^ 1;  // first round passes at once
@@ -305,6 +293,7 @@ __device__ __forceinline__ void prefill_sm90(const scalar_t* __restrict__ q, con
             produce<FP8>(sV + st * TILE_BYTES, v_cache, VFULL(st), bt, bs_shift, t * BN, kv_end,
                          kvh, p);
         }
+#endif
         asm volatile("cp.async.wait_all;" ::: "memory");  // no copy outlives its thread
     } else {
         // ================= consumers =================

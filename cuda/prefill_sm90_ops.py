@@ -4,7 +4,7 @@
 ``num_decode_seqs`` decode rows) through ``prefill_sm90_kernel`` (KV cache in q's dtype) or
 ``prefill_sm90_fp8_kernel`` (float8_e4m3fn KV cache, real value = stored * k_scale /
 v_scale). Grid (row tiles of 128 (token, head) rows, prefill sequences, kv heads), 384
-threads, ``smem_bytes(head_dim)`` of dynamic shared memory (set as each kernel's limit on
+threads, ``smem_bytes(head_dim, fp8)`` of dynamic shared memory (set as each kernel's limit on
 first use, so an eager warm-up step does it before any graph capture).
 
 Selection: ``CudaBackend.sm90_prefill`` (default: on for a compute-capability 9.0 device,
@@ -43,10 +43,12 @@ def stages(head_dim: int) -> int:
     return 2 if head_dim == 128 else 4
 
 
-def smem_bytes(head_dim: int) -> int:
+def smem_bytes(head_dim: int, fp8: bool = False) -> int:
     """Dynamic shared memory of one CTA: Q tile + STAGES K and V tiles (16-bit) + 1024 bytes
-    of alignment slack (the kernel traps when given less than it needs)."""
-    return (ROWS_PER_CTA + 2 * stages(head_dim) * KEYS_PER_TILE) * head_dim * 2 + 1024
+    of alignment slack, and for an fp8 cache the raw ring of 2 K + 2 V e4m3 tiles (the
+    kernel traps when given less than it needs)."""
+    tiles = (ROWS_PER_CTA + 2 * stages(head_dim) * KEYS_PER_TILE) * head_dim * 2
+    return tiles + (4 * KEYS_PER_TILE * head_dim if fp8 else 0) + 1024
 
 
 def enabled_by_default(capability: tuple[int, int]) -> bool:
@@ -89,7 +91,7 @@ class Sm90Prefill:
             lib = self.backend._lib(q_dtype, hd, nq, nkv)
             name = "prefill_sm90_fp8_kernel" if fp8 else "prefill_sm90_kernel"
             k = lib.get("prefill_sm90", name)
-            k.max_dynamic_shared_size_bytes = smem_bytes(hd)
+            k.max_dynamic_shared_size_bytes = smem_bytes(hd, fp8)
             self._kernels[key] = k
         return k
 
@@ -144,6 +146,6 @@ class Sm90Prefill:
             np.float32(v_scale if fp8 else 1.0),
         )  # fmt: skip
         self.backend._launch(
-            kern, (max(1, tiles), b - nd, nkv), (THREADS,), args, shared_mem=smem_bytes(hd)
+            kern, (max(1, tiles), b - nd, nkv), (THREADS,), args, shared_mem=smem_bytes(hd, fp8)
         )
         return out

@@ -1,6 +1,6 @@
 // sm90.cuh: Hopper (sm_90a) primitives of the wgmma kernels, as inline PTX (no CUDA headers,
 // so the same text compiles under nvcc and NVRTC): shared-memory descriptors (128-byte
-// swizzle), mbarriers, named barriers, cp.async, wgmma m64nNk16 with fp32 accumulators
+// swizzle), mbarriers, named barriers, cp.async (and its groups), wgmma m64nNk16 with fp32 accumulators
 // (A from shared memory or registers), and register pinning around asynchronous wgmma.
 // Inlined by llmc.cuda.kernels.source like common.cuh; needs LLMC_DTYPE (1 f16, 2 bf16).
 #pragma once
@@ -79,6 +79,15 @@ __device__ __forceinline__ void cp_async16(unsigned dst, const void* src, int by
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
                  "r"(bytes)
                  : "memory");
+}
+
+// cp.async groups: commit this thread's copies so far; wait until at most N groups are pending.
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
 // ---- wgmma ---------------------------------------------------------------------------

@@ -83,13 +83,17 @@ def test_sm90_prefill_family_selection():
     ],
     ids=str,
 )
-def test_sm90_prefill_compiles_without_spills(tmp_path, cfg):
+@pytest.mark.parametrize("producer", [1, 0], ids=["producer-v2", "producer-88a49e6"])
+def test_sm90_prefill_compiles_without_spills(tmp_path, cfg, producer):
     """The sm_90a build through the project's nvcc path, warnings as errors; ptxas reports no
-    spills and honours setmaxnreg (else it warns), and both kernels hold wgmma.mma_async."""
+    spills and honours setmaxnreg (else it warns), and both kernels hold wgmma.mma_async.
+    Also with the fallback producer (SM90_PRODUCER_V2 0, the one-line switch)."""
     from llmc.cuda.build import nvcc_compile
 
     out = tmp_path / "prefill_sm90.cubin"
     src = source("prefill_sm90", cfg)
+    assert "#define SM90_PRODUCER_V2 1\n" in src
+    src = src.replace("#define SM90_PRODUCER_V2 1\n", f"#define SM90_PRODUCER_V2 {producer}\n")
     assert src.count("wgmma.mma_async") == 3 and 'extern "C" __global__' in src
     nvcc_compile(src, "sm_90a", out, extra=("-Werror", "all-warnings", "-Xptxas", "-v"))
     assert out.stat().st_size > 0

@@ -151,7 +151,8 @@ def test_tiles_are_1024_aligned_and_fit():
     for hd in (64, 128):
         q_bytes, tile = BM * hd * 2, BN * hd * 2
         assert q_bytes % 1024 == 0 and tile % 1024 == 0 and (64 * 128) % 1024 == 0
-        assert smem_bytes(hd) + 1024 <= 227 * 1024  # + the static barriers (1 KB aligned)
+        for fp8 in (False, True):  # + the static barriers (1 KB aligned)
+            assert smem_bytes(hd, fp8) + 1024 <= 227 * 1024
         assert (hd // 64) * BN * 128 < (1 << 18)  # LBO fits its 14-bit field (>> 4)
 
 
@@ -218,3 +219,66 @@ def test_register_split_fits_the_pool():
         assert producer % 8 == 0 and consumer % 8 == 0 and 24 <= producer < consumer <= 256
         for entry in (160, 168):  # 65536 / 384 = 168 at most
             assert 128 * (entry - producer) >= 256 * (consumer - entry), (producer, consumer)
+
+
+def tile_blocks(bt: list[int], s: int, kt: int, kv_end: int, lane: int) -> int:
+    """Kernel (producer v2): lane's block-table entry of the tile at kt."""
+    b = (kt >> s) + lane
+    return bt[b] if (b << s) < kv_end else 0
+
+
+def key_slot(ents: list[int], bt: list[int], s: int, key: int, j: int, inside: bool) -> int:
+    """Kernel: key_slot<TINY = s < 2>, the shuffle reading lane key >> s of the warp."""
+    if s < 2:
+        b = bt[j >> s] if inside else 0
+    else:
+        assert key >> s < 32, "shuffle source lane out of the warp"
+        b = ents[key >> s]
+    return ((b << s) | (j & ((1 << s) - 1))) if inside else 0
+
+
+@pytest.mark.parametrize("s", range(9))
+def test_shuffled_block_table_gives_every_keys_slot(s):
+    """The producer's per-warp table entries + shuffle give the slot of every key below kv_end
+    (tokens_per_block 1 .. 256: several tiles per block, several blocks per tile), 0 past it,
+    and the lanes read no entry past the blocks the keys use."""
+    import random
+
+    for kv_end in (1, 5, 127, 128, 129, 300, 1000):
+        nblocks = -(-kv_end // (1 << s))
+        bt = random.Random(s * 1000 + kv_end).sample(range(5000), nblocks)
+        for kt in range(0, kv_end, BN):
+            ents = [tile_blocks(bt + [None] * 64, s, kt, kv_end, lane) for lane in range(32)]
+            assert None not in ents, "a lane read past the sequence's blocks"
+            for key in range(BN):
+                j = kt + key
+                want = bt[j >> s] * (1 << s) + j % (1 << s) if j < kv_end else 0
+                assert key_slot(ents, bt, s, key, j, j < kv_end) == want, (kt, key)
+
+
+@pytest.mark.parametrize("hd", [64, 128])
+def test_producer_v2_addresses(hd):
+    """load_tile_v2: keys p / CH + i * kpp share the swizzle phase of key p / CH, so the
+    stage address is one offset per i; copy_raw_fp8 / convert_raw_fp8: thread p's groups at
+    (i * 128 + p) * 16 tile the raw fp8 tile once, and the kernel source has these formulas."""
+    ch = hd // 8
+    kpp = 128 // ch
+    for p, i in itertools.product(range(128), range(BN // kpp)):
+        c = p % ch
+        assert swz(p // ch + i * kpp, c, BN) == swz(p // ch, c, BN) + i * kpp * 128
+    gpr = hd // 16
+    offs = sorted((i * 128 + p) * 16 for p in range(128) for i in range(BN // (128 // gpr)))
+    assert offs == list(range(0, BN * hd, 16))  # RAW_BYTES = BN * HD, 16 bytes per group
+    for text in (
+        "dst += swz(p / CH, c, BN);",
+        "cp_async16(dst + i * kpp * 128, base + (unsigned long long)slot * (NKV * HD),",
+        "raw += (unsigned)p * 16u;",
+        "cp_async16(raw + i * 128 * 16, base + (unsigned long long)slot * (NKV * HD), in ?",
+        ': "r"(raw + (unsigned)(i * 128 + p) * 16u)',
+        "b = __shfl_sync(0xffffffffu, ent, key >> bs_shift);",
+        "return (b << bs_shift) < kv_end ? bt[b] : 0;",
+        "if (bs_shift < 2)",
+        "#define RAW_BYTES (BN * HD)",
+        "#define SM90_PRODUCER_V2 1",
+    ):
+        assert text in SRC, text

@@ -174,3 +174,87 @@ def test_the_model_catches_a_missing_wait():
         except AssertionError:
             failures += 1
     assert failures > 0
+
+
+class RawRing:
+    """One producer thread's fp8 raw ring (producer v2): cp.async groups, each completing at a
+    random time, except that cp.async.wait_group N completes all but the newest N."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+        self.pending: list[tuple[str, int, int]] = []  # (K|V, slot, tile), oldest first
+        self.slot: dict[tuple[str, int], tuple[str, int] | None] = {
+            (m, r): None for m in "KV" for r in range(2)
+        }
+
+    def copy(self, m: str, t: int) -> None:  # copy_raw_fp8 + cp_async_commit
+        held = self.slot[m, t & 1]
+        assert held is None or held == ("converted", t - 2), "raw slot overwritten unconverted"
+        self.slot[m, t & 1] = ("copying", t)
+        self.pending.append((m, t & 1, t))
+
+    def land(self, n: int) -> None:
+        while len(self.pending) > n:
+            m, r, t = self.pending.pop(0)
+            self.slot[m, r] = ("raw", t)
+
+    def wait(self, n: int) -> None:  # cp_async_wait<n>
+        self.land(self.rng.randrange(len(self.pending) + 1))  # some finished on their own
+        self.land(n)
+
+    def convert(self, m: str, t: int) -> None:  # convert_raw_fp8 reads its own groups
+        assert self.slot[m, t & 1] == ("raw", t), (m, t, self.slot[m, t & 1])
+        self.slot[m, t & 1] = ("converted", t)
+
+
+def fp8_producer(n: int, ring: RawRing) -> None:
+    """The kernel's fp8 producer loop (v2), as the copies and waits of one thread."""
+    ring.copy("K", 0)
+    ring.copy("V", 0)
+    for t in range(n):
+        more = t + 1 < n
+        if more:
+            ring.copy("K", t + 1)
+            ring.copy("V", t + 1)
+            ring.wait(3)
+        else:
+            ring.wait(1)
+        ring.convert("K", t)
+        ring.wait(2 if more else 0)
+        ring.convert("V", t)
+    assert not ring.pending
+
+
+def test_kernel_source_has_the_modelled_raw_ring():
+    for text in (
+        "cp_async_wait<3>();  // K(t) landed",
+        "cp_async_wait<1>();",
+        "cp_async_wait<2>();  // V(t) landed",
+        "cp_async_wait<0>();",
+        "const unsigned raw = sR + (t & 1) * 2 * RAW_BYTES;",
+        "const unsigned nxt = sR + ((t + 1) & 1) * 2 * RAW_BYTES;",
+        "copy_raw_fp8(nxt + RAW_BYTES, vc, ent, bt, bs_shift, kt, kv_end, kvh, p);",
+        "convert_raw_fp8(sV + st * TILE_BYTES, raw + RAW_BYTES, VFULL(st), p);",
+    ):
+        assert text in SRC, text
+    assert SRC.count("cp_async_commit();") == 4
+
+
+@pytest.mark.parametrize("n_tiles", [1, 2, 3, 4, 7])
+def test_fp8_raw_ring_converts_only_landed_tiles(n_tiles):
+    for seed in range(200):
+        fp8_producer(n_tiles, RawRing(random.Random(seed)))
+
+
+def test_the_raw_ring_model_catches_a_short_wait():
+    """Waiting for all but 4 groups before converting K(t) reads a tile still in flight."""
+    failures = 0
+    for seed in range(50):
+        ring = RawRing(random.Random(seed))
+        real_wait = ring.wait
+        ring.wait = lambda n, real_wait=real_wait: real_wait(n + 1)
+        try:
+            fp8_producer(4, ring)
+        except AssertionError:
+            failures += 1
+    assert failures > 0
