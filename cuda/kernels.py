@@ -45,6 +45,7 @@ FAMILIES: dict[str, tuple[str, bool]] = {
     "prefill_sm90": ("prefill_attention_sm90.cu", True),
     "sampling": ("sampling.cu", False),
     "gemv": ("gemv.cu", False),
+    "gemv_fp8": ("gemv_fp8.cu", False),
 }
 
 
