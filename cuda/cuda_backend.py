@@ -38,6 +38,7 @@ import torch
 from llmc.base.errors import UnsupportedError
 from llmc.cuda.backend import AttentionMetadata, SamplingMetadata, check_fused_decode_max_tokens
 from llmc.cuda.fp8_ops import Fp8Ops
+from llmc.cuda.gemv_fp8_ops import GemvFp8Ops
 from llmc.cuda.gemv_ops import FUSED_DECODE_DEFAULT, GEMV_MAX_TOKENS, GEMV_SMEM_BYTES, GemvOps
 from llmc.cuda.kernels import KernelConfig, KernelLibrary
 from llmc.cuda.launch_args import aligned as _aligned
@@ -65,7 +66,7 @@ def _need_kv_scales(k_cache: torch.Tensor, k_scale: float, v_scale: float) -> No
         )
 
 
-class CudaBackend(GemvOps, Fp8Ops):
+class CudaBackend(GemvOps, GemvFp8Ops, Fp8Ops):
     """Backend on CuPy kernels. ``kernels_dir``: an engine's cubins (None = NVRTC).
 
     ``fused_decode_max_tokens`` (0..8, default 4; 0 = off): the ModelRunner runs steps of

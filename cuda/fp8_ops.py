@@ -84,39 +84,3 @@ class Fp8Ops:
             y = y + bias.to(y.dtype)
         out.copy_(y)
         return out
-
-    def norm_linear_fp8(
-        self,
-        residual: torch.Tensor,
-        norm_weight: torch.Tensor,
-        eps: float,
-        weight: torch.Tensor,
-        weight_scale: torch.Tensor,
-        bias: torch.Tensor | None = None,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        x = self.rms_norm_fp8(residual, norm_weight, eps)
-        return self.linear_fp8(x, weight, weight_scale, bias, residual.dtype, out=out)
-
-    def norm_gate_up_silu_fp8(
-        self,
-        residual: torch.Tensor,
-        norm_weight: torch.Tensor,
-        eps: float,
-        gate_up_weight: torch.Tensor,
-        gate_up_scale: torch.Tensor,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        x = self.rms_norm_fp8(residual, norm_weight, eps)
-        gate_up = self.linear_fp8(x, gate_up_weight, gate_up_scale, None, residual.dtype)
-        return self.silu_and_mul(gate_up, out=out)
-
-    def linear_residual_add_fp8(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        weight_scale: torch.Tensor,
-        residual: torch.Tensor,
-    ) -> torch.Tensor:
-        y = self.linear_fp8(self.quantize_fp8(x), weight, weight_scale, None, residual.dtype)
-        return residual.add_(y)

@@ -59,6 +59,15 @@ def gemv_grid(m: int, mode: int, n_out: int, sm_count: int) -> int:
     return max(1, min(sm_count, units))
 
 
+def check_token_rows(op: str, m: int) -> None:
+    """The fused small-step kernels exist for at most GEMV_MAX_TOKENS token rows."""
+    if m > GEMV_MAX_TOKENS:
+        raise UnsupportedError(
+            f"CudaBackend.{op}: {m} token rows; the fused gemv kernels take at most "
+            f"{GEMV_MAX_TOKENS} (use the unfused ops for larger steps)"
+        )
+
+
 class GemvOps:
     """The fused small-step ops (mixin; see the module docstring for what it needs)."""
 
@@ -81,11 +90,7 @@ class GemvOps:
         """Launch ``family``_m<M> for x [M, K] against weight [rows, K], ``n_out`` outputs;
         ``args`` go between the pointer arguments and (N, K, KC)."""
         m, k = x.shape
-        if m > GEMV_MAX_TOKENS:
-            raise UnsupportedError(
-                f"CudaBackend.{family}: {m} token rows; the fused gemv kernels take at most "
-                f"{GEMV_MAX_TOKENS} (use the unfused ops for larger steps)"
-            )
+        check_token_rows(family, m)
         vec_ok = k % (16 // x.element_size()) == 0 and _aligned(*aligned)
         name = f"{family}_m{m}" + ("" if vec_ok else "_scalar")
         kern = self._gemv_kernels.get((x.dtype, name))
