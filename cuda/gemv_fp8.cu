@@ -204,10 +204,10 @@ __device__ __forceinline__ void load_batch(v4u (&r)[G8_U][2], const unsigned cha
                                            int K) {
 #pragma unroll
     for (int u = 0; u < G8_U; ++u) {
-        const int k = (kb + u) * 64 + 16 * t4;
+        const int k = (kb + u) * 64 + 16 * t4;  // w0, w1 already point at column 16 * t4
         if (u < n) {
-            r[u][0] = load_w16<VECTOR>(w0 + k, k, K);
-            r[u][1] = load_w16<VECTOR>(w1 + k, k, K);
+            r[u][0] = load_w16<VECTOR>(w0 + (kb + u) * 64, k, K);
+            r[u][1] = load_w16<VECTOR>(w1 + (kb + u) * 64, k, K);
         } else {
             r[u][0] = r[u][1] = v4u{0u, 0u, 0u, 0u};
         }
