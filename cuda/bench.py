@@ -181,6 +181,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     be.force_splits = None
     decode_short(be, rows, mem_row)
     fused_gemv(be, rows, mem_row)
+    from llmc.cuda.bench_gemv8 import fp8_gemv  # own module (imports this one)
+
+    fp8_gemv(be, rows, mem_row)
 
     # Prefill attention: sm90 and mma.sync kernels, bf16 / fp8 KV, beside torch SDPA
     from llmc.cuda.bench_prefill import prefill_rows

@@ -7,6 +7,11 @@ staged activations are chunked), outputs poisoned with NaN; relative error below
 (float32) or 1e-2 (16-bit) as in test_cuda_kernels. Also: misaligned bases, CUDA-graph
 capture and replay, and the errors (M = 9, shape mismatches). Run with
 ``pytest -m cuda -o addopts=""`` on a GPU.
+
+The FP8 ops (cuda/gemv_fp8.cu: norm_linear_fp8, norm_gate_up_silu_fp8,
+linear_residual_add_fp8) the same way against llmc.cuda.reference_fp8, on weights quantized
+per output row (quantize_weight_fp8), at the 8B and SmolLM2-135M shapes and K tails; also the
+unfused fallback past the shared-memory budget.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import torch
 
 from llmc.base.errors import ConfigError, UnsupportedError
 from llmc.cuda import reference as ref
+from llmc.cuda import reference_fp8 as ref8
 
 pytestmark = pytest.mark.cuda
 
@@ -227,3 +233,175 @@ def test_runner_fused_decode_matches_unfused(arch, request):
     assert unfused.logits.keys() == fused_res.logits.keys()
     for key, row in unfused.logits.items():
         torch.testing.assert_close(fused_res.logits[key], row, atol=1e-4, rtol=1e-4)
+
+
+# ---- FP8 (W8A8) small-step ops: cuda/gemv_fp8.cu -------------------------------------------
+
+# (op, K, N) as CASES: the 8B and SmolLM2-135M shapes (hidden 576, 9 + 3 + 3 heads of 64,
+# intermediate 1536), K tails
+CASES8 = [
+    ("norm", 4096, 6144),  # 8B qkv
+    ("add", 4096, 4096),  # 8B o_proj
+    ("silu", 4096, 14336),  # 8B gate_up
+    ("add", 14336, 4096),  # 8B down
+    ("norm", 576, 960),  # SmolLM2 qkv
+    ("add", 576, 576),  # SmolLM2 o_proj
+    ("silu", 576, 1536),  # SmolLM2 gate_up
+    ("add", 1536, 576),  # SmolLM2 down
+    ("norm", 1000, 77),  # K % 16 != 0: scalar kernels
+    ("silu", 999, 33),
+    ("add", 1008, 37),  # K % 64 != 0: a partial last k-step in the vector kernels
+    ("add", 64, 5),  # tiny: one tile, one k-step
+]
+# Kernel and reference quantize the same values the same way; float32 allows the rare
+# activation code one e4m3 step off where rsqrt / the sum of squares differ in the last bit.
+TOL8 = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+_WEIGHTS8: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def weight8(rows: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 [rows, K], float32 scale [rows]) of random weights, per output row (cached)."""
+    key = (rows, k)
+    if key not in _WEIGHTS8:
+        _WEIGHTS8.clear()
+        _WEIGHTS8[key] = ref8.quantize_weight_fp8(weight(rows, k, torch.float32))
+    return _WEIGHTS8[key]
+
+
+def copy8(rows: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight8 copied out of the one-entry cache (for tests that hold several)."""
+    w, ws = weight8(rows, k)
+    return w.clone(), ws.clone()
+
+
+def check_op8(be, op: str, m: int, k: int, n: int, dtype: torch.dtype, bias: bool = False):
+    residual, norm_w = inputs(m, k, dtype, seed=m * 1000 + k + 7)
+    tol = TOL8[dtype]
+    assert be._gemv8_fused(m, k)  # the kernel, not the unfused fallback
+    if op == "norm":
+        w, ws = weight8(n, k)
+        b = torch.randn(n, device=DEV).to(dtype) if bias else None
+        out = be.norm_linear_fp8(residual, norm_w, EPS, w, ws, b, out=poisoned(m, n, dtype=dtype))
+        assert rel_err(out, ref8.norm_linear_fp8(residual, norm_w, EPS, w, ws, b)) < tol
+    elif op == "silu":
+        w, ws = weight8(2 * n, k)
+        out = be.norm_gate_up_silu_fp8(
+            residual, norm_w, EPS, w, ws, out=poisoned(m, n, dtype=dtype)
+        )
+        assert rel_err(out, ref8.norm_gate_up_silu_fp8(residual, norm_w, EPS, w, ws)) < tol
+    else:
+        w, ws = weight8(n, k)
+        x = residual
+        res = torch.randn(m, n, device=DEV).to(dtype)
+        before = res.clone()
+        want = ref8.linear_residual_add_fp8(x, w, ws, res.clone())
+        got = be.linear_residual_add_fp8(x, w, ws, res)
+        assert got.data_ptr() == res.data_ptr()
+        assert rel_err(res, want) < tol
+        assert rel_err(res.double() - before.double(), want.double() - before.double()) < 2 * tol
+
+
+@pytest.mark.parametrize("m", range(1, 9))
+@pytest.mark.parametrize("case", range(len(CASES8)), ids=[f"{c[0]}-{c[1]}x{c[2]}" for c in CASES8])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemv_fp8_vs_reference(be, dtype, case, m):
+    op, k, n = CASES8[case]
+    check_op8(be, op, m, k, n, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 2, 5, 8])
+def test_norm_linear_fp8_bias(be, dtype, m):
+    check_op8(be, "norm", m, 4096, 6144, dtype, bias=True)
+    check_op8(be, "norm", m, 1000, 77, dtype, bias=True)
+
+
+def test_fp8_misaligned_bases_take_the_scalar_kernels(be):
+    """Activation views whose base is not 16-byte aligned (K a multiple of 16)."""
+    dtype, m, k, n = torch.bfloat16, 3, 512, 96
+    residual, norm_w = inputs(m, k, dtype, seed=3)
+    res_u = torch.empty(m * k + 1, device=DEV, dtype=dtype)[1:].view(m, k).copy_(residual)
+    w, ws = weight8(n, k)
+    out = be.norm_linear_fp8(res_u, norm_w, EPS, w, ws, out=poisoned(m, n, dtype=dtype))
+    assert rel_err(out, ref8.norm_linear_fp8(residual, norm_w, EPS, w, ws)) < TOL8[dtype]
+    res = torch.randn(m, n, device=DEV).to(dtype)
+    want = ref8.linear_residual_add_fp8(residual, w, ws, res.clone())
+    be.linear_residual_add_fp8(res_u, w, ws, res)
+    assert rel_err(res, want) < TOL8[dtype]
+
+
+def test_fp8_unfused_past_the_staging_budget(be):
+    """8 rows of K = 24576 codes do not fit the shared-memory budget: the unfused ops run
+    (same values); 7 rows still take the kernel."""
+    dtype, k, n = torch.bfloat16, 24576, 64
+    assert not be._gemv8_fused(8, k) and be._gemv8_fused(7, k)
+    w, ws = weight8(2 * n, k)
+    for m in (8, 7):
+        residual, norm_w = inputs(m, k, dtype, seed=m)
+        out = be.norm_gate_up_silu_fp8(
+            residual, norm_w, EPS, w, ws, out=poisoned(m, n, dtype=dtype)
+        )
+        assert rel_err(out, ref8.norm_gate_up_silu_fp8(residual, norm_w, EPS, w, ws)) < TOL8[dtype]
+        out = be.norm_linear_fp8(residual, norm_w, EPS, w, ws, out=poisoned(m, 2 * n, dtype=dtype))
+        assert rel_err(out, ref8.norm_linear_fp8(residual, norm_w, EPS, w, ws)) < TOL8[dtype]
+        res = torch.randn(m, 2 * n, device=DEV).to(dtype)
+        want = ref8.linear_residual_add_fp8(residual, w, ws, res.clone())
+        be.linear_residual_add_fp8(residual, w, ws, res)
+        assert rel_err(res, want) < TOL8[dtype]
+
+
+def test_fp8_cuda_graph_capture_and_replay(be):
+    """The three FP8 ops captured in one graph, replayed on new inputs in the static buffers."""
+    dtype, m, k, n, i = torch.bfloat16, 4, 1024, 768, 1408
+    residual, norm_w = inputs(m, k, dtype, seed=11)
+    (wq, sq), (wo, so) = copy8(n, k), copy8(k, n)
+    (wgu, sgu), (wd, sd) = copy8(2 * i, k), copy8(k, i)
+    qkv = torch.empty(m, n, device=DEV, dtype=dtype)
+    act = torch.empty(m, i, device=DEV, dtype=dtype)
+    res = residual.clone()
+
+    def body():
+        be.norm_linear_fp8(res, norm_w, EPS, wq, sq, out=qkv)
+        be.linear_residual_add_fp8(qkv, wo, so, res)
+        be.norm_gate_up_silu_fp8(res, norm_w, EPS, wgu, sgu, out=act)
+        be.linear_residual_add_fp8(act, wd, sd, res)
+
+    def reference(r):
+        q = ref8.norm_linear_fp8(r, norm_w, EPS, wq, sq)
+        ref8.linear_residual_add_fp8(q, wo, so, r)
+        a = ref8.norm_gate_up_silu_fp8(r, norm_w, EPS, wgu, sgu)
+        return ref8.linear_residual_add_fp8(a, wd, sd, r)
+
+    body()  # eager warm-up (module load, shared-memory attribute)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    res.copy_(residual)
+    with torch.cuda.graph(g):
+        body()
+    for seed in (1, 2):
+        fresh, _ = inputs(m, k, dtype, seed=seed)
+        res.copy_(fresh)
+        qkv.fill_(float("nan"))
+        act.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert rel_err(res, reference(fresh.clone())) < TOL8[dtype]
+
+
+def test_fp8_errors(be):
+    dtype, k, n = torch.bfloat16, 256, 64
+    residual, norm_w = inputs(9, k, dtype, seed=0)
+    w, ws = weight8(n, k)
+    with pytest.raises(UnsupportedError, match="9 token rows"):
+        be.norm_linear_fp8(residual, norm_w, EPS, w, ws)
+    with pytest.raises(UnsupportedError, match="9 token rows"):
+        be.linear_residual_add_fp8(residual, w, ws, torch.zeros(9, n, device=DEV, dtype=dtype))
+    r8 = residual[:8]
+    with pytest.raises(UnsupportedError, match="float8_e4m3fn"):
+        be.norm_linear_fp8(r8, norm_w, EPS, weight(n, k, dtype), ws)
+    with pytest.raises(UnsupportedError, match="weight scale has shape"):
+        be.norm_linear_fp8(r8, norm_w, EPS, w, ws[:-1].contiguous())
+    with pytest.raises(UnsupportedError, match="do not chain"):
+        be.linear_residual_add_fp8(
+            r8[:, :-16].contiguous(), w, ws, torch.zeros(8, n, device=DEV, dtype=dtype)
+        )
