@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from llmc.cuda.bench_gemv8 import fp8_gemv
+
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16
 
@@ -88,6 +90,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     def flops_row(name, shape, flops, ms, target) -> None:  # TFLOP/s against the matmul ceiling
         add_row(name, shape, ms, flops / ms / 1e9, "TFLOP/s", mm, target)
+
+    if args.only == "gemv8":  # the fp8 GEMV rows alone (seconds of GPU time)
+        fp8_gemv(be, rows, mem_row, graph_ms, _cycle)
+        return _result(ceil, rows)
 
     # RMSNorm / fused add + RMSNorm: 16384 x 4096 bf16 (128 MiB per tensor)
     t, h = 16384, 4096
@@ -181,9 +187,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     be.force_splits = None
     decode_short(be, rows, mem_row)
     fused_gemv(be, rows, mem_row)
-    from llmc.cuda.bench_gemv8 import fp8_gemv  # own module (imports this one)
-
-    fp8_gemv(be, rows, mem_row)
+    fp8_gemv(be, rows, mem_row, graph_ms, _cycle)
 
     # Prefill attention: sm90 and mma.sync kernels, bf16 / fp8 KV, beside torch SDPA
     from llmc.cuda.bench_prefill import prefill_rows
@@ -210,6 +214,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ms = time_ms(lambda sm=sm: be.sample(logits, sm), repeats=10)
         mem_row(label, f"{s}x{v} f32", logits.nbytes, ms, None)
 
+    return _result(ceil, rows)
+
+
+def _result(ceil: dict[str, float], rows: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "device": torch.cuda.get_device_name(),
         "ceilings": ceil,
@@ -404,6 +412,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     default = Path(os.environ["OUT"]) / "kernel_bench.json" if os.environ.get("OUT") else None
     ap.add_argument("--json", type=Path, default=default, help="write results here")
+    ap.add_argument(
+        "--only", choices=("gemv8",), default=None, help="gemv8: only the FP8 GEMV rows"
+    )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("llmc.cuda.bench: no CUDA device; nothing to measure")

@@ -1,6 +1,6 @@
-"""``python -m llmc.cuda.bench_gemv8``: the fused FP8 small-step GEMVs (cuda/gemv_fp8.cu) at the
-Llama-3-8B shapes, T = 1 and 8 token rows, beside the BF16 fused GEMV of the same shape
-(cuda/gemv.cu) and the unfused FP8 sequence the fused op replaces.
+"""The FP8 GEMV rows of ``python -m llmc.cuda.bench``: the fused FP8 small-step GEMVs
+(cuda/gemv_fp8.cu) at the Llama-3-8B shapes, T = 1 and 8 token rows, beside the BF16 fused
+GEMV of the same shape (cuda/gemv.cu) and the unfused FP8 sequence the fused op replaces.
 
 Per (T, op) three rows, GB/s of *weight* bytes (activations are < 0.3 MB) against the copy
 rate measured in the same run:
@@ -13,26 +13,20 @@ rate measured in the same run:
 
 then per T the sums over the four ops (one decoder layer without attention). CUDA-graph
 replays cycling over enough weight copies (>= 256 MB per op) that L2 serves none of them.
-``python -m llmc.cuda.bench`` runs the same rows in its fused-GEMV section; this entry point
-runs them alone (seconds of GPU time instead of the whole kernel bench).
+``python -m llmc.cuda.bench --only gemv8`` runs these rows alone (seconds of GPU time).
 """
 
 from __future__ import annotations
 
-import argparse
 import math
-import os
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from llmc.cuda import bench
 from llmc.cuda import reference_fp8 as ref8
 
-DEV = bench.DEV
+DEV = torch.device("cuda")
 BF16 = torch.bfloat16
 SHAPES = {
     "qkv": (6144, 4096),
@@ -104,8 +98,16 @@ def _ops(be: Any, m: int, g: torch.Generator) -> dict[str, dict[str, Callable[[A
     }
 
 
-def fp8_gemv(be: Any, rows: list, mem_row: Callable, tokens: tuple[int, ...] = TOKENS) -> None:
-    """Append the rows described in the module docstring (``mem_row`` as in bench.run)."""
+def fp8_gemv(
+    be: Any,
+    rows: list,
+    mem_row: Callable,
+    graph_ms: Callable[[Callable[[], Any], int], float],
+    cycle: Callable[[list[Callable[[], Any]]], Callable[[], Any]],
+    tokens: tuple[int, ...] = TOKENS,
+) -> None:
+    """Append the rows described in the module docstring; ``mem_row``, ``graph_ms`` and
+    ``cycle`` are llmc.cuda.bench's (row maker, graph-replay timer, round-robin caller)."""
     g = torch.Generator(device=DEV).manual_seed(5)
     weights = {
         (op, label): _copies(r, k, ref8.FP8_DTYPE if label == "fp8" else BF16, g)
@@ -120,9 +122,7 @@ def fp8_gemv(be: Any, rows: list, mem_row: Callable, tokens: tuple[int, ...] = T
                 copies = weights[(op, label.split()[0])]
                 nbytes = r * k * (1 if label.startswith("fp8") else 2)
                 try:
-                    ms = bench.graph_ms(
-                        bench._cycle([lambda w=w, fn=fn: fn(w) for w in copies]), len(copies)
-                    )
+                    ms = graph_ms(cycle([lambda w=w, fn=fn: fn(w) for w in copies]), len(copies))
                 except Exception as e:  # pragma: no cover - informational (an unsupported path)
                     print(f"gemv8 T={m} {op} {label} skipped: {type(e).__name__}: {e}")
                     continue
@@ -135,47 +135,3 @@ def fp8_gemv(be: Any, rows: list, mem_row: Callable, tokens: tuple[int, ...] = T
         for label, (ms, nbytes) in totals.items():
             mem_row(f"gemv8 T={m} layer ({label}, sum of rows)", "4 GEMVs", nbytes, ms, None)
             rows[-1]["us"] = ms * 1000
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    default = Path(os.environ["OUT"]) / "gemv8_bench.json" if os.environ.get("OUT") else None
-    ap.add_argument("--json", type=Path, default=default, help="write results here")
-    args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("llmc.cuda.bench_gemv8: no CUDA device; nothing to measure")
-        return 0
-    import json
-    import time
-
-    from llmc.cuda.cuda_backend import CudaBackend
-
-    torch.manual_seed(0)
-    be = CudaBackend(DEV)
-    ceil = bench.ceilings()
-    rows: list[dict[str, Any]] = []
-
-    def mem_row(name: str, shape: str, nbytes: float, ms: float, target: float | None) -> None:
-        achieved = nbytes / ms / 1e6
-        row = dict(kernel=name, shape=shape, ms=ms, MB=nbytes / 1e6, achieved=achieved)
-        row.update(unit="GB/s", fraction=achieved / ceil["copy_GBps"], target=target)
-        rows.append(row)
-
-    fp8_gemv(be, rows, mem_row)
-    res = {
-        "device": torch.cuda.get_device_name(),
-        "ceilings": ceil,
-        "kernels": rows,
-        "commit": bench._commit(),
-        "date": time.strftime("%Y-%m-%d"),
-        "command": " ".join(sys.argv),
-    }
-    print(bench.render(res))
-    if args.json:
-        args.json.write_text(json.dumps(res, indent=2))
-        print(f"wrote {args.json}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,14 +1,15 @@
-"""python -m llmc.cuda.bench_gemv8 on the CPU: its rows built on the TorchBackend at tiny
-shapes with the timing replaced (the GPU run is the lead's): every op of every label is
-called with the protocol's signatures on weights of the right dtype, and the table has the
-fp8 fused / fp8 unfused / bf16 fused rows per (T, op) plus the layer sums."""
+"""The FP8 GEMV rows of python -m llmc.cuda.bench (cuda/bench_gemv8.py) on the CPU: built
+on the TorchBackend at tiny shapes with the timing replaced (the GPU run is the lead's):
+every op of every label is called with the protocol's signatures on weights of the right
+dtype, and the table has the fp8 fused / fp8 unfused / bf16 fused rows per (T, op) plus the
+layer sums."""
 
 from __future__ import annotations
 
 import torch
 
-from llmc.cuda import bench
 from llmc.cuda import bench_gemv8 as b8
+from llmc.cuda.bench import _cycle as bench_cycle
 from llmc.cuda.torch_backend import TorchBackend
 
 
@@ -26,13 +27,12 @@ def test_rows_on_the_torch_backend(monkeypatch):
             calls.append(out)
         return 0.5
 
-    monkeypatch.setattr(bench, "graph_ms", graph_ms)
     rows: list[dict] = []
 
     def mem_row(name, shape, nbytes, ms, target):
         rows.append(dict(kernel=name, shape=shape, MB=nbytes / 1e6, ms=ms, target=target))
 
-    b8.fp8_gemv(TorchBackend(cpu), rows, mem_row, tokens=(1, 3))
+    b8.fp8_gemv(TorchBackend(cpu), rows, mem_row, graph_ms, bench_cycle, tokens=(1, 3))
     names = [r["kernel"] for r in rows]
     assert len(rows) == 2 * (4 * 3 + 3) and len(calls) == 2 * 4 * 3 * 2
     assert names[:3] == [
