@@ -15,18 +15,17 @@
 // norm_gate_up_silu_fp8, linear_residual_add_fp8); only the order of the float32 sums differs.
 //
 // Dot products on tensor cores: mma.m16n8k16 f16 x f16 -> f32 (sm_90 has no fp8 mma.sync;
-// ptxas lowers the e4m3 one to exactly this). e4m3 -> f16 is exact, so are the products.
-// A *tile* is 16 weight rows (gate_up: 8 gate rows j0..j0+7 and the 8 up rows I+j0..), a
-// k-step 64 columns; the 8 token rows are the mma's n = 8 (rows m >= M read as zeros). Lane
-// (g = lane / 4, t = lane % 4) loads 16 columns 64 ks + 16 t .. +15 of tile rows g and g + 8
-// (two 16-byte ld.global.nc.L1::no_allocate) and of token g's codes (one 16-byte LDS); the
-// sum over k does not depend on which column feeds which mma slot, so those 16 columns feed
-// four mmas as they lie in the registers (the same permutation for weights and activations).
-// The accumulator's rows g / g + 8 are the tile's rows g / g + 8, so a gate/up tile ends with
-// gate and up of one output in the same lane (SiLU·mul needs no shuffle).
+// ptxas lowers the e4m3 one to exactly this); e4m3 -> f16 is exact, so are the products.
+// A *tile* is 16 weight rows (gate_up: gate rows j0..j0+7 and up rows I+j0..I+j0+7), a
+// k-step 64 columns, the 8 token rows the mma's n (rows m >= M read as zeros). Lane
+// (g = lane / 4, t = lane % 4) loads columns 64 ks + 16 t .. +15 of tile rows g and g + 8
+// (16-byte ld.global.nc.L1::no_allocate) and of token g's codes (16-byte LDS) and feeds
+// them to four mmas as they lie in the registers: the sum over k does not care which column
+// takes which mma slot, as long as weights and activations agree. Accumulator rows g / g + 8
+// are tile rows g / g + 8, so gate and up of one output end in the same lane (no shuffle).
 // Conversions per k-step and lane: row g and the activations by cvt.rn.f16x2.e4m3x2 (16),
 // row g + 8 on the integer pipe (4 ops per f16x2, values times 2^-8, scaled back in the
-// epilogue): Hopper's conversion pipe is slow, the two pipes run side by side.
+// epilogue): Hopper's conversion pipe is slow; the two pipes run side by side.
 //
 // Work: tiles go round-robin over the CTAs (grid <= SMs, <= tiles; 512 threads = 16 warps,
 // one CTA per SM). A CTA takes its tiles 16 at a time (a round); with c < 16 tiles in a
@@ -38,12 +37,10 @@
 // activations are being quantized.
 //
 // Prologue (every CTA, all 512 threads): rms scale per row (norm kernels), amax of the
-// values to quantize, then their e4m3 codes into shared memory, row m at m * S (S = the
-// row stride from the host: K rounded up to 128, + 64, so the eight token rows of one LDS
-// phase fall in different banks), zero-padded to whole k-steps.
-//
-// The *_scalar kernels (K not a multiple of 16, or a misaligned base) run the same code with
-// byte loads of the weights and element loads of x: correct, slow.
+// values to quantize, their e4m3 codes into shared memory at row stride S (from the host:
+// K rounded up to 128, + 64, so the token rows of one LDS phase fall in different banks),
+// zero-padded to whole k-steps. The *_scalar kernels (K % 16 != 0 or a misaligned base)
+// load weights by bytes and x by elements: correct, slow.
 //
 // Launch: grid min(SMs, tiles), block 512, dynamic smem M * S bytes (the host runs the
 // unfused ops when that exceeds its budget). Needs sm_89+ (e4m3 cvt); below, the kernels
@@ -70,9 +67,7 @@ struct G8Args {
     const float* w_scale;    // [rows]
     const scalar_t* bias;    // [N] or nullptr
     scalar_t* out;           // [M, N] out, [M, I] act, or the residual [M, N] (add)
-    int n_out;               // N, or I for gate_up
-    int K;
-    int S;                   // shared-memory row stride of the codes, bytes
+    int n_out, K, S;         // N (I for gate_up), K, shared-memory row stride of the codes
 };
 
 // One 16-byte weight vector, streamed (not kept in L1).
@@ -90,12 +85,11 @@ __device__ __forceinline__ void g8_prefetch_l2(const unsigned char* p) {
 
 // Two e4m3 codes (low byte first) -> f16x2 (low half first), exact.
 __device__ __forceinline__ unsigned int e4m3x2_to_f16x2(unsigned short v) {
-    unsigned int r;
+    unsigned int r = 0u;
 #if G8_NATIVE
     asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(v));
 #else
     __trap();
-    r = 0u;
 #endif
     return r;
 }
@@ -103,12 +97,11 @@ __device__ __forceinline__ unsigned int e4m3x2_to_f16x2(unsigned short v) {
 // Two floats -> two e4m3 codes (lo in the low byte): saturated to +-448, round to nearest
 // even (__nv_cvt_float2_to_fp8x2(v, __NV_SATFINITE, __NV_E4M3)).
 __device__ __forceinline__ unsigned short f32x2_to_e4m3x2(float lo, float hi) {
-    unsigned short r;
+    unsigned short r = 0;
 #if G8_NATIVE
     asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
 #else
     __trap();
-    r = 0;
 #endif
     return r;
 }
@@ -180,7 +173,7 @@ __device__ __forceinline__ int tile_row(int tile, int r, int n_out) {
 
 // A warp's job in round r: tile, its share [s0, s1) of the k-steps among `split` warps.
 struct G8Work {
-    int tile, split, part, s0, s1;
+    int tile, split, part, s0, s1;  // part: this warp's index among the split
     bool active;
 };
 
@@ -237,11 +230,13 @@ __device__ __forceinline__ void stream_tile(float (&acc)[4], v4u (&A)[G8_U][2],
     int kb = s0;
     if (!preloaded) load_batch<VECTOR>(A, w0, w1, kb, min(G8_U, s1 - kb), t4, K);
     while (true) {  // two batches per trip: A and B swap roles without register moves
-        if (kb + G8_U < s1) load_batch<VECTOR>(B, w0, w1, kb + G8_U, min(G8_U, s1 - kb - G8_U), t4, K);
+        int next = min(G8_U, s1 - kb - G8_U);  // k-steps of the batch after (<= 0: none)
+        if (next > 0) load_batch<VECTOR>(B, w0, w1, kb + G8_U, next, t4, K);
         mma_batch(acc, A, xrow, has_row, kb, min(G8_U, s1 - kb));
         kb += G8_U;
         if (kb >= s1) break;
-        if (kb + G8_U < s1) load_batch<VECTOR>(A, w0, w1, kb + G8_U, min(G8_U, s1 - kb - G8_U), t4, K);
+        next = min(G8_U, s1 - kb - G8_U);
+        if (next > 0) load_batch<VECTOR>(A, w0, w1, kb + G8_U, next, t4, K);
         mma_batch(acc, B, xrow, has_row, kb, min(G8_U, s1 - kb));
         kb += G8_U;
         if (kb >= s1) break;
@@ -255,19 +250,15 @@ __device__ __forceinline__ void reduce_rows(float (&v)[M], float (*red)[M], floa
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
     for (int m = 0; m < M; ++m) {
-        float s;
-        if constexpr (MAX) s = warp_max(v[m]);
-        else s = warp_sum(v[m]);
+        const float s = MAX ? warp_max(v[m]) : warp_sum(v[m]);
         if (lane == 0) red[warp][m] = s;
     }
     __syncthreads();
     if (threadIdx.x < M) {
-        float t = red[0][threadIdx.x];
+        const float* col = &red[0][threadIdx.x];
+        float t = col[0];
 #pragma unroll
-        for (int w = 1; w < G8_WARPS; ++w) {
-            if constexpr (MAX) t = fmaxf(t, red[w][threadIdx.x]);
-            else t += red[w][threadIdx.x];
-        }
+        for (int w = 1; w < G8_WARPS; ++w) t = MAX ? fmaxf(t, col[w * M]) : t + col[w * M];
         tot[threadIdx.x] = t;
     }
     __syncthreads();
@@ -275,13 +266,7 @@ __device__ __forceinline__ void reduce_rows(float (&v)[M], float (*red)[M], floa
     for (int m = 0; m < M; ++m) v[m] = tot[m];
 }
 
-// The value the prologue quantizes: the rms-normed row rounded to the dtype, or x itself.
-template <int MODE>
-__device__ __forceinline__ float g8_input(float x, float rs, float nw) {
-    if constexpr (MODE == 2) return x;
-    return to_float(from_float(x * rs * nw));
-}
-
+// Vector i of the norm weight (norm kernels; unused by gemv8_add).
 template <int MODE, int VW>
 __device__ __forceinline__ void g8_norm_w(const G8Args& a, int i, float* nw) {
     if constexpr (MODE != 2) {
@@ -289,6 +274,18 @@ __device__ __forceinline__ void g8_norm_w(const G8Args& a, int i, float* nw) {
     } else {
 #pragma unroll
         for (int e = 0; e < VW; ++e) nw[e] = 1.f;
+    }
+}
+
+// Vector i of row m of what the prologue quantizes: the rms-normed row rounded to the
+// dtype (rs = its rms scale, nw the norm weight vector), or x itself.
+template <int MODE, int VW>
+__device__ __forceinline__ void g8_values(const G8Args& a, int m, int i, float rs,
+                                          const float* nw, float* f) {
+    load_vec<VW>(a.x + (long long)m * a.K + i * VW, f);
+    if constexpr (MODE != 2) {
+#pragma unroll
+        for (int e = 0; e < VW; ++e) f[e] = to_float(from_float(f[e] * rs * nw[e]));
     }
 }
 
@@ -320,11 +317,9 @@ __device__ __forceinline__ void g8_prologue(const G8Args& a, unsigned char* xq, 
 #pragma unroll
         for (int m = 0; m < M; ++m) {
             float f[VW];
-            load_vec<VW>(a.x + (long long)m * K + i * VW, f);
+            g8_values<MODE, VW>(a, m, i, rs[m], nw, f);
 #pragma unroll
-            for (int e = 0; e < VW; ++e) {
-                v[m] = fmaxf(v[m], fabsf(g8_input<MODE>(f[e], rs[m], nw[e])));
-            }
+            for (int e = 0; e < VW; ++e) v[m] = fmaxf(v[m], fabsf(f[e]));
         }
     }
     reduce_rows<M, true>(v, red, tot);
@@ -341,11 +336,9 @@ __device__ __forceinline__ void g8_prologue(const G8Args& a, unsigned char* xq, 
 #pragma unroll
         for (int m = 0; m < M; ++m) {
             float f[VW];
-            load_vec<VW>(a.x + (long long)m * K + i * VW, f);
+            g8_values<MODE, VW>(a, m, i, rs[m], nw, f);
 #pragma unroll
-            for (int e = 0; e < VW; ++e) {
-                f[e] = g8_input<MODE>(f[e], rs[m], nw[e]) * inv[m];
-            }
+            for (int e = 0; e < VW; ++e) f[e] *= inv[m];
             unsigned char* q = xq + m * a.S + i * VW;
             if constexpr (VW == 1) {
                 *q = (unsigned char)(f32x2_to_e4m3x2(f[0], 0.f) & 0xffu);

@@ -64,6 +64,8 @@ class GemvFp8Ops:
     _lib: Any
     _launch: Any
     _check: Any  # GemvOps._check: contiguous CUDA tensor of one shape and dtype
+    _linear_out: Any  # GemvOps._linear_out: the checked [M, N] output (and bias)
+    _gate_up_out: Any  # GemvOps._gate_up_out: the [M, I] output of a gate | up weight
     rms_norm_fp8: Any
     quantize_fp8: Any
     linear_fp8: Any
@@ -139,11 +141,7 @@ class GemvFp8Ops:
         """linear_fp8(rms_norm_fp8(residual), weight, weight_scale, bias) in one kernel."""
         op, dt = "norm_linear_fp8", residual.dtype
         m, n = self._check_gemv8(op, residual, "residual", weight, weight_scale, norm_weight)
-        if bias is not None:
-            self._check(op, "bias", bias, (n,), dt)
-        if out is None:
-            out = torch.empty(m, n, dtype=dt, device=self.device)
-        self._check(op, "out", out, (m, n), dt)
+        out = self._linear_out(op, m, n, bias, out, dt)
         if m == 0:
             return out
         if not self._gemv8_fused(m, residual.shape[1]):
@@ -168,13 +166,7 @@ class GemvFp8Ops:
         """silu_and_mul(linear_fp8(rms_norm_fp8(residual), gate_up)) in one kernel."""
         op, dt, w = "norm_gate_up_silu_fp8", residual.dtype, gate_up_weight
         m, n2 = self._check_gemv8(op, residual, "residual", w, gate_up_scale, norm_weight)
-        if n2 % 2:
-            raise UnsupportedError(
-                f"CudaBackend.{op}: gate_up weight has {n2} rows; expected gate | up (even)"
-            )
-        if out is None:
-            out = torch.empty(m, n2 // 2, dtype=dt, device=self.device)
-        self._check(op, "out", out, (m, n2 // 2), dt)
+        out = self._gate_up_out(op, m, n2, out, dt)
         if m == 0:
             return out
         if not self._gemv8_fused(m, residual.shape[1]):

@@ -124,6 +124,36 @@ class GemvOps:
             )
         return t
 
+    def _linear_out(
+        self,
+        op: str,
+        m: int,
+        n: int,
+        bias: torch.Tensor | None,
+        out: torch.Tensor | None,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """The [M, N] output of a linear with an optional bias [N] (allocated when None)."""
+        if bias is not None:
+            self._check(op, "bias", bias, (n,), dtype)
+        if out is None:
+            out = torch.empty(m, n, dtype=dtype, device=self.device)
+        self._check(op, "out", out, (m, n), dtype)
+        return out
+
+    def _gate_up_out(
+        self, op: str, m: int, n2: int, out: torch.Tensor | None, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """The [M, I] output of a gate | up weight of n2 = 2I rows (allocated when None)."""
+        if n2 % 2:
+            raise UnsupportedError(
+                f"CudaBackend.{op}: gate_up weight has {n2} rows; expected gate | up (even)"
+            )
+        if out is None:
+            out = torch.empty(m, n2 // 2, dtype=dtype, device=self.device)
+        self._check(op, "out", out, (m, n2 // 2), dtype)
+        return out
+
     def norm_linear(
         self,
         residual: torch.Tensor,
@@ -137,11 +167,7 @@ class GemvOps:
         op, dt = "norm_linear", residual.dtype
         m, n = self._check_gemv(op, residual, weight, "residual")
         self._check(op, "norm weight", norm_weight, (residual.shape[1],), dt)
-        if bias is not None:
-            self._check(op, "bias", bias, (n,), dt)
-        if out is None:
-            out = torch.empty(m, n, dtype=dt, device=self.device)
-        self._check(op, "out", out, (m, n), dt)
+        out = self._linear_out(op, m, n, bias, out, dt)
         if m == 0:
             return out
         args = (
@@ -163,13 +189,7 @@ class GemvOps:
         op, dt, w = "norm_gate_up_silu", residual.dtype, gate_up_weight
         m, n2 = self._check_gemv(op, residual, w, "residual")
         self._check(op, "norm weight", norm_weight, (residual.shape[1],), dt)
-        if n2 % 2:
-            raise UnsupportedError(
-                f"CudaBackend.{op}: gate_up weight has {n2} rows; expected gate | up (even)"
-            )
-        if out is None:
-            out = torch.empty(m, n2 // 2, dtype=dt, device=self.device)
-        self._check(op, "out", out, (m, n2 // 2), dt)
+        out = self._gate_up_out(op, m, n2, out, dt)
         if m == 0:
             return out
         args = (_p(residual), _p(norm_weight), np.float32(eps), _p(w), _p(out))

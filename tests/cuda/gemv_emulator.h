@@ -108,14 +108,18 @@ inline float __fmul_rn(float a, float b) { return a * b; }
 inline unsigned int __byte_perm(unsigned int x, unsigned int y, unsigned int s) {
     const unsigned long long v = ((unsigned long long)y << 32) | x;
     unsigned int r = 0;
-    for (int n = 0; n < 4; ++n) r |= (unsigned int)((v >> (8 * ((s >> (4 * n)) & 7))) & 0xff) << (8 * n);
+    for (int n = 0; n < 4; ++n) {
+        r |= (unsigned int)((v >> (8 * ((s >> (4 * n)) & 7))) & 0xff) << (8 * n);
+    }
     return r;
 }
 
 // e4m3 (1 sign, 4 exponent bits of bias 7, 3 mantissa bits; 0x7f / 0xff NaN), decoded exactly.
 inline float emu_e4m3_to_float(unsigned char b) {
     const int e = (b >> 3) & 15, m = b & 7;
-    float v = (e == 15 && m == 7) ? NAN : (e == 0 ? std::ldexp((float)m, -9) : std::ldexp(1.f + m / 8.f, e - 7));
+    const float v = (e == 15 && m == 7) ? NAN
+                  : e == 0                ? std::ldexp((float)m, -9)
+                                          : std::ldexp(1.f + m / 8.f, e - 7);
     return (b & 0x80) ? -v : v;
 }
 
@@ -155,11 +159,15 @@ inline void emu_mma_f16(float (&d)[4], const unsigned int (&a)[4], const unsigne
     for (int i = 0; i < 4; ++i) emu_mma_a[warp][lane][i] = a[i];
     for (int i = 0; i < 2; ++i) emu_mma_b[warp][lane][i] = b[i];
     emu_warp_barriers[warp]->arrive_and_wait();
-    auto half = [](unsigned int w, int hi) { return emu_half_to_float((unsigned short)(hi ? w >> 16 : w & 0xffff)); };
+    auto half = [](unsigned int w, int hi) {
+        return emu_half_to_float((unsigned short)(hi ? w >> 16 : w & 0xffff));
+    };
     auto A = [&](int row, int k) {
         return half(emu_mma_a[warp][(row % 8) * 4 + (k % 8) / 2][(row >= 8) + 2 * (k >= 8)], k & 1);
     };
-    auto B = [&](int k, int col) { return half(emu_mma_b[warp][col * 4 + (k % 8) / 2][k >= 8], k & 1); };
+    auto B = [&](int k, int col) {
+        return half(emu_mma_b[warp][col * 4 + (k % 8) / 2][k >= 8], k & 1);
+    };
     const int g = lane >> 2, t = lane & 3;
     for (int i = 0; i < 4; ++i) {
         const int row = g + 8 * (i >= 2), col = 2 * t + (i & 1);
@@ -276,30 +284,29 @@ int main(int argc, char** argv) {
     if (off > blob.size()) return 3;
     const scalar_t* b = has_bias ? bias : nullptr;
     const size_t smem = (size_t)M * S;
-#define GEMV8_EMU_CASE(MM)                                                                      \
-    case MM:                                                                                    \
-        if (mode == 0 && vec)                                                                   \
-            emu_launch(grid, 512, smem, [&] { gemv8_norm_m##MM(x, nw, eps, w, ws, b, out, n, K, S); }); \
-        if (mode == 0 && !vec)                                                                  \
-            emu_launch(grid, 512, smem,                                                         \
-                       [&] { gemv8_norm_m##MM##_scalar(x, nw, eps, w, ws, b, out, n, K, S); }); \
-        if (mode == 1 && vec)                                                                   \
-            emu_launch(grid, 512, smem, [&] { gemv8_norm_silu_m##MM(x, nw, eps, w, ws, out, n, K, S); }); \
-        if (mode == 1 && !vec)                                                                  \
-            emu_launch(grid, 512, smem,                                                         \
-                       [&] { gemv8_norm_silu_m##MM##_scalar(x, nw, eps, w, ws, out, n, K, S); }); \
-        if (mode == 2 && vec)                                                                   \
-            emu_launch(grid, 512, smem, [&] { gemv8_add_m##MM(x, w, ws, out, n, K, S); });      \
-        if (mode == 2 && !vec)                                                                  \
-            emu_launch(grid, 512, smem, [&] { gemv8_add_m##MM##_scalar(x, w, ws, out, n, K, S); }); \
+#define G8_NORM_ARGS x, nw, eps, w, ws, b, out, n, K, S
+#define G8_SILU_ARGS x, nw, eps, w, ws, out, n, K, S
+#define G8_ADD_ARGS x, w, ws, out, n, K, S
+#define GEMV8_EMU_CASE(MM)                                                                  \
+    case MM:                                                                                \
+        emu_launch(grid, 512, smem, [&] {                                                   \
+            if (mode == 0)                                                                  \
+                vec ? gemv8_norm_m##MM(G8_NORM_ARGS)                                        \
+                    : gemv8_norm_m##MM##_scalar(G8_NORM_ARGS);                              \
+            if (mode == 1)                                                                  \
+                vec ? gemv8_norm_silu_m##MM(G8_SILU_ARGS)                                   \
+                    : gemv8_norm_silu_m##MM##_scalar(G8_SILU_ARGS);                         \
+            if (mode == 2)                                                                  \
+                vec ? gemv8_add_m##MM(G8_ADD_ARGS) : gemv8_add_m##MM##_scalar(G8_ADD_ARGS); \
+        });                                                                                 \
         break;
     switch (M) {
         GEMV8_EMU_CASE(1) GEMV8_EMU_CASE(2) GEMV8_EMU_CASE(3) GEMV8_EMU_CASE(4)
         GEMV8_EMU_CASE(5) GEMV8_EMU_CASE(6) GEMV8_EMU_CASE(7) GEMV8_EMU_CASE(8)
         default: return 2;
     }
-    std::ofstream(argv[11], std::ios::binary)
-        .write(reinterpret_cast<const char*>(out), (std::streamsize)((size_t)M * n * sizeof(scalar_t)));
+    const std::streamsize out_bytes = (std::streamsize)((size_t)M * n * sizeof(scalar_t));
+    std::ofstream(argv[11], std::ios::binary).write(reinterpret_cast<const char*>(out), out_bytes);
     return 0;
 }
 #endif  // drivers

@@ -142,6 +142,27 @@ def test_misaligned_bases_take_the_scalar_kernels(be, dtype):
     assert rel_err(res, want) < TOL[dtype]
 
 
+def check_graph_replay(body, reference, res, residual, scratch, tol: float) -> None:
+    """body() (a layer's ops on the static residual ``res``) warmed up eagerly (module load,
+    shared-memory attribute), captured in a CUDA graph, replayed on fresh residuals with the
+    ``scratch`` buffers poisoned: each result matches ``reference(fresh residual)``."""
+    body()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    res.copy_(residual)
+    with torch.cuda.graph(g):
+        body()
+    m, k = residual.shape
+    for seed in (1, 2):
+        fresh, _ = inputs(m, k, residual.dtype, seed=seed)
+        res.copy_(fresh)
+        for t in scratch:
+            t.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert rel_err(res, reference(fresh.clone())) < tol
+
+
 def test_cuda_graph_capture_and_replay(be):
     """The three ops captured in one graph, replayed on new inputs in the static buffers."""
     dtype, m, k, n, i = torch.bfloat16, 4, 1024, 768, 1408
@@ -164,20 +185,7 @@ def test_cuda_graph_capture_and_replay(be):
         a = ref.norm_gate_up_silu(r, norm_w, EPS, wgu)
         return ref.linear_residual_add(a, wd, r)
 
-    body()  # eager warm-up (module load, shared-memory attribute)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    res.copy_(residual)
-    with torch.cuda.graph(g):
-        body()
-    for seed in (1, 2):
-        fresh, _ = inputs(m, k, dtype, seed=seed)
-        res.copy_(fresh)
-        qkv.fill_(float("nan"))
-        act.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
-        assert rel_err(res, reference(fresh.clone())) < TOL[dtype]
+    check_graph_replay(body, reference, res, residual, (qkv, act), TOL[dtype])
 
 
 def test_errors(be):
@@ -372,20 +380,7 @@ def test_fp8_cuda_graph_capture_and_replay(be):
         a = ref8.norm_gate_up_silu_fp8(r, norm_w, EPS, wgu, sgu)
         return ref8.linear_residual_add_fp8(a, wd, sd, r)
 
-    body()  # eager warm-up (module load, shared-memory attribute)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    res.copy_(residual)
-    with torch.cuda.graph(g):
-        body()
-    for seed in (1, 2):
-        fresh, _ = inputs(m, k, dtype, seed=seed)
-        res.copy_(fresh)
-        qkv.fill_(float("nan"))
-        act.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
-        assert rel_err(res, reference(fresh.clone())) < TOL8[dtype]
+    check_graph_replay(body, reference, res, residual, (qkv, act), TOL8[dtype])
 
 
 def test_fp8_errors(be):

@@ -22,6 +22,7 @@ import math
 import re
 import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -95,14 +96,12 @@ inline unsigned int pack2(float lo, float hi) {
 """
 
 
-@pytest.fixture(scope="module")
-def emulators(tmp_path_factory) -> dict[str, Path]:
-    """One emulator binary per dtype, compiled in parallel."""
-    tmp = tmp_path_factory.mktemp("gemv_emu")
+def compile_emulators(tmp: Path, source: Callable[[int], str]) -> dict[str, Path]:
+    """One emulator binary per dtype from ``source(dtype code)``, compiled in parallel."""
     procs = {}
     for name, (code, _) in DTYPES.items():
-        cpp = tmp / f"gemv_{name}.cpp"
-        cpp.write_text(host_source(code))
+        cpp = tmp / f"{name}.cpp"
+        cpp.write_text(source(code))
         cmd = ["g++", "-std=c++20", "-O1", "-pthread", "-w", f"-I{HERE}", "-o", str(tmp / name)]
         procs[name] = subprocess.Popen(
             [*cmd, str(cpp)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -111,6 +110,11 @@ def emulators(tmp_path_factory) -> dict[str, Path]:
         out, _ = p.communicate()
         assert p.returncode == 0, f"g++ failed for {name}:\n{out}"
     return {name: tmp / name for name in DTYPES}
+
+
+@pytest.fixture(scope="module")
+def emulators(tmp_path_factory) -> dict[str, Path]:
+    return compile_emulators(tmp_path_factory.mktemp("gemv_emu"), host_source)
 
 
 def run_emulated(
@@ -212,20 +216,7 @@ def host_source8(dtype_code: int) -> str:
 
 @pytest.fixture(scope="module")
 def emulators8(tmp_path_factory) -> dict[str, Path]:
-    """One gemv_fp8.cu emulator binary per dtype, compiled in parallel."""
-    tmp = tmp_path_factory.mktemp("gemv8_emu")
-    procs = {}
-    for name, (code, _) in DTYPES.items():
-        cpp = tmp / f"gemv8_{name}.cpp"
-        cpp.write_text(host_source8(code))
-        cmd = ["g++", "-std=c++20", "-O1", "-pthread", "-w", f"-I{HERE}", "-o", str(tmp / name)]
-        procs[name] = subprocess.Popen(
-            [*cmd, str(cpp)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-    for name, p in procs.items():
-        out, _ = p.communicate()
-        assert p.returncode == 0, f"g++ failed for {name}:\n{out}"
-    return {name: tmp / name for name in DTYPES}
+    return compile_emulators(tmp_path_factory.mktemp("gemv8_emu"), host_source8)
 
 
 def random_codes(rows: int, k: int, g: torch.Generator) -> torch.Tensor:

@@ -5,88 +5,24 @@ memory, the unfused fallback past the staging budget, and every input check."""
 
 from __future__ import annotations
 
-import re
-
-import numpy as np
 import pytest
 import torch
 
+from helpers.gemv_launch import aligned, check_args, kernel_signatures, recording_backend
 from llmc.base.errors import UnsupportedError
-from llmc.cuda import cuda_backend as cb
 from llmc.cuda import gemv_fp8_ops as g8
-from llmc.cuda import gemv_ops as go
-from llmc.cuda.kernels import CUDA_DIR
 
 FP8 = torch.float8_e4m3fn
-NP_TYPE = {"float": np.float32, "int": np.int32}
-
-
-def kernel_signatures() -> dict[str, list[str]]:
-    """family -> C parameter types, read from the G8_KERNELS macro of gemv_fp8.cu."""
-    text = (CUDA_DIR / "gemv_fp8.cu").read_text()
-    macro = text[text.index("#define G8_KERNELS") : text.index("#define G8_INSTANTIATE")]
-    macro = macro.replace("\\\n", " ")
-    out = {}
-    for name, params in re.findall(
-        r"void __launch_bounds__\([^)]*\) (\w+?)_m##M##SUFFIX\((.*?)\)\s*\{", macro
-    ):
-        out[name] = [p.strip().rsplit(" ", 1)[0] for p in params.split(",")]
-    return out
-
-
-class Recorder:
-    def __init__(self, name: str):
-        self.name = name
-        self.max_dynamic_shared_size_bytes = 0
-
-
-class FakeLib:
-    def get(self, family: str, name: str) -> Recorder:
-        assert family == "gemv_fp8"
-        return Recorder(name)
-
-
-def _need(t, name, dtype=None):  # launch_args.need without the is_cuda requirement
-    if not t.is_contiguous():
-        raise UnsupportedError(f"CudaBackend: {name} must be a contiguous CUDA tensor")
-    if dtype is not None and t.dtype != dtype:
-        raise UnsupportedError(f"CudaBackend: {name} must be {dtype}, got {t.dtype}")
+SIGS = kernel_signatures("gemv_fp8.cu", "G8_KERNELS", "G8_INSTANTIATE")
 
 
 @pytest.fixture
 def be(monkeypatch):
-    monkeypatch.setattr(go, "_need", _need)
-    monkeypatch.setattr(g8, "_need", _need)
-    b = object.__new__(cb.CudaBackend)
-    b.device = torch.device("cpu")
-    b._sm_count, b._gemv_smem, b._gemv_kernels = 132, go.GEMV_SMEM_BYTES, {}
-    b._lib = lambda dtype: FakeLib()
-    b.launches = []
-    b._launch = lambda k, grid, block, args, shared_mem=0: b.launches.append(
-        (k, grid, block, args, shared_mem)
-    )
-    return b
-
-
-def aligned(*shape, dtype=torch.bfloat16):
-    t = torch.empty(*shape, dtype=dtype)
-    assert t.data_ptr() % 16 == 0
-    return t
-
-
-def check_args(launch, family: str):
-    kern, grid, block, args, smem = launch
-    types = kernel_signatures()[family]
-    assert len(args) == len(types), (family, len(args), types)
-    for a, ty in zip(args, types, strict=True):
-        want = np.uint64 if "*" in ty else NP_TYPE[ty]
-        assert type(a) is want, (family, ty, type(a))
-    assert block == (go.GEMV_THREADS,)
-    return kern, grid, args, smem
+    return recording_backend(monkeypatch)
 
 
 def test_signatures_parsed():
-    sigs = kernel_signatures()
+    sigs = SIGS
     assert set(sigs) == {"gemv8_norm", "gemv8_norm_silu", "gemv8_add"}
     assert len(sigs["gemv8_norm"]) == 10 and len(sigs["gemv8_add"]) == 7
     assert sigs["gemv8_norm"][3] == "const unsigned char* __restrict__"
@@ -98,21 +34,22 @@ def test_launches_match_the_kernel_signatures(be, m):
     res, nw = aligned(m, k), aligned(k)
     ws = aligned(n, dtype=torch.float32)
     be.norm_linear_fp8(res, nw, 1e-5, aligned(n, k, dtype=FP8), ws, aligned(n), out=aligned(m, n))
-    kern, grid, args, smem = check_args(be.launches[-1], "gemv8_norm")
+    kern, grid, args, smem = check_args(be.launches[-1], SIGS["gemv8_norm"], "gemv8_norm")
     s = g8.gemv8_stride(k)
-    assert kern.name == f"gemv8_norm_m{m}" and kern.max_dynamic_shared_size_bytes > 0
+    assert kern.family == "gemv_fp8" and kern.name == f"gemv8_norm_m{m}"
+    assert kern.max_dynamic_shared_size_bytes > 0
     assert args[-3:] == (n, k, s) and smem == m * s and grid == (132,)
     assert args[5] != 0  # bias pointer
     gu_scale = aligned(2 * i, dtype=torch.float32)
     be.norm_gate_up_silu_fp8(res, nw, 1e-5, aligned(2 * i, k, dtype=FP8), gu_scale, aligned(m, i))
-    kern, grid, args, _ = check_args(be.launches[-1], "gemv8_norm_silu")
+    kern, grid, args, _ = check_args(be.launches[-1], SIGS["gemv8_norm_silu"], "gemv8_norm_silu")
     assert kern.name == f"gemv8_norm_silu_m{m}" and args[-3] == i and grid == (132,)
     act, resid = aligned(m, i), aligned(m, k)
     out = be.linear_residual_add_fp8(
         act, aligned(k, i, dtype=FP8), aligned(k, dtype=torch.float32), resid
     )
     assert out is resid
-    kern, grid, args, smem = check_args(be.launches[-1], "gemv8_add")
+    kern, grid, args, smem = check_args(be.launches[-1], SIGS["gemv8_add"], "gemv8_add")
     s = g8.gemv8_stride(i)
     assert kern.name == f"gemv8_add_m{m}" and args[-3:] == (k, i, s) and smem == m * s
     assert smem <= kern.max_dynamic_shared_size_bytes == be._gemv8_budget()

@@ -5,87 +5,24 @@ chunk and shared memory, and every input check (M > 8, shapes, dtypes)."""
 
 from __future__ import annotations
 
-import re
-
-import numpy as np
 import pytest
 import torch
 
+from helpers.gemv_launch import aligned, check_args, kernel_signatures, recording_backend
 from llmc.base.errors import ConfigError, UnsupportedError
 from llmc.cuda import cuda_backend as cb
 from llmc.cuda import gemv_ops as go
-from llmc.cuda.kernels import CUDA_DIR
 
-
-def kernel_signatures() -> dict[str, list[str]]:
-    """family -> C parameter types, read from the GEMV_KERNELS macro of gemv.cu."""
-    text = (CUDA_DIR / "gemv.cu").read_text()
-    macro = text[text.index("#define GEMV_KERNELS") : text.index("#define GEMV_INSTANTIATE")]
-    macro = macro.replace("\\\n", " ")
-    out = {}
-    for name, params in re.findall(
-        r"void __launch_bounds__\([^)]*\) (\w+?)_m##M##SUFFIX\((.*?)\)", macro
-    ):
-        out[name] = [p.strip().rsplit(" ", 1)[0] for p in params.split(",")]
-    return out
-
-
-NP_TYPE = {"float": np.float32, "int": np.int32}
-
-
-class Recorder:
-    def __init__(self, name: str):
-        self.name = name
-        self.max_dynamic_shared_size_bytes = 0
-
-
-class FakeLib:
-    def get(self, family: str, name: str) -> Recorder:
-        assert family == "gemv"
-        return Recorder(name)
-
-
-def _need(t, name, dtype=None):  # cuda_backend._need without the is_cuda requirement
-    if not t.is_contiguous():
-        raise UnsupportedError(f"CudaBackend: {name} must be a contiguous CUDA tensor")
-    if dtype is not None and t.dtype != dtype:
-        raise UnsupportedError(f"CudaBackend: {name} must be {dtype}, got {t.dtype}")
+SIGS = kernel_signatures("gemv.cu", "GEMV_KERNELS", "GEMV_INSTANTIATE")
 
 
 @pytest.fixture
 def be(monkeypatch):
-    monkeypatch.setattr(go, "_need", _need)
-    b = object.__new__(cb.CudaBackend)
-    b.device = torch.device("cpu")
-    b._sm_count, b._gemv_smem, b._gemv_kernels = 132, go.GEMV_SMEM_BYTES, {}
-    b.fused_decode_max_tokens = 8
-    b._lib = lambda dtype: FakeLib()
-    b.launches = []
-    b._launch = lambda k, grid, block, args, shared_mem=0: b.launches.append(
-        (k, grid, block, args, shared_mem)
-    )
-    return b
-
-
-def aligned(*shape, dtype=torch.bfloat16):
-    t = torch.empty(*shape, dtype=dtype)
-    assert t.data_ptr() % 16 == 0
-    return t
-
-
-def check_args(launch, family: str):
-    kern, grid, block, args, smem = launch
-    types = kernel_signatures()[family]
-    assert len(args) == len(types), (family, len(args), types)
-    for a, ty in zip(args, types, strict=True):
-        want = np.uint64 if "*" in ty else NP_TYPE[ty]
-        assert type(a) is want, (family, ty, type(a))
-    assert block == (go.GEMV_THREADS,)
-    return kern, grid, args, smem
+    return recording_backend(monkeypatch)
 
 
 def test_signatures_parsed():
-    sigs = kernel_signatures()
+    sigs = SIGS
     assert set(sigs) == {"gemv_norm", "gemv_norm_silu", "gemv_add"}
     assert len(sigs["gemv_norm"]) == 9 and len(sigs["gemv_add"]) == 6
 
@@ -95,15 +32,16 @@ def test_launches_match_the_kernel_signatures(be, m):
     k, n, i = 4096, 6144, 14336
     res, nw = aligned(m, k), aligned(k)
     be.norm_linear(res, nw, 1e-5, aligned(n, k), aligned(n), out=aligned(m, n))
-    kern, grid, args, smem = check_args(be.launches[-1], "gemv_norm")
-    assert kern.name == f"gemv_norm_m{m}" and kern.max_dynamic_shared_size_bytes > 0
+    kern, grid, args, smem = check_args(be.launches[-1], SIGS["gemv_norm"], "gemv_norm")
+    assert kern.family == "gemv" and kern.name == f"gemv_norm_m{m}"
+    assert kern.max_dynamic_shared_size_bytes > 0
     assert args[-3:] == (n, k, k) and smem == m * k * 4 and grid == (132,)
     be.norm_gate_up_silu(res, nw, 1e-5, aligned(2 * i, k), out=aligned(m, i))
-    kern, grid, args, _ = check_args(be.launches[-1], "gemv_norm_silu")
+    kern, grid, args, _ = check_args(be.launches[-1], SIGS["gemv_norm_silu"], "gemv_norm_silu")
     assert kern.name == f"gemv_norm_silu_m{m}" and args[-3] == i
     act, resid = aligned(m, i), aligned(m, k)
     assert be.linear_residual_add(act, aligned(k, i), resid) is resid
-    kern, grid, args, smem = check_args(be.launches[-1], "gemv_add")
+    kern, grid, args, smem = check_args(be.launches[-1], SIGS["gemv_add"], "gemv_add")
     kc = go.gemv_chunk(m, i)
     assert kern.name == f"gemv_add_m{m}" and args[-3:] == (k, i, kc) and smem == m * kc * 4
     assert smem <= go.GEMV_SMEM_BYTES and (kc == i or kc % 256 == 0)

@@ -10,6 +10,8 @@ tests/ is on ``sys.path`` (pytest's rootdir conftest), so a test imports these a
   weights straight from a checkpoint;
 - ``helpers.fakes``: the model-free engine core (a real Scheduler + KVCacheManager driven by a
   FakeRunner);
+- ``helpers.gemv_launch``: the CudaBackend's fused gemv ops on the CPU with their launches
+  recorded, and the kernels' C signatures read from the sources;
 - ``helpers.runner``: ModelRunner set-ups, a hand-made scheduler loop (``drive``), the eager
   CUDA-graph stand-in and transformers references.
 """
