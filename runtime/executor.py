@@ -462,6 +462,11 @@ class Executor:
         with self._cv:
             return list(self._records.values())
 
+    def request_record(self, request_id: int) -> RequestRecord | None:
+        """The RequestRecord of one request (None when unknown), without copying them all."""
+        with self._cv:
+            return self._records.get(request_id)
+
     def kv_stats(self) -> Any:
         return self.scheduler.kv.stats()
 

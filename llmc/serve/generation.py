@@ -243,6 +243,7 @@ class GenerationResponse(StarletteResponse):
                 if self.first_token is None:
                     self.first_token = when
                     m.ttft.observe(when - self.arrival)
+                    self._observe_stages(r.request_id)
                 elif c.last_time is not None:
                     m.itl.observe((when - c.last_time) / n)
                 c.last_time = when
@@ -264,6 +265,17 @@ class GenerationResponse(StarletteResponse):
             c.started = True
             c.chars += len(text)
         return (self.shape.chunk(parts) if parts else ""), None
+
+    def _observe_stages(self, request_id: int) -> None:
+        """Split this request's time to first token by stage (metrics.FIRST_TOKEN_STAGES)
+        from the engine's record of its first engine request; once per HTTP request."""
+        rec = self.replica.llm.executor.request_record(request_id)
+        if rec is None or rec.scheduled_time is None or rec.first_token_time is None:
+            return
+        marks = (self.arrival, rec.arrival_time, rec.scheduled_time, rec.first_token_time)
+        ends = (*marks[1:], time.perf_counter())
+        for hist, start, end in zip(self.model_metrics.stages, marks, ends, strict=True):
+            hist.observe(max(0.0, end - start))
 
     def _lp(self, r: Any, offset: int) -> Any:
         if self.texts is None:

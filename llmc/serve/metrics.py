@@ -5,7 +5,12 @@ and outcome (``success``,
 ``cancelled`` — the client left —, ``client_error`` — 4xx —, ``rejected`` — 503 —,
 ``server_error`` — 5xx), prompt and generated tokens, and the latency histograms seen from
 the HTTP side: time to first token and inter-token latency (streamed requests: a
-non-streamed one has no tokens before its end), end-to-end latency (every served request).
+non-streamed one has no tokens before its end), end-to-end latency (every served request),
+and where a streamed request's time to first token went (``llmc_first_token_stage_seconds``,
+label ``stage``: ``admit`` = HTTP arrival → the engine's enqueue (body, validation, plan),
+``queue`` = enqueue → first scheduled step, ``compute`` = that step → the first token on the
+host (the engine's own records), ``deliver`` = that token → its chunk written by the event
+loop (dispatcher thread and loop hop); the four add up to arrival → first chunk sent).
 
 Read from each replica at scrape time (``ReplicaCollector``, through ``llmc.LLM``'s
 ``scheduler_stats`` and ``kv_stats``): running and waiting requests, KV blocks used and
@@ -32,6 +37,11 @@ LATENCY_BUCKETS = (
 ITL_BUCKETS = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
     0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+)  # fmt: skip
+FIRST_TOKEN_STAGES = ("admit", "queue", "compute", "deliver")
+STAGE_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0015, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01,
+    0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
 )  # fmt: skip
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -96,6 +106,8 @@ class ModelMetrics:
     ttft: Any
     itl: Any
     e2e: Any
+    stages: tuple[Any, ...]
+    """``first_token_stage`` children, in ``FIRST_TOKEN_STAGES`` order."""
     prompt_tokens: Any
     generation_tokens: Any
 
@@ -133,6 +145,11 @@ class ServerMetrics:
             "llmc_e2e_request_latency_seconds", "Request arrival to its last byte.",
             ["model"], buckets=LATENCY_BUCKETS, registry=reg,
         )  # fmt: skip
+        self.first_token_stage = Histogram(
+            "llmc_first_token_stage_seconds",
+            "A streamed request's time to first token, by stage (admit, queue, compute, "
+            "deliver).", ["model", "stage"], buckets=STAGE_BUCKETS, registry=reg,
+        )  # fmt: skip
         reg.register(ReplicaCollector(replicas))
         self._models: dict[str, ModelMetrics] = {}
 
@@ -145,6 +162,7 @@ class ServerMetrics:
                 self.ttft.labels(model),
                 self.itl.labels(model),
                 self.e2e.labels(model),
+                tuple(self.first_token_stage.labels(model, s) for s in FIRST_TOKEN_STAGES),
                 self.prompt_tokens.labels(model),
                 self.generation_tokens.labels(model),
             )

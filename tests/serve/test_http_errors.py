@@ -143,6 +143,18 @@ def test_metrics_are_prometheus_text_that_moves(server) -> None:
     assert moved("llmc_e2e_request_latency_seconds_count", model="tiny") == 2  # served ones
     assert moved("llmc_time_to_first_token_seconds_count", model="tiny") == 1
     assert moved("llmc_inter_token_latency_seconds_count", model="tiny") == 2
+    stages = {st: moved("llmc_first_token_stage_seconds_sum", model="tiny", stage=st)
+              for st in ("admit", "queue", "compute", "deliver")}  # fmt: skip
+    for st in stages:  # the streamed request's TTFT, split (each stage once, >= 0)
+        assert moved("llmc_first_token_stage_seconds_count", model="tiny", stage=st) == 1, st
+        assert stages[st] >= 0, st
+    assert stages["compute"] > 0  # a prefill ran
+    ttft = moved("llmc_time_to_first_token_seconds_sum", model="tiny")
+    assert (
+        ttft * 0.999
+        <= sum(stages.values())
+        <= moved("llmc_e2e_request_latency_seconds_sum", model="tiny")
+    )
     for name in ("llmc_requests_running", "llmc_requests_waiting", "llmc_kv_cache_blocks_used"):
         assert metric(after, name, model="tiny") == 0, name
     assert metric(after, "llmc_kv_cache_blocks_total", model="tiny") > 0
