@@ -8,7 +8,19 @@
 //   v1  (this) expf + IEEE division ........................................... 77%
 //   v2  ex2.approx + rcp.rn (about half the instructions): 77% -- not issue-bound, so
 //       no gain; reverted for the exact path (2026-11-30, commit 1e34cd6).
+//
+// silu_and_mul_fp8_kernel: one CTA per row (the row's amax is a block reduction, so the
+// row cannot be spread over CTAs as above): each thread keeps its first SILU_VPT vectors of
+// silu(gate) * up (rounded to the dtype) in registers, a longer row's tail is recomputed;
+// then e4m3 codes q[t, :] = sat(v * 448 / amax) and scale[t] = amax / 448 (fp8.cuh).
+// The values are silu_and_mul_kernel's, bit for bit.  At I = 14336 (bf16) one row is
+// 1792 16-byte vectors of gate and as many of up: 448 threads x 4 in registers.
+// Launch: grid min(T, 65535), block ceil(I / VEC / SILU_VPT) (vec_ok) or ceil(I /
+// SILU_VPT), rounded up to a warp multiple, between 32 and 1024.
 #include "common.cuh"
+#include "fp8.cuh"
+
+#define SILU_VPT 4
 
 __device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.f + expf(-g)) * u; }
 
@@ -33,5 +45,83 @@ extern "C" __global__ void silu_and_mul_kernel(const scalar_t* __restrict__ x,
             const int i = blockIdx.x * blockDim.x + threadIdx.x;
             if (i < I) dst[i] = from_float(silu_mul(to_float(gate[i]), to_float(up[i])));
         }
+    }
+}
+
+// q [T, I] e4m3 codes, q_scale [T] float32 of silu(gate) * up.
+extern "C" __global__ void silu_and_mul_fp8_kernel(const scalar_t* __restrict__ x,
+                                                   fp8_t* __restrict__ q,
+                                                   float* __restrict__ q_scale, int T, int I,
+                                                   int vec_ok) {
+    __shared__ float scratch[33];
+    for (int t = blockIdx.x; t < T; t += gridDim.x) {
+        const scalar_t* gate = x + (long long)t * 2 * I;
+        const scalar_t* up = gate + I;
+        fp8_t* qrow = q + (long long)t * I;
+        float amax = 0.f, row_scale;
+        if (vec_ok) {
+            const int nv = I / VEC;
+            float cache[SILU_VPT][VEC];
+#pragma unroll
+            for (int k = 0; k < SILU_VPT; ++k) {
+                const int i = threadIdx.x + k * blockDim.x;
+                if (i < nv) {
+                    float g[VEC], u[VEC];
+                    load_vec<VEC>(gate + i * VEC, g);
+                    load_vec<VEC>(up + i * VEC, u);
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e) {
+                        cache[k][e] = to_float(from_float(silu_mul(g[e], u[e])));
+                        amax = fmaxf(amax, fabsf(cache[k][e]));
+                    }
+                }
+            }
+            for (int i = threadIdx.x + SILU_VPT * blockDim.x; i < nv; i += blockDim.x) {
+                float g[VEC], u[VEC];
+                load_vec<VEC>(gate + i * VEC, g);
+                load_vec<VEC>(up + i * VEC, u);
+#pragma unroll
+                for (int e = 0; e < VEC; ++e)
+                    amax = fmaxf(amax, fabsf(to_float(from_float(silu_mul(g[e], u[e])))));
+            }
+            const float inv = fp8_row_inv(amax, scratch, &row_scale);
+#pragma unroll
+            for (int k = 0; k < SILU_VPT; ++k) {
+                const int i = threadIdx.x + k * blockDim.x;
+                if (i < nv) store_fp8<VEC>(qrow + i * VEC, cache[k], inv);
+            }
+            for (int i = threadIdx.x + SILU_VPT * blockDim.x; i < nv; i += blockDim.x) {
+                float g[VEC], u[VEC];
+                load_vec<VEC>(gate + i * VEC, g);
+                load_vec<VEC>(up + i * VEC, u);
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) g[e] = to_float(from_float(silu_mul(g[e], u[e])));
+                store_fp8<VEC>(qrow + i * VEC, g, inv);
+            }
+        } else {
+            float cache[SILU_VPT];
+#pragma unroll
+            for (int k = 0; k < SILU_VPT; ++k) {
+                const int i = threadIdx.x + k * blockDim.x;
+                if (i < I) {
+                    cache[k] = to_float(from_float(silu_mul(to_float(gate[i]), to_float(up[i]))));
+                    amax = fmaxf(amax, fabsf(cache[k]));
+                }
+            }
+            for (int i = threadIdx.x + SILU_VPT * blockDim.x; i < I; i += blockDim.x)
+                amax = fmaxf(amax, fabsf(to_float(from_float(silu_mul(to_float(gate[i]),
+                                                                      to_float(up[i]))))));
+            const float inv = fp8_row_inv(amax, scratch, &row_scale);
+#pragma unroll
+            for (int k = 0; k < SILU_VPT; ++k) {
+                const int i = threadIdx.x + k * blockDim.x;
+                if (i < I) store_fp8<1>(qrow + i, &cache[k], inv);
+            }
+            for (int i = threadIdx.x + SILU_VPT * blockDim.x; i < I; i += blockDim.x) {
+                float v = to_float(from_float(silu_mul(to_float(gate[i]), to_float(up[i]))));
+                store_fp8<1>(qrow + i, &v, inv);
+            }
+        }
+        if (threadIdx.x == 0) q_scale[t] = row_scale;
     }
 }

@@ -27,7 +27,13 @@
 // offset i of a chunk of ql tokens sees kv_len = seq_len - ql + i + 1 keys (causal,
 // chunked-prefill aware).  This makes the kernel a correct (slower) prefill kernel too.
 // Sequences with seq_len <= 0 (graph padding) write zeros.
+//
+// KV cache element type: the dtype (paged_attention_kernel, paged_attention_cluster_kernel)
+// or float8_e4m3fn codes (the *_fp8_kernel twins, same arguments): codes are converted to
+// float in registers (exact) and the scales folded in: k_scale into q's pre-scaling (the
+// caller passes scale_log2 * k_scale), v_scale into the output (out = A / L * v_scale).
 #include "common.cuh"
+#include "fp8.cuh"
 
 #define NQ NUM_Q_HEADS
 #define NKV NUM_KV_HEADS
@@ -37,21 +43,28 @@
 #define U 4
 
 // Lanes per key: the fewest that keep G * DPL <= 32 floats per lane, with each lane's
-// slice a whole number of 32-bit words.
+// slice a whole number of 32-bit words (EB: bytes per cache element).
+template <int EB>
 __host__ __device__ constexpr bool lpk_ok(int l) {
-    return HD % l == 0 && ((HD / l) * (int)sizeof(scalar_t)) % 4 == 0;
+    return HD % l == 0 && ((HD / l) * EB) % 4 == 0;
 }
+template <int EB>
 __host__ __device__ constexpr int pick_lpk() {
     for (int l = 1; l <= 32; l *= 2)
-        if (lpk_ok(l) && (HD / l) * G <= 32) return l;
+        if (lpk_ok<EB>(l) && (HD / l) * G <= 32) return l;
     int best = 1;
     for (int l = 1; l <= 32; l *= 2)
-        if (lpk_ok(l)) best = l;
+        if (lpk_ok<EB>(l)) best = l;
     return best;
 }
-#define LPK pick_lpk()
-#define DPL (HD / LPK)
-#define KG (32 / LPK)
+// The lane layout for cache element type cache_t.
+template <typename cache_t>
+struct KeyLanes {
+    static constexpr int lpk = pick_lpk<(int)sizeof(cache_t)>();
+    static constexpr int dpl = HD / lpk;  // dims per lane
+    static constexpr int kg = 32 / lpk;   // keys per warp at once
+    static constexpr int words = dpl * (int)sizeof(cache_t) / 4;
+};
 
 __device__ __forceinline__ int find_seq(const int* cu, int num_seqs, int t) {
     int lo = 0, hi = num_seqs - 1;
@@ -62,9 +75,9 @@ __device__ __forceinline__ int find_seq(const int* cu, int num_seqs, int t) {
     return lo;
 }
 
-// Raw 32-bit words of n elements (widest aligned vector loads), and their float values.
+// Raw 32-bit words of a lane's slice (widest aligned vector loads).
 template <int WORDS>
-__device__ __forceinline__ void load_words(const scalar_t* p, unsigned* w) {
+__device__ __forceinline__ void load_words(const void* p, unsigned* w) {
     if constexpr (WORDS % 4 == 0) {
 #pragma unroll
         for (int i = 0; i < WORDS; i += 4) {
@@ -82,6 +95,7 @@ __device__ __forceinline__ void load_words(const scalar_t* p, unsigned* w) {
         for (int i = 0; i < WORDS; ++i) w[i] = reinterpret_cast<const unsigned*>(p)[i];
     }
 }
+// Element e of a 16- or 32-bit slice held in words w.
 __device__ __forceinline__ float word_elem(const unsigned* w, int e) {
 #if LLMC_DTYPE == 0
     return __uint_as_float(w[e]);
@@ -92,6 +106,28 @@ __device__ __forceinline__ float word_elem(const unsigned* w, int e) {
 #endif
 }
 
+// A lane's slice of one key in float: fp8 codes are converted once into f (exact); 16- and
+// 32-bit values are read from the words where they are used (a shift or a mask, cheaper
+// than holding the floats in registers).
+template <typename cache_t, int DPL_>
+struct SliceValues {
+    static constexpr bool convert = sizeof(cache_t) == 1;
+    float f[convert ? DPL_ : 1];
+    __device__ __forceinline__ void prepare(const unsigned* w) {
+        if constexpr (convert) {
+#pragma unroll
+            for (int i = 0; i < DPL_ / 4; ++i) fp8x4_to_float(w[i], f + 4 * i);
+        }
+    }
+    __device__ __forceinline__ float get(const unsigned* w, int d) const {
+        if constexpr (convert) {
+            return f[d];
+        } else {
+            return word_elem(w, d);
+        }
+    }
+};
+
 // Coherent (L2) load of a float written by another CTA of the same launch.
 __device__ __forceinline__ float load_cg(const float* p) {
     float v;
@@ -101,14 +137,14 @@ __device__ __forceinline__ float load_cg(const float* p) {
 
 // Online-softmax attention of this thread's streams over keys [kbeg, kend).  POW2: the
 // block size is 1 << bs_shift (index by shift and mask instead of a division per key).
-template <bool POW2, int NWARPS = NW>
+template <bool POW2, int NWARPS, typename cache_t>
 __device__ __forceinline__ void attend_keys(
-    const scalar_t* __restrict__ k_cache, const scalar_t* __restrict__ v_cache,
+    const cache_t* __restrict__ k_cache, const cache_t* __restrict__ v_cache,
     const int* __restrict__ bt, int block_size, int bs_shift, int kvh, int sub, int stream,
-    int kbeg, int kend, const float (&qf)[G][DPL], float (&m)[G], float (&l)[G],
-    float (&acc)[G][DPL]) {
-    constexpr int lpk = LPK, dpl = DPL, ns = NWARPS * KG;
-    constexpr int words = dpl * (int)sizeof(scalar_t) / 4;
+    int kbeg, int kend, const float (&qf)[G][KeyLanes<cache_t>::dpl], float (&m)[G],
+    float (&l)[G], float (&acc)[G][KeyLanes<cache_t>::dpl]) {
+    using KL = KeyLanes<cache_t>;
+    constexpr int lpk = KL::lpk, dpl = KL::dpl, ns = NWARPS * KL::kg, words = KL::words;
     const long long row_stride = (long long)NKV * HD;
     for (int base = kbeg; base < kend; base += ns * U) {
         // Issue every K and V load of this step before any use (bytes in flight).
@@ -133,48 +169,61 @@ __device__ __forceinline__ void attend_keys(
         float sc[U][G];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
+            SliceValues<cache_t, dpl> kf;
+            kf.prepare(kw[u]);
 #pragma unroll
             for (int g = 0; g < G; ++g) {
                 float a = 0.f;
 #pragma unroll
-                for (int d = 0; d < dpl; ++d) a = fmaf(qf[g][d], word_elem(kw[u], d), a);
+                for (int d = 0; d < dpl; ++d) a = fmaf(qf[g][d], kf.get(kw[u], d), a);
 #pragma unroll
                 for (int o = lpk / 2; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
                 sc[u][g] = valid[u] ? a : LLMC_NEG_INF;
             }
         }
+        // Softmax update per head (sc becomes p), then P.V key by key, so that each V
+        // slice is converted once for all G heads.
+        bool live[G];
 #pragma unroll
         for (int g = 0; g < G; ++g) {
             float mx = m[g];
 #pragma unroll
             for (int u = 0; u < U; ++u) mx = fmaxf(mx, sc[u][g]);
-            if (mx == LLMC_NEG_INF) continue;  // nothing valid yet for this stream
+            live[g] = mx != LLMC_NEG_INF;  // else nothing valid yet for this stream
+            if (!live[g]) continue;
             const float alpha = exp2f(m[g] - mx);
             m[g] = mx;
-            float p[U];
             float psum = 0.f;
 #pragma unroll
             for (int u = 0; u < U; ++u) {
-                p[u] = exp2f(sc[u][g] - mx);
-                psum += p[u];
+                sc[u][g] = exp2f(sc[u][g] - mx);
+                psum += sc[u][g];
             }
             l[g] = l[g] * alpha + psum;
 #pragma unroll
-            for (int d = 0; d < dpl; ++d) {
-                float a = acc[g][d] * alpha;
+            for (int d = 0; d < dpl; ++d) acc[g][d] *= alpha;
+        }
 #pragma unroll
-                for (int u = 0; u < U; ++u) a = fmaf(p[u], word_elem(vw[u], d), a);
-                acc[g][d] = a;
+        for (int u = 0; u < U; ++u) {
+            SliceValues<cache_t, dpl> vf;
+            vf.prepare(vw[u]);
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+                if (!live[g]) continue;
+#pragma unroll
+                for (int d = 0; d < dpl; ++d) acc[g][d] = fmaf(sc[u][g], vf.get(vw[u], d), acc[g][d]);
             }
         }
     }
 }
 
 // Merge the softmax states of the streams of one warp (lanes with the same `sub`).
+template <typename cache_t>
 __device__ __forceinline__ void merge_warp_streams(float (&m)[G], float (&l)[G],
-                                                   float (&acc)[G][DPL]) {
+                                                   float (&acc)[G][KeyLanes<cache_t>::dpl]) {
+    using KL = KeyLanes<cache_t>;
 #pragma unroll
-    for (int o = 16; o >= LPK; o >>= 1) {
+    for (int o = 16; o >= KL::lpk; o >>= 1) {
 #pragma unroll
         for (int g = 0; g < G; ++g) {
             const float mo = __shfl_xor_sync(0xffffffffu, m[g], o);
@@ -184,7 +233,7 @@ __device__ __forceinline__ void merge_warp_streams(float (&m)[G], float (&l)[G],
             const float fb = mn == LLMC_NEG_INF ? 0.f : exp2f(mo - mn);
             l[g] = l[g] * fa + lo * fb;
 #pragma unroll
-            for (int d = 0; d < DPL; ++d) {
+            for (int d = 0; d < KL::dpl; ++d) {
                 const float ao = __shfl_xor_sync(0xffffffffu, acc[g][d], o);
                 acc[g][d] = acc[g][d] * fa + ao * fb;
             }
@@ -197,13 +246,14 @@ __device__ __forceinline__ void merge_warp_streams(float (&m)[G], float (&l)[G],
 // q (pre-scaled into the log2 domain) against the keys in streams of LPK lanes, the
 // streams' online-softmax states merged per warp, and each warp's state written to
 // sm_ml / sm_acc (combine them with combine_warp_states after a __syncthreads()).
-template <int NWARPS>
+template <int NWARPS, typename cache_t>
 __device__ __forceinline__ void attend_cta(
-    const scalar_t* __restrict__ q, const scalar_t* __restrict__ k_cache,
-    const scalar_t* __restrict__ v_cache, const int* __restrict__ bt, int block_size,
+    const scalar_t* __restrict__ q, const cache_t* __restrict__ k_cache,
+    const cache_t* __restrict__ v_cache, const int* __restrict__ bt, int block_size,
     int bs_shift, int t, int kvh, float scale_log2, int kbeg, int kend,
     float (&sm_ml)[NWARPS][G][2], float (&sm_acc)[NWARPS][G][HD]) {
-    constexpr int lpk = LPK, dpl = DPL, kg = KG;
+    using KL = KeyLanes<cache_t>;
+    constexpr int lpk = KL::lpk, dpl = KL::dpl, kg = KL::kg;
     constexpr int dv = vec_width_for(dpl);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int sub = lane % lpk, grp = lane / lpk;
@@ -227,12 +277,12 @@ __device__ __forceinline__ void attend_cta(
         for (int d = 0; d < dpl; ++d) acc[g][d] = 0.f;
     }
     if (bs_shift >= 0)
-        attend_keys<true, NWARPS>(k_cache, v_cache, bt, block_size, bs_shift, kvh, sub, stream,
-                                  kbeg, kend, qf, m, l, acc);
+        attend_keys<true, NWARPS, cache_t>(k_cache, v_cache, bt, block_size, bs_shift, kvh, sub,
+                                           stream, kbeg, kend, qf, m, l, acc);
     else
-        attend_keys<false, NWARPS>(k_cache, v_cache, bt, block_size, bs_shift, kvh, sub, stream,
-                                   kbeg, kend, qf, m, l, acc);
-    merge_warp_streams(m, l, acc);
+        attend_keys<false, NWARPS, cache_t>(k_cache, v_cache, bt, block_size, bs_shift, kvh, sub,
+                                            stream, kbeg, kend, qf, m, l, acc);
+    merge_warp_streams<cache_t>(m, l, acc);
     if (grp == 0) {
 #pragma unroll
         for (int g = 0; g < G; ++g) {
@@ -270,14 +320,15 @@ __device__ __forceinline__ void combine_warp_states(const float (&sm_ml)[NWARPS]
 // Launch: grid (tokens, NKV, max splits), block NW * 32.  min_keys: a sequence runs as
 // ceil(kv_len / min_keys) splits (at least 1, at most gridDim.z); bs_shift: log2 of
 // block_size, or -1.  counters: NKV ints per token, zero before the launch and after it.
-extern "C" __global__ void __launch_bounds__(NW * 32, 4)
-paged_attention_kernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k_cache,
-                       const scalar_t* __restrict__ v_cache, const int* __restrict__ block_tables,
-                       int max_blocks_per_seq, int block_size, const int* __restrict__ seq_lens,
-                       const int* __restrict__ cu_seqlens_q, int num_seqs, int token_begin,
-                       int decode_mode, scalar_t* __restrict__ out, float* __restrict__ part_acc,
-                       float* __restrict__ part_ml, float scale_log2, int min_keys,
-                       int bs_shift, int* __restrict__ counters) {
+// v_scale: the output factor of an fp8 V cache (1 otherwise).
+template <typename cache_t>
+__device__ __forceinline__ void paged_attention(
+    const scalar_t* __restrict__ q, const cache_t* __restrict__ k_cache,
+    const cache_t* __restrict__ v_cache, const int* __restrict__ block_tables,
+    int max_blocks_per_seq, int block_size, const int* __restrict__ seq_lens,
+    const int* __restrict__ cu_seqlens_q, int num_seqs, int token_begin, int decode_mode,
+    scalar_t* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml,
+    float scale_log2, int min_keys, int bs_shift, int* __restrict__ counters, float v_scale) {
     const int tl = blockIdx.x;
     const int t = token_begin + tl;
     const int kvh = blockIdx.y;
@@ -301,8 +352,8 @@ paged_attention_kernel(const scalar_t* __restrict__ q, const scalar_t* __restric
     __shared__ float sm_ml[NW][G][2];
     __shared__ float sm_acc[NW][G][HD];
     __shared__ int sm_last;
-    attend_cta<NW>(q, k_cache, v_cache, bt, block_size, bs_shift, t, kvh, scale_log2, kbeg, kend,
-                   sm_ml, sm_acc);
+    attend_cta<NW, cache_t>(q, k_cache, v_cache, bt, block_size, bs_shift, t, kvh, scale_log2,
+                            kbeg, kend, sm_ml, sm_acc);
     __syncthreads();
     for (int idx = threadIdx.x; idx < G * HD; idx += blockDim.x) {
         const int g = idx / HD, d = idx % HD;
@@ -310,7 +361,7 @@ paged_attention_kernel(const scalar_t* __restrict__ q, const scalar_t* __restric
         combine_warp_states<NW>(sm_ml, sm_acc, g, d, M, L, A);
         const int h = kvh * G + g;
         if (nsplit == 1) {
-            out[((long long)t * NQ + h) * HD + d] = from_float(L > 0.f ? A / L : 0.f);
+            out[((long long)t * NQ + h) * HD + d] = from_float(L > 0.f ? A / L * v_scale : 0.f);
         } else {
             const long long pidx = ((long long)tl * NQ + h) * nsplit_max + split;
             part_acc[pidx * HD + d] = A;
@@ -348,8 +399,29 @@ paged_attention_kernel(const scalar_t* __restrict__ q, const scalar_t* __restric
                 A += load_cg(part_acc + (pbase + i) * HD + d) * f;
             }
         }
-        out[((long long)t * NQ + h) * HD + d] = from_float(L > 0.f ? A / L : 0.f);
+        out[((long long)t * NQ + h) * HD + d] = from_float(L > 0.f ? A / L * v_scale : 0.f);
     }
+}
+
+#define PAGED_ATTENTION_ARGS(cache_t)                                                        \
+    const scalar_t *__restrict__ q, const cache_t *__restrict__ k_cache,                     \
+        const cache_t *__restrict__ v_cache, const int *__restrict__ block_tables,           \
+        int max_blocks_per_seq, int block_size, const int *__restrict__ seq_lens,            \
+        const int *__restrict__ cu_seqlens_q, int num_seqs, int token_begin, int decode_mode, \
+        scalar_t *__restrict__ out, float *__restrict__ part_acc, float *__restrict__ part_ml, \
+        float scale_log2, int min_keys, int bs_shift, int *__restrict__ counters, float v_scale
+#define PAGED_ATTENTION_CALL(cache_t)                                                         \
+    paged_attention<cache_t>(q, k_cache, v_cache, block_tables, max_blocks_per_seq, block_size, \
+                             seq_lens, cu_seqlens_q, num_seqs, token_begin, decode_mode, out,   \
+                             part_acc, part_ml, scale_log2, min_keys, bs_shift, counters, v_scale)
+
+extern "C" __global__ void __launch_bounds__(NW * 32, 4)
+paged_attention_kernel(PAGED_ATTENTION_ARGS(scalar_t)) {
+    PAGED_ATTENTION_CALL(scalar_t);
+}
+extern "C" __global__ void __launch_bounds__(NW * 32, 4)
+paged_attention_fp8_kernel(PAGED_ATTENTION_ARGS(fp8_t)) {
+    PAGED_ATTENTION_CALL(fp8_t);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -382,14 +454,12 @@ __device__ __forceinline__ void cluster_sync_all() {
     asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
-extern "C" __global__ void __cluster_dims__(1, 1, CSPLIT) __launch_bounds__(CNW * 32, 2)
-paged_attention_cluster_kernel(const scalar_t* __restrict__ q,
-                               const scalar_t* __restrict__ k_cache,
-                               const scalar_t* __restrict__ v_cache,
-                               const int* __restrict__ block_tables, int max_blocks_per_seq,
-                               int block_size, const int* __restrict__ seq_lens,
-                               scalar_t* __restrict__ out, float scale_log2, int min_keys,
-                               int bs_shift) {
+template <typename cache_t>
+__device__ __forceinline__ void paged_attention_cluster(
+    const scalar_t* __restrict__ q, const cache_t* __restrict__ k_cache,
+    const cache_t* __restrict__ v_cache, const int* __restrict__ block_tables,
+    int max_blocks_per_seq, int block_size, const int* __restrict__ seq_lens,
+    scalar_t* __restrict__ out, float scale_log2, int min_keys, int bs_shift, float v_scale) {
     const int t = blockIdx.x;
     const int kvh = blockIdx.y;
     const int split = blockIdx.z;  // == the CTA's rank in its cluster
@@ -407,8 +477,8 @@ paged_attention_cluster_kernel(const scalar_t* __restrict__ q,
     __shared__ float sm_acc[CNW][G][HD];
     __shared__ float cta_ml[G][2];
     __shared__ float cta_acc[G][HD];
-    attend_cta<CNW>(q, k_cache, v_cache, bt, block_size, bs_shift, t, kvh, scale_log2, kbeg,
-                    kend, sm_ml, sm_acc);
+    attend_cta<CNW, cache_t>(q, k_cache, v_cache, bt, block_size, bs_shift, t, kvh, scale_log2,
+                             kbeg, kend, sm_ml, sm_acc);
     __syncthreads();
     for (int idx = threadIdx.x; idx < G * HD; idx += blockDim.x) {
         const int g = idx / HD, d = idx % HD;
@@ -445,8 +515,26 @@ paged_attention_cluster_kernel(const scalar_t* __restrict__ q,
                 A += ld_cluster(a_acc, r) * f;
             }
         }
-        out[((long long)t * NQ + kvh * G + g) * HD + d] = from_float(L > 0.f ? A / L : 0.f);
+        out[((long long)t * NQ + kvh * G + g) * HD + d] = from_float(L > 0.f ? A / L * v_scale : 0.f);
     }
     cluster_sync_all();  // no CTA leaves while another still reads its shared memory
+}
+#define CLUSTER_ARGS(cache_t)                                                               \
+    const scalar_t *__restrict__ q, const cache_t *__restrict__ k_cache,                    \
+        const cache_t *__restrict__ v_cache, const int *__restrict__ block_tables,          \
+        int max_blocks_per_seq, int block_size, const int *__restrict__ seq_lens,           \
+        scalar_t *__restrict__ out, float scale_log2, int min_keys, int bs_shift, float v_scale
+#define CLUSTER_CALL(cache_t)                                                                \
+    paged_attention_cluster<cache_t>(q, k_cache, v_cache, block_tables, max_blocks_per_seq,   \
+                                     block_size, seq_lens, out, scale_log2, min_keys, bs_shift, \
+                                     v_scale)
+
+extern "C" __global__ void __cluster_dims__(1, 1, CSPLIT) __launch_bounds__(CNW * 32, 2)
+paged_attention_cluster_kernel(CLUSTER_ARGS(scalar_t)) {
+    CLUSTER_CALL(scalar_t);
+}
+extern "C" __global__ void __cluster_dims__(1, 1, CSPLIT) __launch_bounds__(CNW * 32, 2)
+paged_attention_cluster_fp8_kernel(CLUSTER_ARGS(fp8_t)) {
+    CLUSTER_CALL(fp8_t);
 }
 #endif
