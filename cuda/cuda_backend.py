@@ -49,6 +49,7 @@ from llmc.cuda.launch_args import aligned as _aligned
 from llmc.cuda.launch_args import i32 as _i
 from llmc.cuda.launch_args import need as _need
 from llmc.cuda.launch_args import ptr as _p
+from llmc.cuda.launch_args import rms_block
 from llmc.cuda.prefill_sm90_ops import Sm90Prefill, enabled_by_default, supports
 from llmc.cuda.reference_fp8 import FP8_DTYPE, Fp8Rows
 
@@ -200,8 +201,7 @@ class CudaBackend(GemvOps, Fp8Ops):
         vec = 16 // x.element_size()
         ts = (x, weight, dst) + ((residual,) if residual is not None else ())
         vec_ok = h % vec == 0 and _aligned(*ts)
-        per = math.ceil(h / vec / 4) if vec_ok else h
-        block = min(512, max(32, (per + 31) // 32 * 32))  # longer rows: tail loop
+        block = rms_block(h, vec, vec_ok)
         res = residual if residual is not None else x
         head = (_p(x), _p(res), _p(weight))
         tail = (_i(t), _i(h), np.float32(eps), _i(residual is not None), _i(vec_ok))

@@ -128,12 +128,14 @@ struct SliceValues {
     }
 };
 
+#ifndef LLMC_HOST_EMULATION
 // Coherent (L2) load of a float written by another CTA of the same launch.
 __device__ __forceinline__ float load_cg(const float* p) {
     float v;
     asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
     return v;
 }
+#endif
 
 // Online-softmax attention of this thread's streams over keys [kbeg, kend).  POW2: the
 // block size is 1 << bs_shift (index by shift and mask instead of a division per key).
@@ -435,7 +437,8 @@ paged_attention_fp8_kernel(PAGED_ATTENTION_ARGS(fp8_t)) {
 #define CSPLIT 8
 #define CNW 8
 
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+// (Not in the host emulation: its CTAs run one after another, a cluster's cannot.)
+#if (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900) && !defined(LLMC_HOST_EMULATION)
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
     unsigned a;
     asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));

@@ -9,8 +9,12 @@
 // bit shuffle elsewhere.
 //
 // Per-row recipe (llmc.cuda.reference_fp8): amax = max(max|x|, FP8_MIN_AMAX),
-// inv = 448 / amax, codes = sat(x * inv), scale = amax / 448 (IEEE float32 division and
-// multiplication: __fdiv_rn / __fmul_rn, whatever the -prec-div / -fmad flags).
+// inv = 448 / amax, codes = sat(x * inv), scale = amax / 448, rounded as the reference's
+// torch ops round them: `448.0 / amax` is torch's reciprocal-then-multiply
+// (fl(fl(1 / amax) * 448)), `amax / 448` a true division on the CPU (on CUDA torch
+// multiplies by fl(1 / 448) instead: the GPU tests take the CPU reference); all IEEE
+// round-to-nearest (__frcp_rn / __fmul_rn / __fdiv_rn, whatever the -prec-div / -fmad
+// flags).
 #pragma once
 
 #define FP8_MAX 448.f
@@ -98,7 +102,7 @@ __device__ __forceinline__ void store_fp8(fp8_t* p, const float* f, float inv) {
 __device__ __forceinline__ float fp8_row_inv(float local_amax, float* scratch, float* scale) {
     const float amax = fmaxf(block_max(local_amax, scratch), FP8_MIN_AMAX);
     *scale = __fdiv_rn(amax, FP8_MAX);
-    return __fdiv_rn(FP8_MAX, amax);
+    return __fmul_rn(__frcp_rn(amax), FP8_MAX);
 }
 
 // Four codes (one 32-bit word, byte 0 first) -> two fp16x2 words (lo: bytes 0, 1; hi: 2, 3),

@@ -38,3 +38,10 @@ def row_block(items: int, per_thread: int, most: int = 1024) -> int:
     (longer rows loop over a tail)."""
     per = -(-items // per_thread)
     return min(most, max(32, (per + 31) // 32 * 32))
+
+
+def rms_block(h: int, vec: int, vec_ok: bool) -> int:
+    """Threads of rmsnorm.cu's kernels for rows of ``h`` elements (``vec`` per 16-byte
+    vector): RMS_VPT = 4 vectors per thread on the vector path, one element per thread on
+    the scalar path, at most 512 (longer rows loop over a tail)."""
+    return row_block(h // vec if vec_ok else h, 4 if vec_ok else 1, most=512)

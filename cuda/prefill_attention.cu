@@ -175,8 +175,8 @@ __device__ __forceinline__ void prefill_attention(
     const int* __restrict__ cu_seqlens_q, int seq_begin, scalar_t* __restrict__ out,
     float scale_log2, float v_scale) {
     constexpr bool FP8 = sizeof(cache_t) == 1;
-    __shared__ alignas(16) scalar_t sK[BN * LDS];
-    __shared__ alignas(16) scalar_t sV[BN * LDS];
+    alignas(16) __shared__ scalar_t sK[BN * LDS];
+    alignas(16) __shared__ scalar_t sV[BN * LDS];
 
     const int s = seq_begin + blockIdx.y;
     const int kvh = blockIdx.z;

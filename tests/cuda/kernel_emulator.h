@@ -59,6 +59,7 @@ inline void __syncwarp(unsigned = 0xffffffffu) {
     emu_warp_barriers[threadIdx.x >> 5]->arrive_and_wait();
 }
 inline void __threadfence() {}
+inline float load_cg(const float* p) { return *(const volatile float*)p; }  // decode_attention.cu
 inline int atomicAdd(int* p, int v) {
     std::lock_guard<std::mutex> lock(emu_atomic_mutex);
     const int old = *p;
@@ -119,6 +120,7 @@ inline int max(int a, int b) { return a > b ? a : b; }
 inline long long min(long long a, long long b) { return a < b ? a : b; }
 inline int __float2int_rn(float x) { return (int)std::nearbyint(x); }
 inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float __frcp_rn(float a) { return 1.0f / a; }
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fsub_rn(float a, float b) { return a - b; }
@@ -269,5 +271,27 @@ inline unsigned int pack2(float lo, float hi) {
     return (unsigned int)from_float(lo) | ((unsigned int)from_float(hi) << 16);
 }
 #endif
+
+// prefill_attention.cu's PTX helpers: shared-memory "addresses" are the host addresses of
+// the statics (the program is linked -no-pie, so they fit 32 bits).
+inline unsigned smem_addr(const void* p) {
+    const uintptr_t a = (uintptr_t)p;
+    if (a >> 32) { std::fprintf(stderr, "shared address above 4 GB\n"); std::abort(); }
+    return (unsigned)a;
+}
+inline void mma16816(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+    emu_mma16816(c, a, b0, b1, LLMC_DTYPE == 2);
+}
+inline void ldsm_x4(unsigned addr, unsigned* r) { emu_ldmatrix_x4((const void*)(uintptr_t)addr, r, false); }
+inline void ldsm_x4_trans(unsigned addr, unsigned* r) {
+    emu_ldmatrix_x4((const void*)(uintptr_t)addr, r, true);
+}
+inline void cp_async16(unsigned saddr, const void* g, int bytes) {
+    char* d = (char*)(uintptr_t)saddr;
+    std::memcpy(d, g, bytes);
+    std::memset(d + bytes, 0, 16 - bytes);
+}
+inline void cp_async_commit() {}
+inline void cp_async_wait_all() {}
 #undef EMU_DTYPE_SECTION
 #endif  // EMU_DTYPE_SECTION
