@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from helpers.cuda_emulator import EmulatedKernel, emulator_missing
+from helpers.paged import paged_batch, rel_err, rope_tables
 from llmc.cuda import reference as ref
 from llmc.cuda import reference_fp8 as ref8
-from llmc.cuda.backend import AttentionMetadata
 from llmc.cuda.kernels import KernelConfig
 from llmc.cuda.launch_args import rms_block, row_block
 
@@ -202,12 +202,6 @@ def test_silu_and_mul_fp8_is_the_recipe_on_silu_and_mul(emu, dt, t, i, aligned):
     assert (deq - full).norm() / full.norm() < 2e-2
 
 
-def _rope_tables(hd: int, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
-    inv = 1.0 / (10000.0 ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
-    f = torch.arange(max_pos, dtype=torch.float32)[:, None] * inv[None, :]
-    return f.cos(), f.sin()
-
-
 @pytest.mark.parametrize("dt", list(CFG))
 @pytest.mark.parametrize("scales", [(1.0, 1.0), (0.05, 0.02), (0.001, 0.002)])
 def test_rope_kv_fp8_write_bit_exact(emu, dt, scales):
@@ -222,7 +216,7 @@ def test_rope_kv_fp8_write_bit_exact(emu, dt, scales):
     pos = torch.randint(0, max_pos, (t,), generator=g)
     slots = torch.randperm(nblocks * bs, generator=g)[:t]
     slots[::4] = -1  # padding rows: the cache keeps its poison there
-    cos, sin = _rope_tables(hd, max_pos)
+    cos, sin = rope_tables(hd, max_pos)
     kc = torch.full((nblocks, bs, nkv, hd), 0x7F, dtype=torch.uint8).view(E4M3)
     vc = kc.clone()
     kr, vr = kc.clone(), vc.clone()
@@ -240,36 +234,6 @@ def test_rope_kv_fp8_write_bit_exact(emu, dt, scales):
     assert torch.equal(q, q_ref)
 
 
-def _batch(decode, prefill, bs, g):
-    seqs = [(1, n) for n in decode] + list(prefill)
-    blocks = [math.ceil(sl / bs) for _, sl in seqs]
-    perm = torch.randperm(sum(blocks) + 3, generator=g).tolist()
-    tables = torch.full((len(seqs), max(blocks) + 1), -1, dtype=torch.int32)
-    k = 0
-    for i, nb in enumerate(blocks):
-        tables[i, :nb] = torch.tensor(perm[k : k + nb], dtype=torch.int32)
-        k += nb
-    cu = [0]
-    for ql, _ in seqs:
-        cu.append(cu[-1] + ql)
-    meta = AttentionMetadata(
-        positions=torch.zeros(cu[-1], dtype=torch.int64),
-        slot_mapping=torch.zeros(cu[-1], dtype=torch.int64),
-        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
-        seq_lens=torch.tensor([sl for _, sl in seqs], dtype=torch.int32),
-        block_tables=tables,
-        num_decode_seqs=len(decode),
-        max_query_len=max(ql for ql, _ in seqs),
-        max_seq_len=max(sl for _, sl in seqs),
-    )
-    return meta, sum(blocks) + 3, cu[-1]
-
-
-def _rel(out: torch.Tensor, want: torch.Tensor) -> float:
-    assert not torch.isnan(out).any(), "NaN in kernel output"
-    return ((out.double() - want.double()).norm() / want.double().norm()).item()
-
-
 @pytest.mark.parametrize("dt", list(CFG))
 @pytest.mark.parametrize("splits,min_keys,bs", [(1, 1, 16), (4, 16, 16), (3, 7, 24)])
 def test_decode_attention_fp8(emu, dt, splits, min_keys, bs):
@@ -278,7 +242,7 @@ def test_decode_attention_fp8(emu, dt, splits, min_keys, bs):
     cfg = CFG[dt]
     hd, nq, nkv = cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads
     g = torch.Generator().manual_seed(splits * 10 + bs)
-    meta, nblocks, t = _batch([1, 17, 70, 130], [], bs, g)
+    meta, nblocks, t = paged_batch([1, 17, 70, 130], [], bs, generator=g)
     kc = (torch.randn(nblocks, bs, nkv, hd, generator=g) * 20).to(E4M3)
     vc = (torch.randn(nblocks, bs, nkv, hd, generator=g) * 50).to(E4M3)
     ks, vs = 0.05, 0.02
@@ -295,7 +259,7 @@ def test_decode_attention_fp8(emu, dt, splits, min_keys, bs):
         np.float32(LOG2E / math.sqrt(hd) * ks), min_keys, bs_shift, counters, np.float32(vs),
     )  # fmt: skip
     want = ref.paged_attention(q, kc, vc, meta, ks, vs)
-    assert _rel(out, want) < (1e-5 if dt == "float32" else 1e-2)
+    assert rel_err(out, want) < (1e-5 if dt == "float32" else 1e-2)
     assert int(counters.abs().sum()) == 0
 
 
@@ -307,7 +271,7 @@ def test_prefill_attention(emu, dt, fp8):
     cfg = CFG[dt]
     hd, nq, nkv = cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads
     g = torch.Generator().manual_seed(7 + fp8)
-    meta, nblocks, t = _batch([], [(37, 37), (70, 150), (1, 50)], 16, g)
+    meta, nblocks, t = paged_batch([], [(37, 37), (70, 150), (1, 50)], 16, generator=g)
     cache_dt = E4M3 if fp8 else TORCH[dt]
     ks, vs = (0.05, 0.02) if fp8 else (1.0, 1.0)
     kc = (torch.randn(nblocks, 16, nkv, hd, generator=g) / ks).to(cache_dt)
@@ -323,4 +287,4 @@ def test_prefill_attention(emu, dt, fp8):
         np.float32(vs),
     )  # fmt: skip
     want = ref.paged_attention(q, kc, vc, meta, ks, vs)
-    assert _rel(out, want) < 1e-2
+    assert rel_err(out, want) < 1e-2
