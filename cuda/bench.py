@@ -4,8 +4,9 @@ Measures the device-to-device copy bandwidth (bytes read + written) and the bf16
 rate once per run, then times every CudaBackend kernel on random inputs at the issue's
 shapes (CUDA events, warm-up, median of repeats; tensors of 64 MB and up, so L2 does not
 serve them) and prints a table: achieved GB/s (memory-bound kernels) or TFLOP/s
-(prefill attention: ``llmc.cuda.bench_prefill``), the fraction of the ceiling, and the target
-of issue 4 (issue 12 for the sm90 prefill). Writes JSON
+(prefill attention: ``llmc.cuda.bench_prefill``; GEMMs), the fraction of the ceiling, and
+the target of issue 4 (issue 12 for the sm90 prefill and the FP8 rows of
+``llmc.cuda.bench_fp8``). Writes JSON
 (``--json PATH``, default ``$OUT/kernel_bench.json`` when OUT is set).
 """
 
@@ -186,6 +187,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from llmc.cuda.bench_prefill import prefill_rows
 
     prefill_rows(be, flops_row, time_ms)
+
+    # FP8: quantizing epilogues, fp8 KV write / attention, W8A8 GEMMs (llmc.cuda.bench_fp8)
+    from llmc.cuda.bench_fp8 import fp8_rows
+
+    fp8_rows(be, time_ms, mem_row, flops_row, torch.cuda.get_device_capability())
 
     # Sampling: 64 rows x 128256 vocab (time only)
     from llmc.cuda.backend import SamplingMetadata

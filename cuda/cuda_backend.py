@@ -71,15 +71,13 @@ def _kv_cache(
     fp8 = k_cache.dtype == FP8_DTYPE
     _need(k_cache, "k_cache", FP8_DTYPE if fp8 else dtype)
     _need(v_cache, "v_cache", k_cache.dtype)
-    if fp8:
-        for name, v in (("k_scale", k_scale), ("v_scale", v_scale)):
-            ok = isinstance(v, int | float) and not isinstance(v, bool)
-            if not ok or not (math.isfinite(v) and v > 0):
-                raise UnsupportedError(
-                    f"CudaBackend: {name} of an fp8 KV cache must be a positive finite number, "
-                    f"got {v!r}"
-                )
-    elif k_scale != 1.0 or v_scale != 1.0:
+    for name, v in (("k_scale", k_scale), ("v_scale", v_scale)):
+        ok = isinstance(v, int | float) and not isinstance(v, bool)
+        if not ok or not (math.isfinite(v) and v > 0):
+            raise UnsupportedError(
+                f"CudaBackend: {name} of the KV cache must be a positive finite number, got {v!r}"
+            )
+    if not fp8 and (k_scale != 1.0 or v_scale != 1.0):
         raise UnsupportedError(
             f"CudaBackend: KV scales {k_scale}, {v_scale} apply to an fp8 KV cache only"
         )

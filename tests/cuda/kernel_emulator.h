@@ -59,6 +59,13 @@ inline void __syncwarp(unsigned = 0xffffffffu) {
     emu_warp_barriers[threadIdx.x >> 5]->arrive_and_wait();
 }
 inline void __threadfence() {}
+// PRMT: byte i of the result is byte (s >> 4 i) & 7 of the 8 bytes y:x.
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+    const unsigned long long v = ((unsigned long long)y << 32) | x;
+    unsigned r = 0;
+    for (int i = 0; i < 4; ++i) r |= (unsigned)((v >> (8 * ((s >> (4 * i)) & 7))) & 0xffu) << (8 * i);
+    return r;
+}
 inline float load_cg(const float* p) { return *(const volatile float*)p; }  // decode_attention.cu
 inline int atomicAdd(int* p, int v) {
     std::lock_guard<std::mutex> lock(emu_atomic_mutex);
@@ -293,5 +300,18 @@ inline void cp_async16(unsigned saddr, const void* g, int bytes) {
 }
 inline void cp_async_commit() {}
 inline void cp_async_wait_all() {}
+
+// decode_mma.cuh's PTX helpers
+template <bool F16>
+inline void mma_16816(float (&c)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                      unsigned b0, unsigned b1) {
+    const unsigned a[4] = {a0, a1, a2, a3};
+    emu_mma16816(c, a, b0, b1, F16 ? 0 : 1);
+}
+template <bool F16>
+inline unsigned pack_op(float lo, float hi) {
+    if (F16) return (unsigned)emu_float_to_half(lo) | ((unsigned)emu_float_to_half(hi) << 16);
+    return (unsigned)emu_float_to_bf16(lo) | ((unsigned)emu_float_to_bf16(hi) << 16);
+}
 #undef EMU_DTYPE_SECTION
 #endif  // EMU_DTYPE_SECTION

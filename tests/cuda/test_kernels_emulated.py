@@ -40,6 +40,9 @@ CFG = {
     "float16": KernelConfig("float16", 16, 4, 2),
 }
 TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# decode attention also at head_dim 128 with 8 query heads per kv head (the tensor-core
+# pass's largest group; bf16: 16-bit mma, fp8 cache: fp16 mma; hd 16 fp8: the CUDA-core pass)
+CFG_G8 = KernelConfig("bfloat16", 128, 16, 2)
 # (family, kernel, arguments)
 KERNELS = [
     ("quantize", "quantize_fp8_kernel", 6),
@@ -48,6 +51,7 @@ KERNELS = [
     ("activation", "silu_and_mul_kernel", 5),
     ("activation", "silu_and_mul_fp8_kernel", 6),
     ("rope_kv", "rope_kv_fp8_kernel", 12),
+    ("decode_attention", "paged_attention_kernel", 19),
     ("decode_attention", "paged_attention_fp8_kernel", 19),
     ("prefill_attention", "prefill_attention_kernel", 12),
     ("prefill_attention", "prefill_attention_fp8_kernel", 12),
@@ -64,6 +68,9 @@ def emu(tmp_path_factory):
             if fam == "prefill_attention" and dt == "float32":
                 continue
             out[dt, name] = EmulatedKernel(fam, cfg, name, nargs, tmp)
+    for fam, name, nargs in KERNELS:
+        if fam == "decode_attention":
+            out["g8", name] = EmulatedKernel(fam, CFG_G8, name, nargs, tmp)
     return out
 
 
@@ -234,32 +241,36 @@ def test_rope_kv_fp8_write_bit_exact(emu, dt, scales):
     assert torch.equal(q, q_ref)
 
 
-@pytest.mark.parametrize("dt", list(CFG))
+@pytest.mark.parametrize("dt", [*CFG, "g8"])
+@pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("splits,min_keys,bs", [(1, 1, 16), (4, 16, 16), (3, 7, 24)])
-def test_decode_attention_fp8(emu, dt, splits, min_keys, bs):
-    """The split kernel on an e4m3 cache with scales; partials merged by the last CTA,
+def test_decode_attention(emu, dt, fp8, splits, min_keys, bs):
+    """The split kernel (tensor-core pass for 16-bit dtypes with hd % 16 == 0, CUDA-core
+    otherwise) on a 16-bit or an e4m3 cache with scales; partials merged by the last CTA,
     arrival counters back to zero."""
-    cfg = CFG[dt]
-    hd, nq, nkv = cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads
-    g = torch.Generator().manual_seed(splits * 10 + bs)
+    cfg = CFG_G8 if dt == "g8" else CFG[dt]
+    hd, nq, nkv, dtype = cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads, TORCH[cfg.dtype]
+    g = torch.Generator().manual_seed(splits * 10 + bs + fp8)
     meta, nblocks, t = paged_batch([1, 17, 70, 130], [], bs, generator=g)
-    kc = (torch.randn(nblocks, bs, nkv, hd, generator=g) * 20).to(E4M3)
-    vc = (torch.randn(nblocks, bs, nkv, hd, generator=g) * 50).to(E4M3)
-    ks, vs = 0.05, 0.02
-    q = (2 * torch.randn(t, nq, hd, generator=g)).to(TORCH[dt])
-    out = torch.full((t, nq * hd), math.nan, dtype=TORCH[dt])
+    ks, vs = (0.05, 0.02) if fp8 else (1.0, 1.0)
+    cache_dt = E4M3 if fp8 else dtype
+    kc = (torch.randn(nblocks, bs, nkv, hd, generator=g) / ks).to(cache_dt)
+    vc = (torch.randn(nblocks, bs, nkv, hd, generator=g) / vs).to(cache_dt)
+    q = (2 * torch.randn(t, nq, hd, generator=g)).to(dtype)
+    out = torch.full((t, nq * hd), math.nan, dtype=dtype)
     rows = t * nq * splits
     part_acc, part_ml = torch.empty(rows * hd), torch.empty(rows * 2)
     counters = torch.zeros(t * nkv, dtype=torch.int32)
     bs_shift = bs.bit_length() - 1 if bs & (bs - 1) == 0 else -1
     tables = meta.block_tables
-    emu[dt, "paged_attention_fp8_kernel"](
+    name = "paged_attention_fp8_kernel" if fp8 else "paged_attention_kernel"
+    emu[dt, name](
         (t, nkv, splits), 128, q, kc, vc, tables, tables.shape[1], bs, meta.seq_lens,
         meta.cu_seqlens_q, len(meta.seq_lens), 0, 1, out, part_acc, part_ml,
         np.float32(LOG2E / math.sqrt(hd) * ks), min_keys, bs_shift, counters, np.float32(vs),
     )  # fmt: skip
     want = ref.paged_attention(q, kc, vc, meta, ks, vs)
-    assert rel_err(out, want) < (1e-5 if dt == "float32" else 1e-2)
+    assert rel_err(out, want) < (1e-5 if dtype == torch.float32 else 1e-2)
     assert int(counters.abs().sum()) == 0
 
 
