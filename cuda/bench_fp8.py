@@ -99,10 +99,12 @@ def _decode_64x4096(be: Any, time_ms: Callable, mem_row: Callable) -> None:
         vc = torch.randn_like(kc, dtype=torch.float32).to(dtype)
         nbytes = kc.nbytes + vc.nbytes + 2 * q.nbytes
         label = "bf16" if dtype == BF16 else "fp8"
-        ms = time_ms(lambda kc=kc, vc=vc, s=scales: be.attention(q, kc, vc, meta, *s, out))
-        mem_row(
-            f"decode_attention 64x4096 ({label} KV)", f"{batch}x{ctx} 32/8x128", nbytes, ms, 0.85
-        )
+        for splits in (None, 2, 4):  # auto (1 at this batch) and forced flash-decoding splits
+            be.force_splits = splits
+            ms = time_ms(lambda kc=kc, vc=vc, s=scales: be.attention(q, kc, vc, meta, *s, out))
+            name = f"decode_attention 64x4096 ({label} KV, splits={splits or 'auto'})"
+            mem_row(name, f"{batch}x{ctx} 32/8x128", nbytes, ms, 0.85 if splits is None else None)
+        be.force_splits = None
 
 
 def _prefill(be: Any, time_ms: Callable, flops_row: Callable) -> None:

@@ -57,7 +57,7 @@ _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 32
 SPLIT_ROWS_PER_SEQ = 8  # partials budget: max_num_seqs * 8 (token, split) rows
-CTAS_PER_SM = 4  # resident decode-attention CTAs per SM (__launch_bounds__(128, 4))
+CTAS_PER_SM = 4  # most resident split-kernel CTAs per SM (CUDA-core pass: (128, 4) bounds)
 CLUSTER_SPLITS = 8  # paged_attention_cluster_kernel: CTAs per (token, kv head) (CSPLIT)
 CLUSTER_THREADS = 256  # its block (CNW * 32); __launch_bounds__(256, 2): 2 CTAs per SM
 
@@ -127,6 +127,7 @@ class CudaBackend(GemvOps, Fp8Ops):
         self._counters: torch.Tensor | None = None
         self._tokens: torch.Tensor | None = None
         self._gemv_kernels: dict[tuple[torch.dtype, str], Any] = {}
+        self._occupancy: dict[int, int] = {}  # id(kernel) -> resident CTAs per SM
         # small decode batches: split over a thread-block cluster (sm_90+; see attention)
         self.cluster_decode = torch.cuda.get_device_capability(self.device)[0] >= 9
         self.force_splits: int | None = None  # benchmark override of num_splits
@@ -298,11 +299,14 @@ class CudaBackend(GemvOps, Fp8Ops):
         ctas = num_decode * num_kv_heads * CLUSTER_SPLITS
         return self.cluster_decode and 0 < ctas <= 2 * self._sm_count
 
-    def num_splits(self, num_decode: int, num_kv_heads: int, max_seq_len: int) -> int:
+    def num_splits(
+        self, num_decode: int, num_kv_heads: int, max_seq_len: int, ctas_per_sm: int = CTAS_PER_SM
+    ) -> int:
         """Most flash-decoding splits per sequence (grid z) of a decode launch.
 
-        ~2 waves of CTAs when the batch gives fewer CTAs than SMs, none otherwise;
-        never more than ``max_seq_len`` needs at ``min_split_keys`` keys per split.
+        ~2 waves of CTAs (``ctas_per_sm`` resident per SM) when the batch gives fewer CTAs
+        than SMs, none otherwise; never more than ``max_seq_len`` needs at
+        ``min_split_keys`` keys per split.
         """
         budget = (self.max_num_seqs * SPLIT_ROWS_PER_SEQ) // max(1, num_decode)
         if self.force_splits:
@@ -310,7 +314,7 @@ class CudaBackend(GemvOps, Fp8Ops):
         ctas = max(1, num_decode * num_kv_heads)
         if ctas >= self._sm_count:  # measured: batch 64 x 4096 is fastest unsplit
             return 1
-        want = math.ceil(2 * CTAS_PER_SM * self._sm_count / ctas)
+        want = math.ceil(2 * ctas_per_sm * self._sm_count / ctas)
         by_len = math.ceil(max(1, max_seq_len) / self.min_split_keys(num_decode, num_kv_heads))
         return max(1, min(want, by_len, MAX_SPLITS, budget))
 
@@ -321,6 +325,15 @@ class CudaBackend(GemvOps, Fp8Ops):
             return "prefill_sm90"
         tensor_core = self._lib(dtype, head_dim).cfg.tensor_core_prefill
         return "prefill_attention" if tensor_core else "decode_attention"
+
+    def _ctas_per_sm(self, kernel: Any) -> int:
+        """Resident CTAs of 128 threads per SM for ``kernel``'s register count (the
+        tensor-core pass of decode_mma.cuh needs ~200: 2; the CUDA-core pass 128: 4)."""
+        n = self._occupancy.get(id(kernel))
+        if n is None:
+            regs = -(-(getattr(kernel, "num_regs", 0) or 128) // 8) * 8
+            n = self._occupancy[id(kernel)] = max(1, min(CTAS_PER_SM, 65536 // (128 * regs)))
+        return n
 
     def attention(
         self,
@@ -368,7 +381,7 @@ class CudaBackend(GemvOps, Fp8Ops):
             )  # fmt: skip
             self._launch(k, (nd, nkv, CLUSTER_SPLITS), (CLUSTER_THREADS,), args)
         elif nd > 0:
-            splits = self.num_splits(nd, nkv, meta.max_seq_len)
+            splits = self.num_splits(nd, nkv, meta.max_seq_len, self._ctas_per_sm(paged))
             args = common + (
                 _p(meta.seq_lens), _p(meta.cu_seqlens_q), _i(b), _i(0), _i(1), _p(out),
                 _p(self._part_acc), _p(self._part_ml), scale,

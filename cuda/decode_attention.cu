@@ -8,7 +8,12 @@
 //       contexts run unsplit and surplus CTAs exit at once; the last CTA of a split
 //       sequence (atomic counter, reset by it) merges the partials, so the separate
 //       reduce kernel is gone; power-of-two block sizes index with shifts (no integer
-//       division per key); bf16 -> f32 by mask/shift.
+//       division per key); bf16 -> f32 by mask/shift ........................ 69%
+//   v4  (this) the split kernel's pass on tensor cores (decode_mma.cuh): ~5 CUDA-core
+//       instructions per bf16 element (two for an e4m3 one's conversion) become ~1 per 16
+//       elements; each warp streams its own 16-key tiles from global memory into registers
+//       2 (bf16) / 3 (e4m3) tiles ahead, 8 warps per SM.  Target: 85 % for bf16 and e4m3
+//       KV (issue 12); not yet measured (cuda/bench_fp8.py rows).
 //
 // The CTA serves the G = NQ / NKV query heads that share kv head `blockIdx.y`, so each K
 // and V row is read from device memory once for all of them (GQA).  The keys of the
@@ -16,11 +21,10 @@
 // split keeps an online softmax in float32 and writes either the final output (the
 // sequence runs as one split) or a partial (acc, max, sum); the CTA that finishes last
 // (counters[token, kv head], zero between launches) combines them and writes the output.
-//
-// Inside a CTA, LPK lanes share one key (each lane owns DPL = HD / LPK dims), so a warp
-// streams 32 / LPK keys at once, U keys per stream per step; every stream keeps its own
-// softmax state, merged across lanes and warps at the end.  Scores are in the log2
-// domain (q is pre-scaled by scale * log2(e)).
+// The pass over a CTA's keys is decode_mma.cuh's (16-bit dtypes, head_dim % 16 == 0,
+// G <= 8) or decode_cta.cuh's (everything else, and the cluster kernel); both leave each
+// warp's softmax state in shared memory, combined here.  Scores are in the log2 domain
+// (q is pre-scaled by scale * log2(e)).
 //
 // Token -> sequence: decode_mode = 1 means token i is sequence i (decode batch);
 // otherwise the sequence is found by binary search in cu_seqlens_q, and the query at
@@ -29,9 +33,9 @@
 // Sequences with seq_len <= 0 (graph padding) write zeros.
 //
 // KV cache element type: the dtype (paged_attention_kernel, paged_attention_cluster_kernel)
-// or float8_e4m3fn codes (the *_fp8_kernel twins, same arguments): codes are converted to
-// float in registers (exact) and the scales folded in: k_scale into q's pre-scaling (the
-// caller passes scale_log2 * k_scale), v_scale into the output (out = A / L * v_scale).
+// or float8_e4m3fn codes (the *_fp8_kernel twins, same arguments): codes are converted
+// exactly in registers and the scales folded in: k_scale into q's pre-scaling (the caller
+// passes scale_log2 * k_scale), v_scale into the output (out = A / L * v_scale).
 #include "common.cuh"
 #include "fp8.cuh"
 
