@@ -327,6 +327,36 @@ def test_decode_attention_fp8_split_kernel(splits, min_keys, bs):
     assert int(be._counters.abs().sum()) == 0
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hd,nq,nkv", HEADS + ((128, 64, 8), (128, 32, 2)))
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("bs", [16, 24])
+def test_split_kernel_every_pass(dtype, hd, nq, nkv, fp8, bs):
+    """The split kernel with cluster decode off, so every config meets it: the tensor-core
+    pass (16-bit dtypes, hd % 16 == 0, fp8: hd % 32 == 0; G <= 8, up to G = 8 at 64/8) and
+    the CUDA-core pass (float32, G = 16 at 32/2, fp8 at hd 16); split and unsplit."""
+    from llmc.cuda.cuda_backend import CudaBackend
+
+    be = CudaBackend(DEV, max_num_seqs=16)
+    be.cluster_decode = False
+    meta, nblocks, t = paged_batch([1, 15, 16, 17, 100, 700, 2100], [], bs, DEV)
+    ks, vs = (0.05, 0.02) if fp8 else (1.0, 1.0)
+    unused = unused_blocks(meta, nblocks)
+    if fp8:
+        kc, vc = fp8_cache(nblocks, bs, nkv, hd, ks, unused), fp8_cache(nblocks, bs, nkv, hd, vs)
+    else:
+        kc = torch.randn(nblocks, bs, nkv, hd, device=DEV).to(dtype)
+        vc = torch.randn(nblocks, bs, nkv, hd, device=DEV).to(dtype)
+        for b in unused:
+            kc[b] = math.nan
+    for splits in (1, 4):
+        be.force_splits = splits
+        q = (2 * torch.randn(t, nq, hd, device=DEV)).to(dtype)
+        out = be.attention(q, kc, vc, meta, ks, vs, out=poisoned(t, nq * hd, dtype=dtype))
+        assert rel_err(out, ref.paged_attention(q, kc, vc, meta, ks, vs)) < TOL[dtype]
+    assert int(be._counters.abs().sum()) == 0
+
+
 def test_attention_fp8_in_a_cuda_graph(be):
     hd, nq, nkv, bs, dtype = 128, 32, 8, 16, torch.bfloat16
     meta, nblocks, t = paged_batch([40, 700, 1500], [], bs, DEV)
