@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers.cuda_emulator import EmulatedKernel, emulator_missing
+from helpers.cuda_emulator import EmulatedFamily, emulator_missing
 from helpers.paged import paged_batch, rel_err, rope_tables
 from llmc.cuda import reference as ref
 from llmc.cuda import reference_fp8 as ref8
@@ -60,17 +60,20 @@ KERNELS = [
 
 @pytest.fixture(scope="module")
 def emu(tmp_path_factory):
-    """(dtype, kernel) -> EmulatedKernel; every program compiles in parallel, at once."""
+    """(dtype, kernel) -> launcher; one program per (config, family), all compiling at once."""
     tmp = tmp_path_factory.mktemp("kernel_emu")
-    out = {}
-    for dt, cfg in CFG.items():
-        for fam, name, nargs in KERNELS:
-            if fam == "prefill_attention" and dt == "float32":
-                continue
-            out[dt, name] = EmulatedKernel(fam, cfg, name, nargs, tmp)
+    families: dict[str, dict[str, int]] = {}
     for fam, name, nargs in KERNELS:
-        if fam == "decode_attention":
-            out["g8", name] = EmulatedKernel(fam, CFG_G8, name, nargs, tmp)
+        families.setdefault(fam, {})[name] = nargs
+    out = {}
+    for dt, cfg in [*CFG.items(), ("g8", CFG_G8)]:
+        for fam, kernels in families.items():
+            if (fam == "prefill_attention" and dt == "float32") or (
+                dt == "g8" and fam != "decode_attention"
+            ):
+                continue
+            prog = EmulatedFamily(fam, cfg, kernels, tmp)
+            out.update({(dt, name): prog[name] for name in kernels})
     return out
 
 

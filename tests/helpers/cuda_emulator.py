@@ -2,11 +2,12 @@
 compiled as host C++ with g++ over tests/cuda/kernel_emulator.h (one std::thread per CUDA
 thread, warp operations through barriers, mma / ldmatrix / cp.async emulated).
 
-``EmulatedKernel(family, cfg, name, nargs, workdir)`` compiles a program whose main() calls
-kernel ``name`` with ``nargs`` arguments; calling it with ``(grid, block, *args)`` runs one
-launch: tensors (CPU, contiguous) are copied into one blob (each keeping its pointer's
-alignment modulo 16, so unaligned views stay unaligned), ints and floats are passed by
-value (floats exactly, as hex), and every tensor is copied back afterwards, in place.
+``EmulatedFamily(family, cfg, {kernel: nargs}, workdir)`` compiles one program (g++ runs in
+the background until first use) whose main() launches the kernel named on its command
+line; ``family[kernel](grid, block, *args)`` runs one launch: tensors (CPU, contiguous)
+are copied into one blob (each keeping its pointer's alignment modulo 16, so unaligned
+views stay unaligned), ints and floats are passed by value (floats exactly, as hex), and
+every tensor is copied back afterwards, in place.
 
 The kernel sources mark their PTX helpers ``#ifndef LLMC_HOST_EMULATION``; the emulator
 defines host stand-ins of the same names. Skip tests with ``emulator_missing()`` where g++
@@ -42,8 +43,12 @@ def host_source(family: str, cfg: KernelConfig) -> str:
     return '#include "kernel_emulator.h"\n' + text[:a] + dtypes + text[b:]
 
 
-def _main(name: str, nargs: int) -> str:
-    args = ", ".join(f"A[{i}]" for i in range(nargs))
+def _main(kernels: dict[str, int]) -> str:
+    calls = "\n".join(
+        f'    else if (!strcmp(name, "{k}") && n == {n}) '
+        f"emu_launch(grid, block, [&] {{ {k}({', '.join(f'A[{i}]' for i in range(n))}); }});"
+        for k, n in kernels.items()
+    )
     return f"""
 struct EmuArg {{
     char* p = nullptr;
@@ -54,18 +59,22 @@ struct EmuArg {{
     operator float() const {{ return (float)v; }}
 }};
 int main(int argc, char** argv) {{
-    if (argc != 6 + {nargs}) return 2;
-    std::vector<char> blob = emu_read(argv[1]);
-    EmuDim grid{{(unsigned)atoi(argv[2]), (unsigned)atoi(argv[3]), (unsigned)atoi(argv[4])}};
-    const int block = atoi(argv[5]);
-    std::vector<EmuArg> A({nargs});
-    for (int i = 0; i < {nargs}; ++i) {{
-        const char* s = argv[6 + i];
+    if (argc < 7) return 2;
+    const char* name = argv[1];
+    std::vector<char> blob = emu_read(argv[2]);
+    EmuDim grid{{(unsigned)atoi(argv[3]), (unsigned)atoi(argv[4]), (unsigned)atoi(argv[5])}};
+    const int block = atoi(argv[6]);
+    const int n = argc - 7;
+    std::vector<EmuArg> A(n);
+    for (int i = 0; i < n; ++i) {{
+        const char* s = argv[7 + i];
         if (s[0] == 'p') A[i].p = blob.data() + atoll(s + 2);
         else A[i].v = strtod(s + 2, nullptr);
     }}
-    emu_launch(grid, block, [&] {{ {name}({args}); }});
-    emu_write(argv[1], blob);
+    if (false) {{}}
+{calls}
+    else return 3;
+    emu_write(argv[2], blob);
     return 0;
 }}
 """
@@ -88,28 +97,35 @@ def finish(proc: subprocess.Popen, what: str) -> None:
         raise AssertionError(f"g++ failed for {what}:\n{out[-6000:]}")
 
 
-class EmulatedKernel:
-    """One kernel of one family under one config, compiled for the host (see module doc)."""
+class EmulatedFamily:
+    """The kernels ``kernels`` (name -> number of arguments) of one family under one config,
+    compiled into one host program (see the module docstring)."""
 
     def __init__(
-        self, family: str, cfg: KernelConfig, name: str, nargs: int, workdir: Path
+        self, family: str, cfg: KernelConfig, kernels: dict[str, int], workdir: Path
     ) -> None:
-        self.name, self.nargs = name, nargs
-        self.binary = Path(workdir) / f"{family}_{name}_{cfg.dtype}_{cfg.head_dim}"
+        self.kernels = dict(kernels)
+        tag = f"{family}_{cfg.dtype}_{cfg.head_dim}_{cfg.num_q_heads}_{cfg.num_kv_heads}"
+        self.binary = Path(workdir) / tag
         self._proc: subprocess.Popen | None = compile_program(
-            host_source(family, cfg) + _main(name, nargs), self.binary
+            host_source(family, cfg) + _main(self.kernels), self.binary
         )
 
-    def ready(self) -> EmulatedKernel:
+    def ready(self) -> EmulatedFamily:
         if self._proc is not None:
-            finish(self._proc, self.name)
+            finish(self._proc, self.binary.name)
             self._proc = None
         return self
 
-    def __call__(self, grid: tuple[int, ...], block: int, *args: object) -> None:
+    def __getitem__(self, name: str):
+        if name not in self.kernels:
+            raise KeyError(f"{self.binary.name} has no kernel {name!r}")
+        return lambda grid, block, *args: self.launch(name, grid, block, *args)
+
+    def launch(self, name: str, grid: tuple[int, ...], block: int, *args: object) -> None:
         self.ready()
-        if len(args) != self.nargs:
-            raise TypeError(f"{self.name}: {self.nargs} arguments, got {len(args)}")
+        if len(args) != self.kernels[name]:
+            raise TypeError(f"{name}: {self.kernels[name]} arguments, got {len(args)}")
         grid = tuple(grid) + (1,) * (3 - len(grid))
         chunks: list[bytes] = []
         offsets: list[int | None] = []
@@ -130,12 +146,12 @@ class EmulatedKernel:
                 offsets.append(None)
                 v = float(np.float32(a)) if isinstance(a, float | np.floating) else int(a)
                 argv.append(f"n:{float(v).hex()}")
-        blob = Path(str(self.binary) + ".blob")
+        blob = Path(f"{self.binary}.{name}.blob")
         blob.write_bytes(b"".join(chunks) + b"\0" * 256)
-        cmd = [str(self.binary), str(blob), *map(str, grid), str(block), *argv]
+        cmd = [str(self.binary), name, str(blob), *map(str, grid), str(block), *argv]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if res.returncode != 0:
-            raise AssertionError(f"{self.name} emulation failed ({res.returncode}): {res.stderr}")
+            raise AssertionError(f"{name} emulation failed ({res.returncode}): {res.stderr}")
         out = blob.read_bytes()
         for a, off in zip(args, offsets, strict=True):
             if off is not None and a.numel():
