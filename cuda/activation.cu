@@ -58,70 +58,21 @@ extern "C" __global__ void silu_and_mul_fp8_kernel(const scalar_t* __restrict__ 
         const scalar_t* gate = x + (long long)t * 2 * I;
         const scalar_t* up = gate + I;
         fp8_t* qrow = q + (long long)t * I;
-        float amax = 0.f, row_scale;
+        // the values silu_and_mul_kernel stores: rounded to the dtype
         if (vec_ok) {
-            const int nv = I / VEC;
-            float cache[SILU_VPT][VEC];
-#pragma unroll
-            for (int k = 0; k < SILU_VPT; ++k) {
-                const int i = threadIdx.x + k * blockDim.x;
-                if (i < nv) {
-                    float g[VEC], u[VEC];
-                    load_vec<VEC>(gate + i * VEC, g);
-                    load_vec<VEC>(up + i * VEC, u);
-#pragma unroll
-                    for (int e = 0; e < VEC; ++e) {
-                        cache[k][e] = to_float(from_float(silu_mul(g[e], u[e])));
-                        amax = fmaxf(amax, fabsf(cache[k][e]));
-                    }
-                }
-            }
-            for (int i = threadIdx.x + SILU_VPT * blockDim.x; i < nv; i += blockDim.x) {
-                float g[VEC], u[VEC];
-                load_vec<VEC>(gate + i * VEC, g);
+            const auto vec = [&](int, int i, float* v) {
+                float u[VEC];
+                load_vec<VEC>(gate + i * VEC, v);
                 load_vec<VEC>(up + i * VEC, u);
 #pragma unroll
-                for (int e = 0; e < VEC; ++e)
-                    amax = fmaxf(amax, fabsf(to_float(from_float(silu_mul(g[e], u[e])))));
-            }
-            const float inv = fp8_row_inv(amax, scratch, &row_scale);
-#pragma unroll
-            for (int k = 0; k < SILU_VPT; ++k) {
-                const int i = threadIdx.x + k * blockDim.x;
-                if (i < nv) store_fp8<VEC>(qrow + i * VEC, cache[k], inv);
-            }
-            for (int i = threadIdx.x + SILU_VPT * blockDim.x; i < nv; i += blockDim.x) {
-                float g[VEC], u[VEC];
-                load_vec<VEC>(gate + i * VEC, g);
-                load_vec<VEC>(up + i * VEC, u);
-#pragma unroll
-                for (int e = 0; e < VEC; ++e) g[e] = to_float(from_float(silu_mul(g[e], u[e])));
-                store_fp8<VEC>(qrow + i * VEC, g, inv);
-            }
+                for (int e = 0; e < VEC; ++e) v[e] = to_float(from_float(silu_mul(v[e], u[e])));
+            };
+            quantize_row<SILU_VPT, VEC>(vec, I / VEC, qrow, q_scale + t, scratch);
         } else {
-            float cache[SILU_VPT];
-#pragma unroll
-            for (int k = 0; k < SILU_VPT; ++k) {
-                const int i = threadIdx.x + k * blockDim.x;
-                if (i < I) {
-                    cache[k] = to_float(from_float(silu_mul(to_float(gate[i]), to_float(up[i]))));
-                    amax = fmaxf(amax, fabsf(cache[k]));
-                }
-            }
-            for (int i = threadIdx.x + SILU_VPT * blockDim.x; i < I; i += blockDim.x)
-                amax = fmaxf(amax, fabsf(to_float(from_float(silu_mul(to_float(gate[i]),
-                                                                      to_float(up[i]))))));
-            const float inv = fp8_row_inv(amax, scratch, &row_scale);
-#pragma unroll
-            for (int k = 0; k < SILU_VPT; ++k) {
-                const int i = threadIdx.x + k * blockDim.x;
-                if (i < I) store_fp8<1>(qrow + i, &cache[k], inv);
-            }
-            for (int i = threadIdx.x + SILU_VPT * blockDim.x; i < I; i += blockDim.x) {
-                float v = to_float(from_float(silu_mul(to_float(gate[i]), to_float(up[i]))));
-                store_fp8<1>(qrow + i, &v, inv);
-            }
+            const auto one = [&](int, int i, float* v) {
+                v[0] = to_float(from_float(silu_mul(to_float(gate[i]), to_float(up[i]))));
+            };
+            quantize_row<SILU_VPT, 1>(one, I, qrow, q_scale + t, scratch);
         }
-        if (threadIdx.x == 0) q_scale[t] = row_scale;
     }
 }

@@ -105,6 +105,47 @@ __device__ __forceinline__ float fp8_row_inv(float local_amax, float* scratch, f
     return __fmul_rn(__frcp_rn(amax), FP8_MAX);
 }
 
+// Per-row quantization of a row the CTA computes (one CTA per row): value(k, i, v) writes
+// the N values of item i (a vector of N elements, or one element with N = 1) of the row's
+// n items; k is the thread's register slot (0 .. VPT-1, i = threadIdx.x + k blockDim.x:
+// a compile-time index once unrolled, so a caller may read its own register cache) or -1
+// for the tail past VPT * blockDim items, which is computed twice (amax pass, store pass).
+// Codes to q (item i at q + i * N), the row scale to *scale.
+template <int VPT, int N, typename F>
+__device__ __forceinline__ void quantize_row(const F& value, int n, fp8_t* __restrict__ q,
+                                             float* __restrict__ scale, float* scratch) {
+    float cache[VPT][N];
+    float amax = 0.f;
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+        const int i = threadIdx.x + k * blockDim.x;
+        if (i < n) {
+            value(k, i, cache[k]);
+#pragma unroll
+            for (int e = 0; e < N; ++e) amax = fmaxf(amax, fabsf(cache[k][e]));
+        }
+    }
+    for (int i = threadIdx.x + VPT * blockDim.x; i < n; i += blockDim.x) {
+        float v[N];
+        value(-1, i, v);
+#pragma unroll
+        for (int e = 0; e < N; ++e) amax = fmaxf(amax, fabsf(v[e]));
+    }
+    float row_scale;
+    const float inv = fp8_row_inv(amax, scratch, &row_scale);
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+        const int i = threadIdx.x + k * blockDim.x;
+        if (i < n) store_fp8<N>(q + i * N, cache[k], inv);
+    }
+    for (int i = threadIdx.x + VPT * blockDim.x; i < n; i += blockDim.x) {
+        float v[N];
+        value(-1, i, v);
+        store_fp8<N>(q + i * N, v, inv);
+    }
+    if (threadIdx.x == 0) *scale = row_scale;
+}
+
 // Four codes (one 32-bit word, byte 0 first) -> two fp16x2 words (lo: bytes 0, 1; hi: 2, 3),
 // exact.
 __device__ __forceinline__ void fp8x4_to_half2x2(unsigned w, unsigned& lo, unsigned& hi) {

@@ -23,59 +23,12 @@ extern "C" __global__ void quantize_fp8_kernel(const scalar_t* __restrict__ x,
     for (int t = blockIdx.x; t < T; t += gridDim.x) {
         const scalar_t* row = x + (long long)t * K;
         fp8_t* qrow = q + (long long)t * K;
-        float amax = 0.f, row_scale;
         if (vec_ok) {
-            const int nv = K / VEC;
-            float cache[QUANT_VPT][VEC];
-#pragma unroll
-            for (int k = 0; k < QUANT_VPT; ++k) {
-                const int i = threadIdx.x + k * blockDim.x;
-                if (i < nv) {
-                    load_vec<VEC>(row + i * VEC, cache[k]);
-#pragma unroll
-                    for (int e = 0; e < VEC; ++e) amax = fmaxf(amax, fabsf(cache[k][e]));
-                }
-            }
-            for (int i = threadIdx.x + QUANT_VPT * blockDim.x; i < nv; i += blockDim.x) {
-                float v[VEC];
-                load_vec<VEC>(row + i * VEC, v);
-#pragma unroll
-                for (int e = 0; e < VEC; ++e) amax = fmaxf(amax, fabsf(v[e]));
-            }
-            const float inv = fp8_row_inv(amax, scratch, &row_scale);
-#pragma unroll
-            for (int k = 0; k < QUANT_VPT; ++k) {
-                const int i = threadIdx.x + k * blockDim.x;
-                if (i < nv) store_fp8<VEC>(qrow + i * VEC, cache[k], inv);
-            }
-            for (int i = threadIdx.x + QUANT_VPT * blockDim.x; i < nv; i += blockDim.x) {
-                float v[VEC];
-                load_vec<VEC>(row + i * VEC, v);
-                store_fp8<VEC>(qrow + i * VEC, v, inv);
-            }
+            const auto vec = [&](int, int i, float* v) { load_vec<VEC>(row + i * VEC, v); };
+            quantize_row<QUANT_VPT, VEC>(vec, K / VEC, qrow, q_scale + t, scratch);
         } else {
-            float cache[QUANT_VPT];
-#pragma unroll
-            for (int k = 0; k < QUANT_VPT; ++k) {
-                const int i = threadIdx.x + k * blockDim.x;
-                if (i < K) {
-                    cache[k] = to_float(row[i]);
-                    amax = fmaxf(amax, fabsf(cache[k]));
-                }
-            }
-            for (int i = threadIdx.x + QUANT_VPT * blockDim.x; i < K; i += blockDim.x)
-                amax = fmaxf(amax, fabsf(to_float(row[i])));
-            const float inv = fp8_row_inv(amax, scratch, &row_scale);
-#pragma unroll
-            for (int k = 0; k < QUANT_VPT; ++k) {
-                const int i = threadIdx.x + k * blockDim.x;
-                if (i < K) store_fp8<1>(qrow + i, &cache[k], inv);
-            }
-            for (int i = threadIdx.x + QUANT_VPT * blockDim.x; i < K; i += blockDim.x) {
-                const float v = to_float(row[i]);
-                store_fp8<1>(qrow + i, &v, inv);
-            }
+            const auto one = [&](int, int i, float* v) { v[0] = to_float(row[i]); };
+            quantize_row<QUANT_VPT, 1>(one, K, qrow, q_scale + t, scratch);
         }
-        if (threadIdx.x == 0) q_scale[t] = row_scale;
     }
 }

@@ -95,45 +95,20 @@ __device__ __forceinline__ void rms_row(const scalar_t* __restrict__ xr, scalar_
                 store_vec<VEC>(orow + i * VEC, v);
             }
         } else {
-            float amax = 0.f;
+            // the first RMS_VPT vectors from the registers, the tail from memory again
+            const auto normed = [&](int k, int i, float* v) {
+                float wv[VEC];
+                load_vec<VEC>(w + i * VEC, wv);
+                if (k >= 0) {
 #pragma unroll
-            for (int k = 0; k < RMS_VPT; ++k) {
-                const int i = threadIdx.x + k * blockDim.x;
-                if (i < nv) {
-                    float wv[VEC];
-                    load_vec<VEC>(w + i * VEC, wv);
-#pragma unroll
-                    for (int e = 0; e < VEC; ++e) {
-                        cache[k][e] = to_float(from_float(rms_value(cache[k][e], scale, wv[e])));
-                        amax = fmaxf(amax, fabsf(cache[k][e]));
-                    }
+                    for (int e = 0; e < VEC; ++e) v[e] = cache[k][e];
+                } else {
+                    load_vec<VEC>(src + i * VEC, v);
                 }
-            }
-            for (int i = threadIdx.x + RMS_VPT * blockDim.x; i < nv; i += blockDim.x) {
-                float v[VEC], wv[VEC];
-                load_vec<VEC>(src + i * VEC, v);
-                load_vec<VEC>(w + i * VEC, wv);
 #pragma unroll
-                for (int e = 0; e < VEC; ++e)
-                    amax = fmaxf(amax, fabsf(to_float(from_float(rms_value(v[e], scale, wv[e])))));
-            }
-            float row_scale;
-            const float inv = fp8_row_inv(amax, scratch, &row_scale);
-#pragma unroll
-            for (int k = 0; k < RMS_VPT; ++k) {
-                const int i = threadIdx.x + k * blockDim.x;
-                if (i < nv) store_fp8<VEC>(qrow + i * VEC, cache[k], inv);
-            }
-            for (int i = threadIdx.x + RMS_VPT * blockDim.x; i < nv; i += blockDim.x) {
-                float v[VEC], wv[VEC];
-                load_vec<VEC>(src + i * VEC, v);
-                load_vec<VEC>(w + i * VEC, wv);
-#pragma unroll
-                for (int e = 0; e < VEC; ++e)
-                    v[e] = to_float(from_float(rms_value(v[e], scale, wv[e])));
-                store_fp8<VEC>(qrow + i * VEC, v, inv);
-            }
-            if (threadIdx.x == 0) *qscale = row_scale;
+                for (int e = 0; e < VEC; ++e) v[e] = to_float(from_float(rms_value(v[e], scale, wv[e])));
+            };
+            quantize_row<RMS_VPT, VEC>(normed, nv, qrow, qscale, scratch);
         }
     } else {
         for (int i = threadIdx.x; i < H; i += blockDim.x) {
@@ -151,18 +126,10 @@ __device__ __forceinline__ void rms_row(const scalar_t* __restrict__ xr, scalar_
             for (int i = threadIdx.x; i < H; i += blockDim.x)
                 orow[i] = from_float(rms_value(to_float(src[i]), scale, to_float(w[i])));
         } else {
-            float amax = 0.f;
-            for (int i = threadIdx.x; i < H; i += blockDim.x) {
-                const float v = to_float(from_float(rms_value(to_float(src[i]), scale, to_float(w[i]))));
-                amax = fmaxf(amax, fabsf(v));
-            }
-            float row_scale;
-            const float inv = fp8_row_inv(amax, scratch, &row_scale);
-            for (int i = threadIdx.x; i < H; i += blockDim.x) {
-                float v = to_float(from_float(rms_value(to_float(src[i]), scale, to_float(w[i]))));
-                store_fp8<1>(qrow + i, &v, inv);
-            }
-            if (threadIdx.x == 0) *qscale = row_scale;
+            const auto one = [&](int, int i, float* v) {
+                v[0] = to_float(from_float(rms_value(to_float(src[i]), scale, to_float(w[i]))));
+            };
+            quantize_row<1, 1>(one, H, qrow, qscale, scratch);
         }
     }
 }

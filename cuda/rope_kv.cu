@@ -95,28 +95,15 @@ __device__ __forceinline__ void rope_kv(const scalar_t* __restrict__ qkv,
     }
 }
 
-extern "C" __global__ void rope_kv_kernel(const scalar_t* __restrict__ qkv,
-                                          const long long* __restrict__ positions,
-                                          const float* __restrict__ cos_t,
-                                          const float* __restrict__ sin_t,
-                                          scalar_t* __restrict__ k_cache,
-                                          scalar_t* __restrict__ v_cache,
-                                          const long long* __restrict__ slots,
-                                          scalar_t* __restrict__ q_out, int T, int max_pos,
-                                          float inv_k, float inv_v) {
-    rope_kv<scalar_t>(qkv, positions, cos_t, sin_t, k_cache, v_cache, slots, q_out, T, max_pos,
-                      inv_k, inv_v);
-}
+#define ROPE_KV_ARGS(cache_t)                                                                  \
+    const scalar_t *__restrict__ qkv, const long long *__restrict__ positions,                 \
+        const float *__restrict__ cos_t, const float *__restrict__ sin_t,                      \
+        cache_t *__restrict__ k_cache, cache_t *__restrict__ v_cache,                          \
+        const long long *__restrict__ slots, scalar_t *__restrict__ q_out, int T, int max_pos, \
+        float inv_k, float inv_v
+#define ROPE_KV_CALL(cache_t)                                                                 \
+    rope_kv<cache_t>(qkv, positions, cos_t, sin_t, k_cache, v_cache, slots, q_out, T, max_pos, \
+                     inv_k, inv_v)
 
-extern "C" __global__ void rope_kv_fp8_kernel(const scalar_t* __restrict__ qkv,
-                                              const long long* __restrict__ positions,
-                                              const float* __restrict__ cos_t,
-                                              const float* __restrict__ sin_t,
-                                              fp8_t* __restrict__ k_cache,
-                                              fp8_t* __restrict__ v_cache,
-                                              const long long* __restrict__ slots,
-                                              scalar_t* __restrict__ q_out, int T, int max_pos,
-                                              float inv_k, float inv_v) {
-    rope_kv<fp8_t>(qkv, positions, cos_t, sin_t, k_cache, v_cache, slots, q_out, T, max_pos,
-                   inv_k, inv_v);
-}
+extern "C" __global__ void rope_kv_kernel(ROPE_KV_ARGS(scalar_t)) { ROPE_KV_CALL(scalar_t); }
+extern "C" __global__ void rope_kv_fp8_kernel(ROPE_KV_ARGS(fp8_t)) { ROPE_KV_CALL(fp8_t); }

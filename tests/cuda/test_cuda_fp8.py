@@ -25,7 +25,7 @@ import math
 import pytest
 import torch
 
-from helpers.paged import paged_batch, rel_err, rope_tables, unused_blocks
+from helpers.attention import paged_batch, rel_err, rope_tables, unused_blocks
 from llmc.base.errors import UnsupportedError
 from llmc.cuda import reference as ref
 from llmc.cuda import reference_fp8 as ref8

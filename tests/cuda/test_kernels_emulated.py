@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 import torch
 
+from helpers.attention import paged_batch, rel_err, rope_tables
 from helpers.cuda_emulator import EmulatedFamily, emulator_missing
-from helpers.paged import paged_batch, rel_err, rope_tables
 from llmc.cuda import reference as ref
 from llmc.cuda import reference_fp8 as ref8
 from llmc.cuda.kernels import KernelConfig
