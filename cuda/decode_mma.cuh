@@ -1,6 +1,6 @@
 // decode_mma.cuh: the tensor-core pass of one decode-attention CTA over its keys
 // (mma.sync m16n8k16, fp16 / bf16 operands, float32 accumulation), for 16-bit dtypes with
-// HD % 16 == 0 (an e4m3 cache: HD % 32 == 0) and G <= 8 query heads per kv head.  Included
+// HD % 16 == 0 (an e4m3 cache: HD % 32 == 0), HD <= 128 and G <= 8 query heads per kv head.  Included
 // by decode_attention.cu after its NQ / NKV / HD / G macros; same contract as
 // attend_cta_simt (decode_cta.cuh): each warp's (max, sum, unnormalised acc) per head into
 // sm_ml / sm_acc.
@@ -30,8 +30,10 @@
 // Loads run STAGES tiles ahead in registers (no shared memory, no barrier in the loop).
 #pragma once
 
-#define MMA_DECODE_16 (LLMC_DTYPE != 0 && HD % 16 == 0 && G <= 8)
-#define MMA_DECODE_FP8 (LLMC_DTYPE != 0 && HD % 32 == 0 && G <= 8)
+// (head_dim <= 128: a 16-key tile of a lane is 64 registers at 128; at 256 the double
+// buffer alone would take every register)
+#define MMA_DECODE_16 (LLMC_DTYPE != 0 && HD % 16 == 0 && HD <= 128 && G <= 8)
+#define MMA_DECODE_FP8 (LLMC_DTYPE != 0 && HD % 32 == 0 && HD <= 128 && G <= 8)
 
 #if MMA_DECODE_16 || MMA_DECODE_FP8
 
