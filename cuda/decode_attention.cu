@@ -21,9 +21,9 @@
 // split keeps an online softmax in float32 and writes either the final output (the
 // sequence runs as one split) or a partial (acc, max, sum); the CTA that finishes last
 // (counters[token, kv head], zero between launches) combines them and writes the output.
-// The pass over a CTA's keys is decode_mma.cuh's (16-bit dtypes, head_dim % 16 == 0 and <= 128,
-// G <= 8) or decode_cta.cuh's (everything else, and the cluster kernel); both leave each
-// warp's softmax state in shared memory, combined here.  Scores are in the log2 domain
+// The pass over a CTA's keys is decode_mma.cuh's (16-bit dtypes, head_dim % 16 == 0 and
+// <= 128, G <= 8) or decode_cta.cuh's (everything else, and the cluster kernel); both leave
+// each warp's softmax state in shared memory, combined here.  Scores are in the log2 domain
 // (q is pre-scaled by scale * log2(e)).
 //
 // Token -> sequence: decode_mode = 1 means token i is sequence i (decode batch);
