@@ -327,6 +327,25 @@ def test_decode_attention_fp8_split_kernel(splits, min_keys, bs):
     assert int(be._counters.abs().sum()) == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hd,nq,nkv", HEADS)
+def test_prefill_attention_fallback_fp8(dtype, hd, nq, nkv):
+    """prefill_attention.cu (mma.sync) on an fp8 cache, with the sm90 kernel switched off
+    (on sm_90 it serves hd 64 / 128 prefill by default)."""
+    from llmc.cuda.cuda_backend import CudaBackend
+
+    be = CudaBackend(DEV)
+    be.sm90_prefill = False
+    meta, nblocks, t = paged_batch([3], [(37, 37), (100, 260), (1, 50), (64, 64)], 16, DEV)
+    ks, vs = 0.05, 0.02
+    unused = unused_blocks(meta, nblocks)
+    kc, vc = fp8_cache(nblocks, 16, nkv, hd, ks, unused), fp8_cache(nblocks, 16, nkv, hd, vs)
+    q = (2 * torch.randn(t, nq, hd, device=DEV)).to(dtype)
+    assert be.prefill_kernel(dtype, hd, 16) == "prefill_attention"
+    out = be.attention(q, kc, vc, meta, ks, vs, out=poisoned(t, nq * hd, dtype=dtype))
+    assert rel_err(out, ref.paged_attention(q, kc, vc, meta, ks, vs)) < TOL[dtype]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hd,nq,nkv", HEADS + ((128, 64, 8), (128, 32, 2)))
 @pytest.mark.parametrize("fp8", [False, True])
