@@ -8,7 +8,19 @@
 //   v1  (this) expf + IEEE division ........................................... 77%
 //   v2  ex2.approx + rcp.rn (about half the instructions): 77% -- not issue-bound, so
 //       no gain; reverted for the exact path (2026-11-30, commit 1e34cd6).
+//
+// silu_and_mul_fp8_kernel: one CTA per row (the row's amax is a block reduction, so the
+// row cannot be spread over CTAs as above): each thread keeps its first SILU_VPT vectors of
+// silu(gate) * up (rounded to the dtype) in registers, a longer row's tail is recomputed;
+// then e4m3 codes q[t, :] = sat(v * 448 / amax) and scale[t] = amax / 448 (fp8.cuh).
+// The values are silu_and_mul_kernel's, bit for bit.  At I = 14336 (bf16) one row is
+// 1792 16-byte vectors of gate and as many of up: 448 threads x 4 in registers.
+// Launch: grid min(T, 65535), block ceil(I / VEC / SILU_VPT) (vec_ok) or ceil(I /
+// SILU_VPT), rounded up to a warp multiple, between 32 and 1024.
 #include "common.cuh"
+#include "fp8.cuh"
+
+#define SILU_VPT 4
 
 __device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.f + expf(-g)) * u; }
 
@@ -32,6 +44,35 @@ extern "C" __global__ void silu_and_mul_kernel(const scalar_t* __restrict__ x,
         } else {
             const int i = blockIdx.x * blockDim.x + threadIdx.x;
             if (i < I) dst[i] = from_float(silu_mul(to_float(gate[i]), to_float(up[i])));
+        }
+    }
+}
+
+// q [T, I] e4m3 codes, q_scale [T] float32 of silu(gate) * up.
+extern "C" __global__ void silu_and_mul_fp8_kernel(const scalar_t* __restrict__ x,
+                                                   fp8_t* __restrict__ q,
+                                                   float* __restrict__ q_scale, int T, int I,
+                                                   int vec_ok) {
+    __shared__ float scratch[33];
+    for (int t = blockIdx.x; t < T; t += gridDim.x) {
+        const scalar_t* gate = x + (long long)t * 2 * I;
+        const scalar_t* up = gate + I;
+        fp8_t* qrow = q + (long long)t * I;
+        // the values silu_and_mul_kernel stores: rounded to the dtype
+        if (vec_ok) {
+            const auto vec = [&](int, int i, float* v) {
+                float u[VEC];
+                load_vec<VEC>(gate + i * VEC, v);
+                load_vec<VEC>(up + i * VEC, u);
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) v[e] = to_float(from_float(silu_mul(v[e], u[e])));
+            };
+            quantize_row<SILU_VPT, VEC>(vec, I / VEC, qrow, q_scale + t, scratch);
+        } else {
+            const auto one = [&](int, int i, float* v) {
+                v[0] = to_float(from_float(silu_mul(to_float(gate[i]), to_float(up[i]))));
+            };
+            quantize_row<SILU_VPT, 1>(one, I, qrow, q_scale + t, scratch);
         }
     }
 }

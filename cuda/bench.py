@@ -4,8 +4,9 @@ Measures the device-to-device copy bandwidth (bytes read + written) and the bf16
 rate once per run, then times every CudaBackend kernel on random inputs at the issue's
 shapes (CUDA events, warm-up, median of repeats; tensors of 64 MB and up, so L2 does not
 serve them) and prints a table: achieved GB/s (memory-bound kernels) or TFLOP/s
-(prefill attention: ``llmc.cuda.bench_prefill``), the fraction of the ceiling, and the target
-of issue 4 (issue 12 for the sm90 prefill). Writes JSON
+(prefill attention: ``llmc.cuda.bench_prefill``; GEMMs), the fraction of the ceiling, and
+the target of issue 4 (issue 12 for the sm90 prefill and the FP8 rows of
+``llmc.cuda.bench_fp8``). Writes JSON
 (``--json PATH``, default ``$OUT/kernel_bench.json`` when OUT is set).
 """
 
@@ -137,54 +138,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         0.8,
     )
 
-    # RoPE + KV write: 16384 tokens, GQA 32/8, head_dim 128, bf16 (201 MB qkv)
-    t, nq, nkv, hd, bs = 16384, 32, 8, 128, 32
-    qkv = torch.randn(t, (nq + 2 * nkv) * hd, device=DEV).to(BF16)
-    pos = torch.randint(0, 8192, (t,), device=DEV)
-    inv = 1.0 / (500000.0 ** (torch.arange(0, hd, 2, device=DEV).float() / hd))
-    f = torch.arange(8192, device=DEV).float()[:, None] * inv[None]
-    cos, sin = f.cos().contiguous(), f.sin().contiguous()
-    nblk = t // bs + 8
-    kc = torch.empty(nblk, bs, nkv, hd, device=DEV, dtype=BF16)
-    vc = torch.empty_like(kc)
-    slots = torch.randperm(nblk * bs, device=DEV)[:t]
-    qo = torch.empty(t, nq, hd, device=DEV, dtype=BF16)
-    mem_row(
-        "rope_kv_write",
-        f"{t} tok 32/8x128 bf16",
-        2 * qkv.nbytes,
-        time_ms(lambda: be.rope_and_cache_write(qkv, pos, cos, sin, kc, vc, slots, out=qo)),
-        0.8,
-    )
+    # RoPE + KV write: 16384 tokens, GQA 32/8, head_dim 128, bf16 (201 MB qkv) and fp8 caches
+    from llmc.cuda.bench_fp8 import decode_64x4096, fp8_rows, rope_kv_rows
 
-    # Decode attention: batch 64 x 4096 context, GQA 32/8, head_dim 128, bf16 KV
-    from llmc.cuda.backend import AttentionMetadata
+    rope_kv_rows(be, time_ms, mem_row)
 
-    batch, ctx = 64, 4096
-    nb_seq = ctx // bs
-    kc = torch.randn(batch * nb_seq, bs, nkv, hd, device=DEV).to(BF16)
-    vc = torch.randn_like(kc, dtype=torch.float32).to(BF16)
-    tables = torch.randperm(batch * nb_seq, device=DEV).to(torch.int32).view(batch, nb_seq)
-    meta = AttentionMetadata(
-        positions=torch.full((batch,), ctx - 1, device=DEV),
-        slot_mapping=torch.zeros(batch, dtype=torch.int64, device=DEV),
-        cu_seqlens_q=torch.arange(batch + 1, dtype=torch.int32, device=DEV),
-        seq_lens=torch.full((batch,), ctx, dtype=torch.int32, device=DEV),
-        block_tables=tables.contiguous(),
-        num_decode_seqs=batch,
-        max_query_len=1,
-        max_seq_len=ctx,
-    )
-    q = torch.randn(batch, nq, hd, device=DEV).to(BF16)
-    ao = torch.empty(batch, nq * hd, device=DEV, dtype=BF16)
-    kv_bytes = kc.nbytes + vc.nbytes + 2 * q.nbytes
-    auto = be.num_splits(batch, nkv, ctx)
-    for splits in [None, 1, 2, 4, 8]:
-        be.force_splits = splits
-        ms = time_ms(lambda: be.attention(q, kc, vc, meta, out=ao))
-        name = f"decode_attention(splits={splits or auto}{' auto' if splits is None else ''})"
-        mem_row(name, f"{batch}x{ctx} 32/8x128 bf16", kv_bytes, ms, 0.7 if splits is None else None)
-    be.force_splits = None
+    # Decode attention: batch 64 x 4096 context, GQA 32/8, head_dim 128, bf16 and fp8 KV
+    decode_64x4096(be, time_ms, mem_row)
     decode_short(be, rows, mem_row)
     fused_gemv(be, rows, mem_row)
     fp8_gemv(be, rows, mem_row, graph_ms, _cycle)
@@ -193,6 +153,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from llmc.cuda.bench_prefill import prefill_rows
 
     prefill_rows(be, flops_row, time_ms)
+
+    # FP8: quantizing epilogues and W8A8 GEMMs (llmc.cuda.bench_fp8)
+    fp8_rows(be, time_ms, mem_row, flops_row, torch.cuda.get_device_capability())
 
     # Sampling: 64 rows x 128256 vocab (time only)
     from llmc.cuda.backend import SamplingMetadata

@@ -23,8 +23,13 @@ Small-step fusions (``norm_linear``, ``norm_gate_up_silu``, ``linear_residual_ad
 cuda/gemv.cu, launched by ``llmc.cuda.gemv_ops.GemvOps``) serve steps of at most
 ``fused_decode_max_tokens`` (<= 8) tokens.
 
+KV cache: the activation dtype, or float8_e4m3fn codes with one k and one v scale per layer
+(``kv_cache_dtype fp8``): rope_kv_fp8_kernel writes ``sat(k / k_scale)``, the *_fp8
+attention kernels read codes and fold the scales in (llmc.cuda.reference.to_cache /
+from_cache). FP8 activations and GEMMs: ``llmc.cuda.fp8_ops.Fp8Ops``.
+
 Limits of the current kernels: contiguous tensors with 16-byte-aligned bases for the
-vector paths (unaligned views raise), q/k/v and cache of one dtype, cos/sin float32.
+vector paths (unaligned views raise), q/k/v of one dtype, cos/sin float32.
 """
 
 from __future__ import annotations
@@ -45,25 +50,39 @@ from llmc.cuda.launch_args import aligned as _aligned
 from llmc.cuda.launch_args import i32 as _i
 from llmc.cuda.launch_args import need as _need
 from llmc.cuda.launch_args import ptr as _p
+from llmc.cuda.launch_args import rms_block
 from llmc.cuda.prefill_sm90_ops import Sm90Prefill, enabled_by_default, supports
+from llmc.cuda.reference_fp8 import FP8_DTYPE, Fp8Rows
 
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 32
 SPLIT_ROWS_PER_SEQ = 8  # partials budget: max_num_seqs * 8 (token, split) rows
-CTAS_PER_SM = 4  # resident decode-attention CTAs per SM (__launch_bounds__(128, 4))
+CTAS_PER_SM = 4  # most resident split-kernel CTAs per SM (CUDA-core pass: (128, 4) bounds)
 CLUSTER_SPLITS = 8  # paged_attention_cluster_kernel: CTAs per (token, kv head) (CSPLIT)
 CLUSTER_THREADS = 256  # its block (CNW * 32); __launch_bounds__(256, 2): 2 CTAs per SM
 
 
-def _need_kv_scales(k_cache: torch.Tensor, k_scale: float, v_scale: float) -> None:
-    """The 16-bit/32-bit cache kernels store values as they are: scales must be 1."""
-    if k_cache.dtype == torch.float8_e4m3fn:
-        raise UnsupportedError("CudaBackend: an fp8 KV cache needs the fp8 attention kernels")
-    if k_scale != 1.0 or v_scale != 1.0:
+def _kv_cache(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, dtype: torch.dtype, k_scale: Any, v_scale: Any
+) -> bool:
+    """Check the layer's KV cache against the activation dtype; True when it holds e4m3
+    codes (the *_fp8 kernels). Scales: positive finite floats for an fp8 cache; the
+    16/32-bit cache kernels store values as they are, so there they must be 1."""
+    fp8 = k_cache.dtype == FP8_DTYPE
+    _need(k_cache, "k_cache", FP8_DTYPE if fp8 else dtype)
+    _need(v_cache, "v_cache", k_cache.dtype)
+    for name, v in (("k_scale", k_scale), ("v_scale", v_scale)):
+        ok = isinstance(v, int | float) and not isinstance(v, bool)
+        if not ok or not (math.isfinite(v) and v > 0):
+            raise UnsupportedError(
+                f"CudaBackend: {name} of the KV cache must be a positive finite number, got {v!r}"
+            )
+    if not fp8 and (k_scale != 1.0 or v_scale != 1.0):
         raise UnsupportedError(
             f"CudaBackend: KV scales {k_scale}, {v_scale} apply to an fp8 KV cache only"
         )
+    return fp8
 
 
 class CudaBackend(GemvOps, GemvFp8Ops, Fp8Ops):
@@ -109,6 +128,7 @@ class CudaBackend(GemvOps, GemvFp8Ops, Fp8Ops):
         self._counters: torch.Tensor | None = None
         self._tokens: torch.Tensor | None = None
         self._gemv_kernels: dict[tuple[torch.dtype, str], Any] = {}
+        self._occupancy: dict[int, int] = {}  # id(kernel) -> resident CTAs per SM
         # small decode batches: split over a thread-block cluster (sm_90+; see attention)
         self.cluster_decode = torch.cuda.get_device_capability(self.device)[0] >= 9
         self.force_splits: int | None = None  # benchmark override of num_splits
@@ -167,27 +187,31 @@ class CudaBackend(GemvOps, GemvFp8Ops, Fp8Ops):
         self._launch(k, (min(t, 65535),), (128,), args)
         return out
 
-    def _rms(self, x, residual, weight, eps, out) -> torch.Tensor:
+    def _rms(self, x, residual, weight, eps, out, q8: Fp8Rows | None = None) -> Any:
+        """RMSNorm (+ residual add) of x into ``out``, or into e4m3 rows ``q8`` (then the
+        fp8 kernel: the same launch, so the same float32 sums and normed values)."""
         _need(x, "x")
         _need(weight, "norm weight", x.dtype)
         t, h = x.shape
-        if out is None:
+        if q8 is None and out is None:
             out = torch.empty_like(x)
+        dst = out if q8 is None else q8.q
         if t == 0:
-            return out
+            return dst if q8 is None else q8
         vec = 16 // x.element_size()
-        ts = (x, weight, out) + ((residual,) if residual is not None else ())
+        ts = (x, weight, dst) + ((residual,) if residual is not None else ())
         vec_ok = h % vec == 0 and _aligned(*ts)
-        per = math.ceil(h / vec / 4) if vec_ok else h
-        block = min(512, max(32, (per + 31) // 32 * 32))  # longer rows: tail loop
-        k = self._lib(x.dtype).get("rmsnorm", "rms_norm_kernel")
+        block = rms_block(h, vec, vec_ok)
         res = residual if residual is not None else x
-        args = (
-            _p(x), _p(res), _p(weight), _p(out), _i(t), _i(h), np.float32(eps),
-            _i(residual is not None), _i(vec_ok),
-        )  # fmt: skip
-        self._launch(k, (min(t, 65535),), (block,), args)
-        return out
+        head = (_p(x), _p(res), _p(weight))
+        tail = (_i(t), _i(h), np.float32(eps), _i(residual is not None), _i(vec_ok))
+        if q8 is None:
+            k = self._lib(x.dtype).get("rmsnorm", "rms_norm_kernel")
+            self._launch(k, (min(t, 65535),), (block,), head + (_p(out),) + tail)
+            return out
+        k = self._lib(x.dtype).get("rmsnorm", "rms_norm_fp8_kernel")
+        self._launch(k, (min(t, 65535),), (block,), head + (_p(q8.q), _p(q8.scale)) + tail)
+        return q8
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
@@ -234,14 +258,12 @@ class CudaBackend(GemvOps, GemvFp8Ops, Fp8Ops):
         v_scale: float = 1.0,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        _need_kv_scales(k_cache, k_scale, v_scale)
         _need(qkv, "qkv")
+        fp8 = _kv_cache(k_cache, v_cache, qkv.dtype, k_scale, v_scale)
         _need(positions, "positions", torch.int64)
         _need(slot_mapping, "slot_mapping", torch.int64)
         _need(cos, "cos", torch.float32)
         _need(sin, "sin", torch.float32)
-        _need(k_cache, "k_cache", qkv.dtype)
-        _need(v_cache, "v_cache", qkv.dtype)
         nkv, hd = k_cache.shape[2], k_cache.shape[3]
         t = qkv.shape[0]
         nq = qkv.shape[1] // hd - 2 * nkv
@@ -253,10 +275,14 @@ class CudaBackend(GemvOps, GemvFp8Ops, Fp8Ops):
             )
         if t == 0:
             return out
-        k = self._lib(qkv.dtype, hd, nq, nkv).get("rope_kv", "rope_kv_kernel")
+        name = "rope_kv_fp8_kernel" if fp8 else "rope_kv_kernel"
+        k = self._lib(qkv.dtype, hd, nq, nkv).get("rope_kv", name)
+        # the reference's float32(1 / scale) (llmc.cuda.reference.to_cache)
+        inv_k, inv_v = (np.float32(1.0 / k_scale), np.float32(1.0 / v_scale)) if fp8 else (1, 1)
         args = (
             _p(qkv), _p(positions), _p(cos), _p(sin), _p(k_cache), _p(v_cache),
-            _p(slot_mapping), _p(out), _i(t), _i(cos.shape[0]),
+            _p(slot_mapping), _p(out), _i(t), _i(cos.shape[0]), np.float32(inv_k),
+            np.float32(inv_v),
         )  # fmt: skip
         self._launch(k, (min(t, 65535),), (128,), args)
         return out
@@ -274,11 +300,14 @@ class CudaBackend(GemvOps, GemvFp8Ops, Fp8Ops):
         ctas = num_decode * num_kv_heads * CLUSTER_SPLITS
         return self.cluster_decode and 0 < ctas <= 2 * self._sm_count
 
-    def num_splits(self, num_decode: int, num_kv_heads: int, max_seq_len: int) -> int:
+    def num_splits(
+        self, num_decode: int, num_kv_heads: int, max_seq_len: int, ctas_per_sm: int = CTAS_PER_SM
+    ) -> int:
         """Most flash-decoding splits per sequence (grid z) of a decode launch.
 
-        ~2 waves of CTAs when the batch gives fewer CTAs than SMs, none otherwise;
-        never more than ``max_seq_len`` needs at ``min_split_keys`` keys per split.
+        ~2 waves of CTAs (``ctas_per_sm`` resident per SM) when the batch gives fewer CTAs
+        than SMs, none otherwise; never more than ``max_seq_len`` needs at
+        ``min_split_keys`` keys per split.
         """
         budget = (self.max_num_seqs * SPLIT_ROWS_PER_SEQ) // max(1, num_decode)
         if self.force_splits:
@@ -286,7 +315,7 @@ class CudaBackend(GemvOps, GemvFp8Ops, Fp8Ops):
         ctas = max(1, num_decode * num_kv_heads)
         if ctas >= self._sm_count:  # measured: batch 64 x 4096 is fastest unsplit
             return 1
-        want = math.ceil(2 * CTAS_PER_SM * self._sm_count / ctas)
+        want = math.ceil(2 * ctas_per_sm * self._sm_count / ctas)
         by_len = math.ceil(max(1, max_seq_len) / self.min_split_keys(num_decode, num_kv_heads))
         return max(1, min(want, by_len, MAX_SPLITS, budget))
 
@@ -298,6 +327,15 @@ class CudaBackend(GemvOps, GemvFp8Ops, Fp8Ops):
         tensor_core = self._lib(dtype, head_dim).cfg.tensor_core_prefill
         return "prefill_attention" if tensor_core else "decode_attention"
 
+    def _ctas_per_sm(self, kernel: Any) -> int:
+        """Resident CTAs of 128 threads per SM for ``kernel``'s register count (the
+        tensor-core pass of decode_mma.cuh needs ~200: 2; the CUDA-core pass 128: 4)."""
+        n = self._occupancy.get(id(kernel))
+        if n is None:
+            regs = -(-(getattr(kernel, "num_regs", 0) or 128) // 8) * 8
+            n = self._occupancy[id(kernel)] = max(1, min(CTAS_PER_SM, 65536 // (128 * regs)))
+        return n
+
     def attention(
         self,
         q: torch.Tensor,
@@ -308,10 +346,8 @@ class CudaBackend(GemvOps, GemvFp8Ops, Fp8Ops):
         v_scale: float = 1.0,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        _need_kv_scales(k_cache, k_scale, v_scale)
         _need(q, "q")
-        _need(k_cache, "k_cache", q.dtype)
-        _need(v_cache, "v_cache", q.dtype)
+        fp8 = _kv_cache(k_cache, v_cache, q.dtype, k_scale, v_scale)
         for name in ("cu_seqlens_q", "seq_lens", "block_tables"):
             _need(getattr(meta, name), name, torch.int32)
         t, nq, hd = q.shape
@@ -330,47 +366,49 @@ class CudaBackend(GemvOps, GemvFp8Ops, Fp8Ops):
             self.reserve(self.max_num_seqs, nq, hd)
         lib = self._lib(q.dtype, hd, nq, nkv)
         mbps = meta.block_tables.shape[1]
-        scale = LOG2E / math.sqrt(hd)
-        paged = lib.get("decode_attention", "paged_attention_kernel")
+        # fp8 cache: k_scale folds into the score scale, v_scale scales the output
+        scale = np.float32(LOG2E / math.sqrt(hd) * (k_scale if fp8 else 1.0))
+        vs = np.float32(v_scale if fp8 else 1.0)
+        sfx = "_fp8_kernel" if fp8 else "_kernel"
+        paged = lib.get("decode_attention", "paged_attention" + sfx)
         common = (_p(q), _p(k_cache), _p(v_cache), _p(meta.block_tables), _i(mbps), _i(bs))
         bs_shift = bs.bit_length() - 1 if bs & (bs - 1) == 0 else -1
         if nd > 0 and self.cluster_decode_ok(nd, nkv):
             # small batch: the splits of a (token, kv head) merge in distributed shared memory
-            k = lib.get("decode_attention", "paged_attention_cluster_kernel")
-            args = (
-                _p(q), _p(k_cache), _p(v_cache), _p(meta.block_tables), _i(mbps), _i(bs),
-                _p(meta.seq_lens), _p(out), np.float32(scale),
-                _i(self.min_split_keys(nd, nkv)), _i(bs_shift),
+            k = lib.get("decode_attention", "paged_attention_cluster" + sfx)
+            args = common + (
+                _p(meta.seq_lens), _p(out), scale, _i(self.min_split_keys(nd, nkv)),
+                _i(bs_shift), vs,
             )  # fmt: skip
             self._launch(k, (nd, nkv, CLUSTER_SPLITS), (CLUSTER_THREADS,), args)
         elif nd > 0:
-            splits = self.num_splits(nd, nkv, meta.max_seq_len)
+            splits = self.num_splits(nd, nkv, meta.max_seq_len, self._ctas_per_sm(paged))
             args = common + (
                 _p(meta.seq_lens), _p(meta.cu_seqlens_q), _i(b), _i(0), _i(1), _p(out),
-                _p(self._part_acc), _p(self._part_ml), np.float32(scale),
-                _i(self.min_split_keys(nd, nkv)), _i(bs_shift), _p(self._counters),
+                _p(self._part_acc), _p(self._part_ml), scale,
+                _i(self.min_split_keys(nd, nkv)), _i(bs_shift), _p(self._counters), vs,
             )  # fmt: skip
             self._launch(paged, (nd, nkv, splits), (128,), args)
         if b > nd and t > nd:
             if self.prefill_kernel(q.dtype, hd, bs) == "prefill_sm90":
-                self._sm90.launch(q, k_cache, v_cache, meta, out)
+                self._sm90.launch(q, k_cache, v_cache, meta, out, k_scale, v_scale)
             elif lib.cfg.tensor_core_prefill:
                 g = nq // nkv
                 tiles = math.ceil(meta.max_query_len * g / 64)
-                pre = lib.get("prefill_attention", "prefill_attention_kernel")
+                pre = lib.get("prefill_attention", "prefill_attention" + sfx)
                 args = common + (
                     _p(meta.seq_lens),
                     _p(meta.cu_seqlens_q),
                     _i(nd),
                     _p(out),
-                    np.float32(scale),
+                    scale,
+                    vs,
                 )
                 self._launch(pre, (tiles, b - nd, nkv), (128,), args)
             else:
                 args = common + (
                     _p(meta.seq_lens), _p(meta.cu_seqlens_q), _i(b), _i(nd), _i(0), _p(out),
-                    _p(out), _p(out), np.float32(scale), _i(1), _i(bs_shift),
-                    _p(self._counters),
+                    _p(out), _p(out), scale, _i(1), _i(bs_shift), _p(self._counters), vs,
                 )  # fmt: skip
                 self._launch(paged, (t - nd, nkv, 1), (128,), args)
         return out

@@ -8,7 +8,12 @@
 //       contexts run unsplit and surplus CTAs exit at once; the last CTA of a split
 //       sequence (atomic counter, reset by it) merges the partials, so the separate
 //       reduce kernel is gone; power-of-two block sizes index with shifts (no integer
-//       division per key); bf16 -> f32 by mask/shift.
+//       division per key); bf16 -> f32 by mask/shift ........................ 69%
+//   v4  (this) the split kernel's pass on tensor cores (decode_mma.cuh): ~5 CUDA-core
+//       instructions per bf16 element (two for an e4m3 one's conversion) become ~1 per 16
+//       elements; each warp streams its own 16-key tiles from global memory into registers
+//       2 (bf16) / 3 (e4m3) tiles ahead, 8 warps per SM.  Target: 85 % for bf16 and e4m3
+//       KV (issue 12); not yet measured (cuda/bench_fp8.py rows).
 //
 // The CTA serves the G = NQ / NKV query heads that share kv head `blockIdx.y`, so each K
 // and V row is read from device memory once for all of them (GQA).  The keys of the
@@ -16,18 +21,23 @@
 // split keeps an online softmax in float32 and writes either the final output (the
 // sequence runs as one split) or a partial (acc, max, sum); the CTA that finishes last
 // (counters[token, kv head], zero between launches) combines them and writes the output.
-//
-// Inside a CTA, LPK lanes share one key (each lane owns DPL = HD / LPK dims), so a warp
-// streams 32 / LPK keys at once, U keys per stream per step; every stream keeps its own
-// softmax state, merged across lanes and warps at the end.  Scores are in the log2
-// domain (q is pre-scaled by scale * log2(e)).
+// The pass over a CTA's keys is decode_mma.cuh's (16-bit dtypes, head_dim % 16 == 0 and
+// <= 128, G <= 8) or decode_cta.cuh's (everything else, and the cluster kernel); both leave
+// each warp's softmax state in shared memory, combined here.  Scores are in the log2 domain
+// (q is pre-scaled by scale * log2(e)).
 //
 // Token -> sequence: decode_mode = 1 means token i is sequence i (decode batch);
 // otherwise the sequence is found by binary search in cu_seqlens_q, and the query at
 // offset i of a chunk of ql tokens sees kv_len = seq_len - ql + i + 1 keys (causal,
 // chunked-prefill aware).  This makes the kernel a correct (slower) prefill kernel too.
 // Sequences with seq_len <= 0 (graph padding) write zeros.
+//
+// KV cache element type: the dtype (paged_attention_kernel, paged_attention_cluster_kernel)
+// or float8_e4m3fn codes (the *_fp8_kernel twins, same arguments): codes are converted
+// exactly in registers and the scales folded in: k_scale into q's pre-scaling (the caller
+// passes scale_log2 * k_scale), v_scale into the output (out = A / L * v_scale).
 #include "common.cuh"
+#include "fp8.cuh"
 
 #define NQ NUM_Q_HEADS
 #define NKV NUM_KV_HEADS
@@ -35,23 +45,6 @@
 #define G (NQ / NKV)
 #define NW 4
 #define U 4
-
-// Lanes per key: the fewest that keep G * DPL <= 32 floats per lane, with each lane's
-// slice a whole number of 32-bit words.
-__host__ __device__ constexpr bool lpk_ok(int l) {
-    return HD % l == 0 && ((HD / l) * (int)sizeof(scalar_t)) % 4 == 0;
-}
-__host__ __device__ constexpr int pick_lpk() {
-    for (int l = 1; l <= 32; l *= 2)
-        if (lpk_ok(l) && (HD / l) * G <= 32) return l;
-    int best = 1;
-    for (int l = 1; l <= 32; l *= 2)
-        if (lpk_ok(l)) best = l;
-    return best;
-}
-#define LPK pick_lpk()
-#define DPL (HD / LPK)
-#define KG (32 / LPK)
 
 __device__ __forceinline__ int find_seq(const int* cu, int num_seqs, int t) {
     int lo = 0, hi = num_seqs - 1;
@@ -62,188 +55,44 @@ __device__ __forceinline__ int find_seq(const int* cu, int num_seqs, int t) {
     return lo;
 }
 
-// Raw 32-bit words of n elements (widest aligned vector loads), and their float values.
-template <int WORDS>
-__device__ __forceinline__ void load_words(const scalar_t* p, unsigned* w) {
-    if constexpr (WORDS % 4 == 0) {
-#pragma unroll
-        for (int i = 0; i < WORDS; i += 4) {
-            const v4u v = reinterpret_cast<const v4u*>(p)[i / 4];
-            w[i] = v.x; w[i + 1] = v.y; w[i + 2] = v.z; w[i + 3] = v.w;
-        }
-    } else if constexpr (WORDS % 2 == 0) {
-#pragma unroll
-        for (int i = 0; i < WORDS; i += 2) {
-            const v2u v = reinterpret_cast<const v2u*>(p)[i / 2];
-            w[i] = v.x; w[i + 1] = v.y;
-        }
-    } else {
-#pragma unroll
-        for (int i = 0; i < WORDS; ++i) w[i] = reinterpret_cast<const unsigned*>(p)[i];
-    }
-}
-__device__ __forceinline__ float word_elem(const unsigned* w, int e) {
-#if LLMC_DTYPE == 0
-    return __uint_as_float(w[e]);
-#elif LLMC_DTYPE == 2
-    return __uint_as_float((e & 1) ? (w[e >> 1] & 0xffff0000u) : (w[e >> 1] << 16));
-#else
-    return to_float((unsigned short)((e & 1) ? (w[e >> 1] >> 16) : (w[e >> 1] & 0xffffu)));
-#endif
-}
-
+#ifndef LLMC_HOST_EMULATION
 // Coherent (L2) load of a float written by another CTA of the same launch.
 __device__ __forceinline__ float load_cg(const float* p) {
     float v;
     asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
     return v;
 }
+#endif
 
-// Online-softmax attention of this thread's streams over keys [kbeg, kend).  POW2: the
-// block size is 1 << bs_shift (index by shift and mask instead of a division per key).
-template <bool POW2, int NWARPS = NW>
-__device__ __forceinline__ void attend_keys(
-    const scalar_t* __restrict__ k_cache, const scalar_t* __restrict__ v_cache,
-    const int* __restrict__ bt, int block_size, int bs_shift, int kvh, int sub, int stream,
-    int kbeg, int kend, const float (&qf)[G][DPL], float (&m)[G], float (&l)[G],
-    float (&acc)[G][DPL]) {
-    constexpr int lpk = LPK, dpl = DPL, ns = NWARPS * KG;
-    constexpr int words = dpl * (int)sizeof(scalar_t) / 4;
-    const long long row_stride = (long long)NKV * HD;
-    for (int base = kbeg; base < kend; base += ns * U) {
-        // Issue every K and V load of this step before any use (bytes in flight).
-        unsigned kw[U][words], vw[U][words];
-        bool valid[U];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int j = base + u * ns + stream;
-            valid[u] = j < kend;
-            if (valid[u]) {
-                const int bi = POW2 ? (j >> bs_shift) : (j / block_size);
-                const int bo = j - bi * block_size;
-                const long long off = ((long long)bt[bi] * block_size + bo) * row_stride +
-                                      kvh * HD + sub * dpl;
-                load_words<words>(k_cache + off, kw[u]);
-                load_words<words>(v_cache + off, vw[u]);
-            } else {
-#pragma unroll
-                for (int i = 0; i < words; ++i) kw[u][i] = vw[u][i] = 0u;
-            }
-        }
-        float sc[U][G];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-#pragma unroll
-            for (int g = 0; g < G; ++g) {
-                float a = 0.f;
-#pragma unroll
-                for (int d = 0; d < dpl; ++d) a = fmaf(qf[g][d], word_elem(kw[u], d), a);
-#pragma unroll
-                for (int o = lpk / 2; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
-                sc[u][g] = valid[u] ? a : LLMC_NEG_INF;
-            }
-        }
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-            float mx = m[g];
-#pragma unroll
-            for (int u = 0; u < U; ++u) mx = fmaxf(mx, sc[u][g]);
-            if (mx == LLMC_NEG_INF) continue;  // nothing valid yet for this stream
-            const float alpha = exp2f(m[g] - mx);
-            m[g] = mx;
-            float p[U];
-            float psum = 0.f;
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                p[u] = exp2f(sc[u][g] - mx);
-                psum += p[u];
-            }
-            l[g] = l[g] * alpha + psum;
-#pragma unroll
-            for (int d = 0; d < dpl; ++d) {
-                float a = acc[g][d] * alpha;
-#pragma unroll
-                for (int u = 0; u < U; ++u) a = fmaf(p[u], word_elem(vw[u], d), a);
-                acc[g][d] = a;
-            }
-        }
-    }
+#include "decode_cta.cuh"
+#include "decode_mma.cuh"
+
+// The split kernel's pass over its keys: tensor cores where decode_mma.cuh has a kernel for
+// the config (2 CTAs per SM: ~190 registers), the CUDA-core pass otherwise (4 per SM).
+template <typename cache_t>
+__host__ __device__ constexpr bool use_mma() {
+    return sizeof(cache_t) == 1 ? MMA_DECODE_FP8 : MMA_DECODE_16;
 }
+#define SPLIT_CTAS_PER_SM(mma) ((mma) ? 2 : 4)
 
-// Merge the softmax states of the streams of one warp (lanes with the same `sub`).
-__device__ __forceinline__ void merge_warp_streams(float (&m)[G], float (&l)[G],
-                                                   float (&acc)[G][DPL]) {
-#pragma unroll
-    for (int o = 16; o >= LPK; o >>= 1) {
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-            const float mo = __shfl_xor_sync(0xffffffffu, m[g], o);
-            const float lo = __shfl_xor_sync(0xffffffffu, l[g], o);
-            const float mn = fmaxf(m[g], mo);
-            const float fa = mn == LLMC_NEG_INF ? 0.f : exp2f(m[g] - mn);
-            const float fb = mn == LLMC_NEG_INF ? 0.f : exp2f(mo - mn);
-            l[g] = l[g] * fa + lo * fb;
-#pragma unroll
-            for (int d = 0; d < DPL; ++d) {
-                const float ao = __shfl_xor_sync(0xffffffffu, acc[g][d], o);
-                acc[g][d] = acc[g][d] * fa + ao * fb;
-            }
-            m[g] = mn;
-        }
-    }
-}
-
-// One CTA's pass over keys [kbeg, kend) of token t for the G query heads of kv head kvh:
-// q (pre-scaled into the log2 domain) against the keys in streams of LPK lanes, the
-// streams' online-softmax states merged per warp, and each warp's state written to
-// sm_ml / sm_acc (combine them with combine_warp_states after a __syncthreads()).
-template <int NWARPS>
-__device__ __forceinline__ void attend_cta(
-    const scalar_t* __restrict__ q, const scalar_t* __restrict__ k_cache,
-    const scalar_t* __restrict__ v_cache, const int* __restrict__ bt, int block_size,
+template <int NWARPS, typename cache_t>
+__device__ __forceinline__ void attend_cta_split(
+    const scalar_t* __restrict__ q, const cache_t* __restrict__ k_cache,
+    const cache_t* __restrict__ v_cache, const int* __restrict__ bt, int block_size,
     int bs_shift, int t, int kvh, float scale_log2, int kbeg, int kend,
     float (&sm_ml)[NWARPS][G][2], float (&sm_acc)[NWARPS][G][HD]) {
-    constexpr int lpk = LPK, dpl = DPL, kg = KG;
-    constexpr int dv = vec_width_for(dpl);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int sub = lane % lpk, grp = lane / lpk;
-    const int stream = warp * kg + grp;
-
-    float qf[G][dpl];
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-#pragma unroll
-        for (int d = 0; d < dpl; d += dv)
-            load_vec<dv>(q + ((long long)t * NQ + kvh * G + g) * HD + sub * dpl + d, qf[g] + d);
-#pragma unroll
-        for (int d = 0; d < dpl; ++d) qf[g][d] *= scale_log2;
+#if MMA_DECODE_16 || MMA_DECODE_FP8
+    if constexpr (use_mma<cache_t>()) {
+        attend_cta_mma<NWARPS, cache_t>(q, k_cache, v_cache, bt, block_size, bs_shift, t, kvh,
+                                        scale_log2, kbeg, kend, sm_ml, sm_acc);
+    } else {
+        attend_cta_simt<NWARPS, cache_t>(q, k_cache, v_cache, bt, block_size, bs_shift, t, kvh,
+                                         scale_log2, kbeg, kend, sm_ml, sm_acc);
     }
-    float m[G], l[G], acc[G][dpl];
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-        m[g] = LLMC_NEG_INF;
-        l[g] = 0.f;
-#pragma unroll
-        for (int d = 0; d < dpl; ++d) acc[g][d] = 0.f;
-    }
-    if (bs_shift >= 0)
-        attend_keys<true, NWARPS>(k_cache, v_cache, bt, block_size, bs_shift, kvh, sub, stream,
-                                  kbeg, kend, qf, m, l, acc);
-    else
-        attend_keys<false, NWARPS>(k_cache, v_cache, bt, block_size, bs_shift, kvh, sub, stream,
-                                   kbeg, kend, qf, m, l, acc);
-    merge_warp_streams(m, l, acc);
-    if (grp == 0) {
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-            if (sub == 0) {
-                sm_ml[warp][g][0] = m[g];
-                sm_ml[warp][g][1] = l[g];
-            }
-#pragma unroll
-            for (int d = 0; d < dpl; ++d) sm_acc[warp][g][sub * dpl + d] = acc[g][d];
-        }
-    }
+#else
+    attend_cta_simt<NWARPS, cache_t>(q, k_cache, v_cache, bt, block_size, bs_shift, t, kvh,
+                                     scale_log2, kbeg, kend, sm_ml, sm_acc);
+#endif
 }
 
 // The CTA's (max M, sum L, unnormalised acc A) of head g, dim d from its NWARPS warps'
@@ -270,14 +119,15 @@ __device__ __forceinline__ void combine_warp_states(const float (&sm_ml)[NWARPS]
 // Launch: grid (tokens, NKV, max splits), block NW * 32.  min_keys: a sequence runs as
 // ceil(kv_len / min_keys) splits (at least 1, at most gridDim.z); bs_shift: log2 of
 // block_size, or -1.  counters: NKV ints per token, zero before the launch and after it.
-extern "C" __global__ void __launch_bounds__(NW * 32, 4)
-paged_attention_kernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k_cache,
-                       const scalar_t* __restrict__ v_cache, const int* __restrict__ block_tables,
-                       int max_blocks_per_seq, int block_size, const int* __restrict__ seq_lens,
-                       const int* __restrict__ cu_seqlens_q, int num_seqs, int token_begin,
-                       int decode_mode, scalar_t* __restrict__ out, float* __restrict__ part_acc,
-                       float* __restrict__ part_ml, float scale_log2, int min_keys,
-                       int bs_shift, int* __restrict__ counters) {
+// v_scale: the output factor of an fp8 V cache (1 otherwise).
+template <typename cache_t>
+__device__ __forceinline__ void paged_attention(
+    const scalar_t* __restrict__ q, const cache_t* __restrict__ k_cache,
+    const cache_t* __restrict__ v_cache, const int* __restrict__ block_tables,
+    int max_blocks_per_seq, int block_size, const int* __restrict__ seq_lens,
+    const int* __restrict__ cu_seqlens_q, int num_seqs, int token_begin, int decode_mode,
+    scalar_t* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml,
+    float scale_log2, int min_keys, int bs_shift, int* __restrict__ counters, float v_scale) {
     const int tl = blockIdx.x;
     const int t = token_begin + tl;
     const int kvh = blockIdx.y;
@@ -301,8 +151,8 @@ paged_attention_kernel(const scalar_t* __restrict__ q, const scalar_t* __restric
     __shared__ float sm_ml[NW][G][2];
     __shared__ float sm_acc[NW][G][HD];
     __shared__ int sm_last;
-    attend_cta<NW>(q, k_cache, v_cache, bt, block_size, bs_shift, t, kvh, scale_log2, kbeg, kend,
-                   sm_ml, sm_acc);
+    attend_cta_split<NW, cache_t>(q, k_cache, v_cache, bt, block_size, bs_shift, t, kvh, scale_log2,
+                            kbeg, kend, sm_ml, sm_acc);
     __syncthreads();
     for (int idx = threadIdx.x; idx < G * HD; idx += blockDim.x) {
         const int g = idx / HD, d = idx % HD;
@@ -310,7 +160,7 @@ paged_attention_kernel(const scalar_t* __restrict__ q, const scalar_t* __restric
         combine_warp_states<NW>(sm_ml, sm_acc, g, d, M, L, A);
         const int h = kvh * G + g;
         if (nsplit == 1) {
-            out[((long long)t * NQ + h) * HD + d] = from_float(L > 0.f ? A / L : 0.f);
+            out[((long long)t * NQ + h) * HD + d] = from_float(L > 0.f ? A / L * v_scale : 0.f);
         } else {
             const long long pidx = ((long long)tl * NQ + h) * nsplit_max + split;
             part_acc[pidx * HD + d] = A;
@@ -348,8 +198,29 @@ paged_attention_kernel(const scalar_t* __restrict__ q, const scalar_t* __restric
                 A += load_cg(part_acc + (pbase + i) * HD + d) * f;
             }
         }
-        out[((long long)t * NQ + h) * HD + d] = from_float(L > 0.f ? A / L : 0.f);
+        out[((long long)t * NQ + h) * HD + d] = from_float(L > 0.f ? A / L * v_scale : 0.f);
     }
+}
+
+#define PAGED_ATTENTION_ARGS(cache_t)                                                        \
+    const scalar_t *__restrict__ q, const cache_t *__restrict__ k_cache,                     \
+        const cache_t *__restrict__ v_cache, const int *__restrict__ block_tables,           \
+        int max_blocks_per_seq, int block_size, const int *__restrict__ seq_lens,            \
+        const int *__restrict__ cu_seqlens_q, int num_seqs, int token_begin, int decode_mode, \
+        scalar_t *__restrict__ out, float *__restrict__ part_acc, float *__restrict__ part_ml, \
+        float scale_log2, int min_keys, int bs_shift, int *__restrict__ counters, float v_scale
+#define PAGED_ATTENTION_CALL(cache_t)                                                         \
+    paged_attention<cache_t>(q, k_cache, v_cache, block_tables, max_blocks_per_seq, block_size, \
+                             seq_lens, cu_seqlens_q, num_seqs, token_begin, decode_mode, out,   \
+                             part_acc, part_ml, scale_log2, min_keys, bs_shift, counters, v_scale)
+
+extern "C" __global__ void __launch_bounds__(NW * 32, SPLIT_CTAS_PER_SM(MMA_DECODE_16))
+paged_attention_kernel(PAGED_ATTENTION_ARGS(scalar_t)) {
+    PAGED_ATTENTION_CALL(scalar_t);
+}
+extern "C" __global__ void __launch_bounds__(NW * 32, SPLIT_CTAS_PER_SM(MMA_DECODE_FP8))
+paged_attention_fp8_kernel(PAGED_ATTENTION_ARGS(fp8_t)) {
+    PAGED_ATTENTION_CALL(fp8_t);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -363,7 +234,8 @@ paged_attention_kernel(const scalar_t* __restrict__ q, const scalar_t* __restric
 #define CSPLIT 8
 #define CNW 8
 
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+// (Not in the host emulation: its CTAs run one after another, a cluster's cannot.)
+#if (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900) && !defined(LLMC_HOST_EMULATION)
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
     unsigned a;
     asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
@@ -382,14 +254,12 @@ __device__ __forceinline__ void cluster_sync_all() {
     asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
-extern "C" __global__ void __cluster_dims__(1, 1, CSPLIT) __launch_bounds__(CNW * 32, 2)
-paged_attention_cluster_kernel(const scalar_t* __restrict__ q,
-                               const scalar_t* __restrict__ k_cache,
-                               const scalar_t* __restrict__ v_cache,
-                               const int* __restrict__ block_tables, int max_blocks_per_seq,
-                               int block_size, const int* __restrict__ seq_lens,
-                               scalar_t* __restrict__ out, float scale_log2, int min_keys,
-                               int bs_shift) {
+template <typename cache_t>
+__device__ __forceinline__ void paged_attention_cluster(
+    const scalar_t* __restrict__ q, const cache_t* __restrict__ k_cache,
+    const cache_t* __restrict__ v_cache, const int* __restrict__ block_tables,
+    int max_blocks_per_seq, int block_size, const int* __restrict__ seq_lens,
+    scalar_t* __restrict__ out, float scale_log2, int min_keys, int bs_shift, float v_scale) {
     const int t = blockIdx.x;
     const int kvh = blockIdx.y;
     const int split = blockIdx.z;  // == the CTA's rank in its cluster
@@ -407,8 +277,8 @@ paged_attention_cluster_kernel(const scalar_t* __restrict__ q,
     __shared__ float sm_acc[CNW][G][HD];
     __shared__ float cta_ml[G][2];
     __shared__ float cta_acc[G][HD];
-    attend_cta<CNW>(q, k_cache, v_cache, bt, block_size, bs_shift, t, kvh, scale_log2, kbeg,
-                    kend, sm_ml, sm_acc);
+    attend_cta_simt<CNW, cache_t>(q, k_cache, v_cache, bt, block_size, bs_shift, t, kvh, scale_log2,
+                             kbeg, kend, sm_ml, sm_acc);
     __syncthreads();
     for (int idx = threadIdx.x; idx < G * HD; idx += blockDim.x) {
         const int g = idx / HD, d = idx % HD;
@@ -445,8 +315,26 @@ paged_attention_cluster_kernel(const scalar_t* __restrict__ q,
                 A += ld_cluster(a_acc, r) * f;
             }
         }
-        out[((long long)t * NQ + kvh * G + g) * HD + d] = from_float(L > 0.f ? A / L : 0.f);
+        out[((long long)t * NQ + kvh * G + g) * HD + d] = from_float(L > 0.f ? A / L * v_scale : 0.f);
     }
     cluster_sync_all();  // no CTA leaves while another still reads its shared memory
+}
+#define CLUSTER_ARGS(cache_t)                                                               \
+    const scalar_t *__restrict__ q, const cache_t *__restrict__ k_cache,                    \
+        const cache_t *__restrict__ v_cache, const int *__restrict__ block_tables,          \
+        int max_blocks_per_seq, int block_size, const int *__restrict__ seq_lens,           \
+        scalar_t *__restrict__ out, float scale_log2, int min_keys, int bs_shift, float v_scale
+#define CLUSTER_CALL(cache_t)                                                                \
+    paged_attention_cluster<cache_t>(q, k_cache, v_cache, block_tables, max_blocks_per_seq,   \
+                                     block_size, seq_lens, out, scale_log2, min_keys, bs_shift, \
+                                     v_scale)
+
+extern "C" __global__ void __cluster_dims__(1, 1, CSPLIT) __launch_bounds__(CNW * 32, 2)
+paged_attention_cluster_kernel(CLUSTER_ARGS(scalar_t)) {
+    CLUSTER_CALL(scalar_t);
+}
+extern "C" __global__ void __cluster_dims__(1, 1, CSPLIT) __launch_bounds__(CNW * 32, 2)
+paged_attention_cluster_fp8_kernel(CLUSTER_ARGS(fp8_t)) {
+    CLUSTER_CALL(fp8_t);
 }
 #endif

@@ -7,13 +7,13 @@ and loops are sized at compile time). Everything else (token counts, hidden size
 size, vocab) is a run-time argument.
 
 The source handed to a compiler is self-contained: the ``#define`` lines of the config,
-then the file with each ``#include`` of ``HEADERS`` (common.cuh, sm90.cuh,
-prefill_sm90_producer.cuh) replaced by that header's text. The same text goes to nvcc
-(``llmc.cuda.build``) and NVRTC (here), so a cubin in an engine's ``kernels/`` directory
-and a run-time compile are the same program.
-File names of cubins carry the config key; a missing or stale cubin falls back to NVRTC
-through ``cupy.RawModule`` (arch-specific families, ``ARCH_SPECIFIC``: through
-``nvrtc_compile`` for their ``sm_XXa`` target, cached as a cubin file).
+then the file with each ``#include "<name>.cuh"`` of this folder (common.cuh, fp8.cuh,
+sm90.cuh, ...) replaced by that header's text, once per header. The same text goes to nvcc
+(``llmc.cuda.build``) and NVRTC (here), so a cubin in an engine's ``kernels/`` directory and
+a run-time compile are the same program. File names of cubins carry the config key; a
+missing or stale cubin falls back to NVRTC through ``cupy.RawModule`` (arch-specific
+families, ``ARCH_SPECIFIC``: through ``nvrtc_compile`` for their ``sm_XXa`` target, cached
+as a cubin file).
 
 Invariant: importing this module needs neither CuPy nor a GPU (CPU tests and the engine
 builder use the source helpers); ``KernelLibrary`` imports CuPy lazily.
@@ -22,6 +22,7 @@ builder use the source helpers); ``KernelLibrary`` imports CuPy lazily.
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,8 +31,6 @@ from llmc.base.errors import UnsupportedError, check_positive_ints
 
 CUDA_DIR = Path(__file__).resolve().parent
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
-# inlined by ``source`` (the compilers see no #include)
-HEADERS = ("common.cuh", "sm90.cuh", "prefill_sm90_producer.cuh")
 NVCC_FLAGS = ("-std=c++17", "-O3")
 
 # family -> (source file, uses model constants)
@@ -39,6 +38,7 @@ FAMILIES: dict[str, tuple[str, bool]] = {
     "embedding": ("embedding.cu", False),
     "rmsnorm": ("rmsnorm.cu", False),
     "activation": ("activation.cu", False),
+    "quantize": ("quantize.cu", False),
     "rope_kv": ("rope_kv.cu", True),
     "decode_attention": ("decode_attention.cu", True),
     "prefill_attention": ("prefill_attention.cu", True),
@@ -125,13 +125,27 @@ def macros(family: str, cfg: KernelConfig) -> dict[str, int]:
     return m
 
 
+_LOCAL_INCLUDE = re.compile(r'^#include "(\w+\.cuh)"\n', re.M)
+
+
+def _inline_headers(text: str, seen: set[str]) -> str:
+    """``text`` with this folder's headers inlined, each once (as ``#pragma once`` would)."""
+
+    def one(m: re.Match[str]) -> str:
+        name = m.group(1)
+        if name in seen:
+            return ""
+        seen.add(name)
+        header = (CUDA_DIR / name).read_text().replace("#pragma once\n", "")
+        return _inline_headers(header, seen)
+
+    return _LOCAL_INCLUDE.sub(one, text)
+
+
 def source(family: str, cfg: KernelConfig | None = None) -> str:
-    """Self-contained source text of ``family`` (config macros first, header inlined)."""
+    """Self-contained source text of ``family`` (config macros first, headers inlined)."""
     file, _ = FAMILIES[family]
-    text = (CUDA_DIR / file).read_text()
-    for header in HEADERS:  # each at most once per file, in the file's own #include lines
-        body = (CUDA_DIR / header).read_text().replace("#pragma once\n", "")
-        text = text.replace(f'#include "{header}"', body)
+    text = _inline_headers((CUDA_DIR / file).read_text(), set())
     defines = "".join(f"#define {k} {v}\n" for k, v in (macros(family, cfg) if cfg else {}).items())
     return defines + text
 

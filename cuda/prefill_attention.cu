@@ -11,7 +11,15 @@
 // attends to keys 0 .. its position, all read from the paged cache (the chunk's own K/V
 // were written by rope_kv_kernel before).  K and V tiles of BN keys are gathered through
 // the block table with cp.async (V's copy overlaps the QK^T product).
+//
+// prefill_attention_fp8_kernel (same arguments): K and V come from a float8_e4m3fn cache.
+// A tile's codes are loaded into registers (16 bytes per load) while the previous product
+// runs, converted exactly to the 16-bit operand type and stored into the same shared-memory
+// tiles, so the tensor-core code is shared; k_scale is folded into the score scale (the
+// caller passes scale_log2 * k_scale), v_scale into the output.
+// The PTX helpers are host code under LLMC_HOST_EMULATION (tests/cuda/kernel_emulator.h).
 #include "common.cuh"
+#include "fp8.cuh"
 
 #if LLMC_DTYPE != 0 && (HEAD_DIM % 16 == 0)
 
@@ -23,6 +31,7 @@
 #define BN (HD <= 128 ? 64 : 32)
 #define LDS (HD + 8)
 
+#ifndef LLMC_HOST_EMULATION
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
     unsigned r;
     asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
@@ -64,6 +73,7 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 __device__ __forceinline__ void cp_async_wait_all() {
     asm volatile("cp.async.wait_group 0;" ::: "memory");
 }
+#endif  // LLMC_HOST_EMULATION
 
 // Gather BN keys [kt, kt + BN) of kv head kvh into smem rows (zero-fill past kv_end).
 __device__ __forceinline__ void load_tile(scalar_t* smem, const scalar_t* cache, const int* bt,
@@ -110,15 +120,63 @@ __device__ __forceinline__ void copy_tile(scalar_t* smem, const scalar_t* cache,
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128, 2)
-prefill_attention_kernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k_cache,
-                         const scalar_t* __restrict__ v_cache,
-                         const int* __restrict__ block_tables, int max_blocks_per_seq,
-                         int block_size, const int* __restrict__ seq_lens,
-                         const int* __restrict__ cu_seqlens_q, int seq_begin,
-                         scalar_t* __restrict__ out, float scale_log2) {
-    __shared__ alignas(16) scalar_t sK[BN * LDS];
-    __shared__ alignas(16) scalar_t sV[BN * LDS];
+// fp8 tiles: a thread loads items tid + r * 128 (r < P8) of the tile's BN * C8 16-byte
+// chunks of codes (C8 per key row) into registers, and later stores them converted.
+#define C8 (HD / 16)
+#define P8 ((BN * C8 + 127) / 128)
+
+__device__ __forceinline__ void load_tile_fp8(v4u (&reg)[P8], const fp8_t* cache, const int* bt,
+                                              int block_size, int kt, int kv_end, int kvh) {
+#pragma unroll
+    for (int r = 0; r < P8; ++r) {
+        const int i = threadIdx.x + r * 128;
+        const int key = i / C8, c = i % C8, j = kt + key;
+        if (i < BN * C8 && j < kv_end) {
+            const long long row = ((long long)bt[j / block_size] * block_size + j % block_size) * NKV + kvh;
+            reg[r] = *reinterpret_cast<const v4u*>(cache + row * HD + c * 16);
+        } else {
+            reg[r] = v4u{0u, 0u, 0u, 0u};
+        }
+    }
+}
+
+// 16 codes -> 16 operand values (exact), two 16-byte shared-memory stores.
+__device__ __forceinline__ void store_chunk_fp8(scalar_t* dst, const v4u& c) {
+    const unsigned w[4] = {c.x, c.y, c.z, c.w};
+    unsigned o[8];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#if LLMC_DTYPE == 1
+        fp8x4_to_half2x2(w[i], o[2 * i], o[2 * i + 1]);
+#else
+        float f[4];
+        fp8x4_to_float(w[i], f);
+        o[2 * i] = pack2(f[0], f[1]);
+        o[2 * i + 1] = pack2(f[2], f[3]);
+#endif
+    }
+    reinterpret_cast<v4u*>(dst)[0] = v4u{o[0], o[1], o[2], o[3]};
+    reinterpret_cast<v4u*>(dst)[1] = v4u{o[4], o[5], o[6], o[7]};
+}
+
+__device__ __forceinline__ void store_tile_fp8(scalar_t* smem, const v4u (&reg)[P8]) {
+#pragma unroll
+    for (int r = 0; r < P8; ++r) {
+        const int i = threadIdx.x + r * 128;
+        if (i < BN * C8) store_chunk_fp8(smem + (i / C8) * LDS + (i % C8) * 16, reg[r]);
+    }
+}
+
+template <typename cache_t>
+__device__ __forceinline__ void prefill_attention(
+    const scalar_t* __restrict__ q, const cache_t* __restrict__ k_cache,
+    const cache_t* __restrict__ v_cache, const int* __restrict__ block_tables,
+    int max_blocks_per_seq, int block_size, const int* __restrict__ seq_lens,
+    const int* __restrict__ cu_seqlens_q, int seq_begin, scalar_t* __restrict__ out,
+    float scale_log2, float v_scale) {
+    constexpr bool FP8 = sizeof(cache_t) == 1;
+    alignas(16) __shared__ scalar_t sK[BN * LDS];
+    alignas(16) __shared__ scalar_t sV[BN * LDS];
 
     const int s = seq_begin + blockIdx.y;
     const int kvh = blockIdx.z;
@@ -165,23 +223,38 @@ prefill_attention_kernel(const scalar_t* __restrict__ q, const scalar_t* __restr
 
     // Pipeline: K(kt + BN) is copied during P.V of tile kt, V(kt) during Q.K^T of tile kt.
     const int min_qp = ctx + row0 / G;  // smallest position of the CTA's rows
+    // fp8: K(kt + BN) codes are loaded into kr during P.V of tile kt, V(kt) into vr during
+    // Q.K^T of tile kt (the 16-bit caches copy with cp.async instead)
+    v4u kr[FP8 ? P8 : 1], vr[FP8 ? P8 : 1];
 #if FAST_GATHER
     int trows[PASSES];
-    tile_rows(trows, bt, block_size, 0, kv_end, kvh);
-    copy_tile(sK, k_cache, trows);
-#else
-    load_tile(sK, k_cache, bt, block_size, 0, kv_end, kvh);
 #endif
-    cp_async_commit();
-    for (int kt = 0; kt < kv_end; kt += BN) {
-        cp_async_wait_all();
-        __syncthreads();  // K(kt) landed; every warp is done with V(kt - BN)
+    if constexpr (FP8) {
+        load_tile_fp8(kr, k_cache, bt, block_size, 0, kv_end, kvh);
+    } else {
 #if FAST_GATHER
-        copy_tile(sV, v_cache, trows);
+        tile_rows(trows, bt, block_size, 0, kv_end, kvh);
+        copy_tile(sK, k_cache, trows);
 #else
-        load_tile(sV, v_cache, bt, block_size, kt, kv_end, kvh);
+        load_tile(sK, k_cache, bt, block_size, 0, kv_end, kvh);
 #endif
         cp_async_commit();
+    }
+    for (int kt = 0; kt < kv_end; kt += BN) {
+        if constexpr (FP8) {
+            store_tile_fp8(sK, kr);  // every warp is done with K(kt - BN) (second barrier)
+            load_tile_fp8(vr, v_cache, bt, block_size, kt, kv_end, kvh);
+            __syncthreads();  // K(kt) stored; every warp is done with V(kt - BN)
+        } else {
+            cp_async_wait_all();
+            __syncthreads();  // K(kt) landed; every warp is done with V(kt - BN)
+#if FAST_GATHER
+            copy_tile(sV, v_cache, trows);
+#else
+            load_tile(sV, v_cache, bt, block_size, kt, kv_end, kvh);
+#endif
+            cp_async_commit();
+        }
         const bool diagonal = kt + BN - 1 > min_qp;  // some key of the tile needs the mask
 
         float sc[BN / 8][4];
@@ -240,16 +313,22 @@ prefill_attention_kernel(const scalar_t* __restrict__ q, const scalar_t* __restr
             o[n][2] *= alB;
             o[n][3] *= alB;
         }
-        cp_async_wait_all();
-        __syncthreads();  // V(kt) landed; every warp is done with K(kt)
-        if (kt + BN < kv_end) {
+        if constexpr (FP8) {
+            store_tile_fp8(sV, vr);
+            if (kt + BN < kv_end) load_tile_fp8(kr, k_cache, bt, block_size, kt + BN, kv_end, kvh);
+            __syncthreads();  // V(kt) stored; every warp is done with K(kt)
+        } else {
+            cp_async_wait_all();
+            __syncthreads();  // V(kt) landed; every warp is done with K(kt)
+            if (kt + BN < kv_end) {
 #if FAST_GATHER
-            tile_rows(trows, bt, block_size, kt + BN, kv_end, kvh);
-            copy_tile(sK, k_cache, trows);
+                tile_rows(trows, bt, block_size, kt + BN, kv_end, kvh);
+                copy_tile(sK, k_cache, trows);
 #else
-            load_tile(sK, k_cache, bt, block_size, kt + BN, kv_end, kvh);
+                load_tile(sK, k_cache, bt, block_size, kt + BN, kv_end, kvh);
 #endif
-            cp_async_commit();
+                cp_async_commit();
+            }
         }
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
@@ -272,13 +351,32 @@ prefill_attention_kernel(const scalar_t* __restrict__ q, const scalar_t* __restr
     lA += __shfl_xor_sync(0xffffffffu, lA, 2);
     lB += __shfl_xor_sync(0xffffffffu, lB, 1);
     lB += __shfl_xor_sync(0xffffffffu, lB, 2);
-    const float iA = lA > 0.f ? 1.f / lA : 0.f, iB = lB > 0.f ? 1.f / lB : 0.f;
+    const float iA = lA > 0.f ? v_scale / lA : 0.f, iB = lB > 0.f ? v_scale / lB : 0.f;
 #pragma unroll
     for (int n = 0; n < HD / 8; ++n) {
         const int d = n * 8 + 2 * tq;
         if (vA) *reinterpret_cast<unsigned*>(out + qoffA + d) = pack2(o[n][0] * iA, o[n][1] * iA);
         if (vB) *reinterpret_cast<unsigned*>(out + qoffB + d) = pack2(o[n][2] * iB, o[n][3] * iB);
     }
+}
+
+#define PREFILL_ARGS(cache_t)                                                                \
+    const scalar_t *__restrict__ q, const cache_t *__restrict__ k_cache,                     \
+        const cache_t *__restrict__ v_cache, const int *__restrict__ block_tables,           \
+        int max_blocks_per_seq, int block_size, const int *__restrict__ seq_lens,            \
+        const int *__restrict__ cu_seqlens_q, int seq_begin, scalar_t *__restrict__ out,     \
+        float scale_log2, float v_scale
+#define PREFILL_CALL(cache_t)                                                                 \
+    prefill_attention<cache_t>(q, k_cache, v_cache, block_tables, max_blocks_per_seq,          \
+                               block_size, seq_lens, cu_seqlens_q, seq_begin, out, scale_log2, \
+                               v_scale)
+
+extern "C" __global__ void __launch_bounds__(128, 2) prefill_attention_kernel(PREFILL_ARGS(scalar_t)) {
+    PREFILL_CALL(scalar_t);
+}
+extern "C" __global__ void __launch_bounds__(128, 2)
+prefill_attention_fp8_kernel(PREFILL_ARGS(fp8_t)) {
+    PREFILL_CALL(fp8_t);
 }
 
 #endif

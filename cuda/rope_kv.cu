@@ -7,6 +7,11 @@
 // (llama3 / linear scaling is already folded into the tables).  slot < 0 skips the cache
 // write (CUDA-graph padding rows); q is still written.  Positions are clamped to
 // [0, max_pos) so a bad position cannot read out of bounds.
+// The rotation is float32 products and sums rounded one by one (no FMA contraction), as
+// torch's `x * cos + rotate_half(x) * sin` computes it.
+// rope_kv_fp8_kernel: the cache holds float8_e4m3fn codes: k_cache = sat(rope(k) * inv_k),
+// v_cache = sat(v * inv_v) with inv = float32(1 / scale) (one scale per layer for K and one
+// for V; llmc.cuda.reference.to_cache), round to nearest even (fp8.cuh).
 // Launch: grid min(T, 65535), block 128; pointers aligned to PV elements (checked by the
 // Python wrapper).
 //
@@ -15,6 +20,7 @@
 //   v2  one unit per thread (block 448) and 16-byte cos/sin reads: 63% -- slower;
 //       reverted (2026-11-30, commit 1e34cd6).
 #include "common.cuh"
+#include "fp8.cuh"
 
 #define NQ NUM_Q_HEADS
 #define NKV NUM_KV_HEADS
@@ -24,14 +30,25 @@
 #define PV vec_width_for(HALF)
 #define VV vec_width_for(HD)
 
-extern "C" __global__ void rope_kv_kernel(const scalar_t* __restrict__ qkv,
-                                          const long long* __restrict__ positions,
-                                          const float* __restrict__ cos_t,
-                                          const float* __restrict__ sin_t,
-                                          scalar_t* __restrict__ k_cache,
-                                          scalar_t* __restrict__ v_cache,
-                                          const long long* __restrict__ slots,
-                                          scalar_t* __restrict__ q_out, int T, int max_pos) {
+// n values into the cache: the dtype as is (inv unused), or e4m3 codes of v * inv.
+template <typename cache_t, int N>
+__device__ __forceinline__ void store_cache(cache_t* p, const float* f, float inv) {
+    if constexpr (sizeof(cache_t) == 1) {
+        store_fp8<N>(p, f, inv);
+    } else {
+        store_vec<N>(p, f);
+    }
+}
+
+template <typename cache_t>
+__device__ __forceinline__ void rope_kv(const scalar_t* __restrict__ qkv,
+                                        const long long* __restrict__ positions,
+                                        const float* __restrict__ cos_t,
+                                        const float* __restrict__ sin_t,
+                                        cache_t* __restrict__ k_cache, cache_t* __restrict__ v_cache,
+                                        const long long* __restrict__ slots,
+                                        scalar_t* __restrict__ q_out, int T, int max_pos,
+                                        float inv_k, float inv_v) {
     constexpr int pv = PV, vv = VV;
     constexpr int rot_units = (NQ + NKV) * (HALF / pv);
     constexpr int v_units = NKV * (HD / vv);
@@ -52,18 +69,19 @@ extern "C" __global__ void rope_kv_kernel(const scalar_t* __restrict__ qkv,
 #pragma unroll
                 for (int e = 0; e < pv; ++e) {
                     const float ce = c[i0 + e], se = s[i0 + e];
-                    y1[e] = x1[e] * ce - x2[e] * se;
-                    y2[e] = x2[e] * ce + x1[e] * se;
+                    y1[e] = __fsub_rn(__fmul_rn(x1[e], ce), __fmul_rn(x2[e], se));
+                    y2[e] = __fadd_rn(__fmul_rn(x2[e], ce), __fmul_rn(x1[e], se));
                 }
-                scalar_t* dst;
                 if (h < NQ) {
-                    dst = q_out + ((long long)t * NQ + h) * HD;
+                    scalar_t* dst = q_out + ((long long)t * NQ + h) * HD;
+                    store_vec<pv>(dst + i0, y1);
+                    store_vec<pv>(dst + HALF + i0, y2);
                 } else {
                     if (slot < 0) continue;
-                    dst = k_cache + (slot * NKV + (h - NQ)) * HD;
+                    cache_t* dst = k_cache + (slot * NKV + (h - NQ)) * HD;
+                    store_cache<cache_t, pv>(dst + i0, y1, inv_k);
+                    store_cache<cache_t, pv>(dst + HALF + i0, y2, inv_k);
                 }
-                store_vec<pv>(dst + i0, y1);
-                store_vec<pv>(dst + HALF + i0, y2);
             } else {
                 if (slot < 0) continue;
                 const int uu = u - rot_units;
@@ -71,8 +89,21 @@ extern "C" __global__ void rope_kv_kernel(const scalar_t* __restrict__ qkv,
                 const int i0 = (uu % (HD / vv)) * vv;
                 float v[vv];
                 load_vec<vv>(row + (NQ + NKV + kh) * HD + i0, v);
-                store_vec<vv>(v_cache + (slot * NKV + kh) * HD + i0, v);
+                store_cache<cache_t, vv>(v_cache + (slot * NKV + kh) * HD + i0, v, inv_v);
             }
         }
     }
 }
+
+#define ROPE_KV_ARGS(cache_t)                                                                  \
+    const scalar_t *__restrict__ qkv, const long long *__restrict__ positions,                 \
+        const float *__restrict__ cos_t, const float *__restrict__ sin_t,                      \
+        cache_t *__restrict__ k_cache, cache_t *__restrict__ v_cache,                          \
+        const long long *__restrict__ slots, scalar_t *__restrict__ q_out, int T, int max_pos, \
+        float inv_k, float inv_v
+#define ROPE_KV_CALL(cache_t)                                                                 \
+    rope_kv<cache_t>(qkv, positions, cos_t, sin_t, k_cache, v_cache, slots, q_out, T, max_pos, \
+                     inv_k, inv_v)
+
+extern "C" __global__ void rope_kv_kernel(ROPE_KV_ARGS(scalar_t)) { ROPE_KV_CALL(scalar_t); }
+extern "C" __global__ void rope_kv_fp8_kernel(ROPE_KV_ARGS(fp8_t)) { ROPE_KV_CALL(fp8_t); }

@@ -3,8 +3,10 @@
 tests/ is on ``sys.path`` (pytest's rootdir conftest), so a test imports these as
 ``from helpers.engines import make_limits``:
 
-- ``helpers.attention``: paged-attention batches (metadata, shuffled block tables) for the
-  GPU kernel tests;
+- ``helpers.attention``: paged-attention batches (metadata, shuffled block tables), rope
+  tables and the relative error of the kernel tests (GPU and emulated);
+- ``helpers.cuda_emulator``: a kernel family compiled as host C++ over
+  tests/cuda/kernel_emulator.h and launched on CPU tensors;
 - ``helpers.checkpoints``: tiny random HF checkpoints (Llama / Qwen2) and their tokenizer;
 - ``helpers.engines``: the tiny CPU build config, EngineLimits for a test, spec + engine
   weights straight from a checkpoint;
