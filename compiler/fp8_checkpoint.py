@@ -71,7 +71,9 @@ class PreQuantized:
             f"{self.scheme.activations})"
         )
         if quantization == "fp8":
-            kept = f"{n} weights keep their e4m3 codes (per-tensor scales broadcast per channel)"
+            kept = f"{n} weights keep their e4m3 codes"
+            if self.per_channel < n:
+                kept += " (per-tensor scales broadcast per channel)"
         else:
             kept = f"{n} weights dequantized to {dtype} (--quantization none)"
         unused = (
@@ -260,7 +262,7 @@ def _values(name: str, s: torch.Tensor, source: str) -> torch.Tensor:
         first = float(v[bad.nonzero()[0, 0]])
         raise CheckpointError(
             f"{source}: tensor {name!r} holds {int(bad.sum())} scale(s) that are zero, negative "
-            f"or not finite (e.g. {first}); a scale must be a positive finite number"
+            f"or not finite (e.g. {first:.6g}); a scale must be a positive finite number"
         )
     return v
 

@@ -4,7 +4,7 @@
   conftest's ``tiny_engine`` factory builds it, the ``LLM(build_config=...)`` tests pass it;
 - ``SMALL_LIMITS``: the limits of the small engine the bench, profile and limits tests share;
 - ``make_limits``: EngineLimits for a test (max_input_len defaults to max_seq_len, chunked
-  prefill on, float32);
+  prefill on, float32, no quantization);
 - ``pop_limits``: the EngineLimits fields taken out of a helper's keyword arguments;
 - ``load_engine_weights``: (ModelSpec, engine weights) of a checkpoint, without a build.
 """
@@ -43,6 +43,8 @@ def make_limits(
     max_input_len: int | None = None,
     enable_chunked_prefill: bool = True,
     dtype: str = "float32",
+    quantization: str = "none",
+    kv_cache_dtype: str = "auto",
 ) -> EngineLimits:
     """EngineLimits for a test (max_input_len defaults to max_seq_len)."""
     return EngineLimits(
@@ -53,6 +55,8 @@ def make_limits(
         tokens_per_block=tokens_per_block,
         enable_chunked_prefill=enable_chunked_prefill,
         dtype=dtype,
+        quantization=quantization,
+        kv_cache_dtype=kv_cache_dtype,
     )
 
 
