@@ -102,21 +102,22 @@ def check_engine_tensors(
     dtype than the engine's quantization says. ``cast_ok``: a 16/32-bit float tensor where the
     activation dtype is expected passes (the caller casts it); fp8 codes and scales never."""
     expected = engine_tensors(spec, limits)
+    settings = f"quantization {limits.quantization}, kv_cache_dtype {limits.kv_cache_dtype}"
     missing = [n for n in expected if n not in tensors]
     if missing:
-        raise EngineError(f"{where}: tensor {missing[0]!r} is missing")
+        raise EngineError(f"{where}: tensor {missing[0]!r} is missing ({settings})")
     unexpected = sorted(set(tensors) - set(expected))
     if unexpected:
-        raise EngineError(f"{where}: unexpected tensor {unexpected[0]!r}")
+        raise EngineError(f"{where}: unexpected tensor {unexpected[0]!r} ({settings})")
+    in_dtype = spec.tensor_shapes()  # the tensors kept in the activation dtype, and only those
     for name, (shape, dtype) in expected.items():
         t = tensors[name]
         got = str(t.dtype).removeprefix("torch.")
-        castable = cast_ok and dtype == limits.dtype and got in ELEMENT_BYTES and got != FP8
-        if tuple(t.shape) != shape or (got != dtype and not castable):
+        castable = cast_ok and name in in_dtype and dtype != FP8 and got in ELEMENT_BYTES
+        if tuple(t.shape) != shape or (got != dtype and not (castable and got != FP8)):
             raise EngineError(
                 f"{where}: tensor {name!r} is {list(t.shape)} {got}, expected {list(shape)} "
-                f"{dtype} (quantization {limits.quantization}, kv_cache_dtype "
-                f"{limits.kv_cache_dtype})"
+                f"{dtype} ({settings})"
             )
 
 
