@@ -45,9 +45,12 @@ ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, FP8: 1}
 def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     """UnsupportedError (with a did-you-mean) unless ``value`` is one of ``choices``."""
     if value not in choices:
+        hint = did_you_mean(str(value), choices)
+        head = str(value).split("_")[0]  # vLLM's fp8_e4m3 / fp8_e5m2 spellings
+        if not hint and head in choices:
+            hint = f" (did you mean {head!r}?)"
         raise UnsupportedError(
-            f"{name} {value!r} is not supported; choose one of {', '.join(choices)}"
-            + did_you_mean(str(value), choices)
+            f"{name} {value!r} is not supported; choose one of {', '.join(choices)}{hint}"
         )
 
 
