@@ -17,28 +17,14 @@ import time
 import pytest
 import torch
 
-from helpers.engines import make_limits
+from helpers.engines import SMOLLM2, make_limits
 from llmc.compiler.dummy import dummy_weights
-from llmc.compiler.spec import ModelSpec
 from llmc.compiler.weight_passes import quantize_engine_weights
 from llmc.runtime.engine_runtime import EngineRuntime, RuntimeConfig
 from llmc.runtime.types import SamplingParams
 
 pytestmark = pytest.mark.cuda
 
-SMOLLM2 = ModelSpec(
-    architecture="LlamaForCausalLM",
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_layers=30,
-    num_heads=9,
-    num_kv_heads=3,
-    head_dim=64,
-    rope_theta=100000.0,
-    max_position_embeddings=8192,
-    tie_word_embeddings=True,
-)
 VARIANTS = [("fp8", "auto"), ("none", "fp8"), ("fp8", "fp8")]
 NEW = (24, 9, 30, 16, 5, 27)
 
