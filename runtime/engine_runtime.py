@@ -123,6 +123,8 @@ def _check_fp8_gpu(engine: Any) -> None:
     from llmc.compiler.engine_format import rebuild_command
     from llmc.compiler.quantization import check_fp8_gpu
 
+    if engine.limits.quantization != "fp8":
+        return  # (nothing asked of the GPU otherwise)
     arch = _gpu_arch()
     fix = rebuild_command(engine.manifest, engine.dir, quantization="none", target=arch)
     check_fp8_gpu(engine.limits, torch.cuda.get_device_name(), arch, fix)

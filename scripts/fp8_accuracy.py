@@ -83,15 +83,27 @@ def perplexity(engine: Path, text_file: Path) -> dict[str, Any] | None:
     """``llmc eval``'s JSON, or None where this llmc has no eval command."""
     cmd = [sys.executable, "-m", "llmc.cli.main", "eval", "--engine_dir", str(engine)]
     res = subprocess.run(
-        [*cmd, "--text_file", str(text_file), "--device", "cpu", "--json"],
-        capture_output=True,
-        text=True,
+        [*cmd, "--text_file", str(text_file), "--json"], capture_output=True, text=True
     )
     if res.returncode != 0:
         if "No such command" in res.stderr:
             return None
         raise SystemExit(f"llmc eval failed on {engine}: {res.stderr[-2000:]}")
     return json.loads(res.stdout)
+
+
+def find_perplexity(doc: Any) -> float | None:
+    """The first number under a key named 'perplexity' in ``llmc eval``'s JSON."""
+    if isinstance(doc, dict):
+        if isinstance(doc.get("perplexity"), int | float):
+            return float(doc["perplexity"])
+        doc = list(doc.values())
+    if isinstance(doc, list):
+        for v in doc:
+            found = find_perplexity(v)
+            if found is not None:
+                return found
+    return None
 
 
 def main() -> None:
@@ -126,13 +138,10 @@ def main() -> None:
         if args.eval:
             rows[name]["eval"] = perplexity(d, args.text_file)
     print(f"{'engine':<18} {'agree vs fp32':>13} {'vs bf16':>8}  common prefix  perplexity")
+    base = find_perplexity(rows["bfloat16"].get("eval"))
     for name, r in rows.items():
-        ev = r.get("eval")
-        ppl = ev.get("perplexity") if isinstance(ev, dict) else None
-        rel = ""
-        base = rows["bfloat16"].get("eval")
-        if ppl is not None and isinstance(base, dict) and base.get("perplexity"):
-            rel = f" ({ppl / base['perplexity'] - 1:+.2%} vs bf16)"
+        ppl = find_perplexity(r.get("eval"))
+        rel = f" ({ppl / base - 1:+.2%} vs bf16)" if ppl is not None and base else ""
         print(
             f"{name:<18} {r['positions_agree']:>13.1%} {r['vs_bf16']:>8.1%}  "
             f"{r['common_prefix']}  {'-' if ppl is None else f'{ppl:.4f}'}{rel}"

@@ -137,3 +137,23 @@ def test_llmc_bench_shows_the_quantization_and_the_kv_capacity(built, tmp_path, 
     cap = {k: r["aggregates"]["kv_capacity_tokens"] for k, r in results.items()}
     assert cap["float32"] == cap["fp8"] == 320 and cap["fp8kv"] == cap["both"] == 4 * 320
     assert engines["fp8"]["weight_bytes"] < engines["float32"]["weight_bytes"]
+
+
+def test_flags_help_profiles_and_precedence(tiny_llama_dir, tmp_path):
+    helptext = " ".join(cli("build", "--help").stdout.split())
+    for fragment in ("--quantization", "--kv-cache-dtype", "W8A8", "float8_e4m3fn",
+                     "one scale per output channel", "twice the tokens of bfloat16"):  # fmt: skip
+        assert fragment in helptext, fragment
+    profile = tmp_path / "p.yaml"
+    profile.write_text("build:\n  quantization: fp8\n  kv_cache_dtype: fp8\n  target: cpu\n")
+
+    def dry(*flags: str) -> dict:
+        res = cli("build", "--checkpoint_dir", tiny_llama_dir, "--dry_run", "--json", *flags)
+        assert res.exit_code == 0, res.stderr
+        return json.loads(res.stdout)["build"]
+
+    got = dry("--profile", profile)
+    assert (got["quantization"], got["kv_cache_dtype"]) == ("fp8", "fp8")
+    got = dry("--profile", profile, "--quantization", "none")  # CLI > YAML
+    assert (got["quantization"], got["kv_cache_dtype"]) == ("none", "fp8")
+    assert dry("--target", "cpu")["quantization"] == "none"  # the default
