@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ENGINES = {  # name → build settings
+ENGINES = {  # name → build settings (scripts/eval_smollm2.sh's limits)
     "float32": dict(dtype="float32"),
     "bfloat16": dict(dtype="bfloat16"),
     "fp8 weights": dict(dtype="bfloat16", quantization="fp8"),
@@ -50,9 +50,10 @@ def build_engines(gguf: Path, out: Path, rebuild: bool) -> dict[str, Path]:
     for name, settings in ENGINES.items():
         d = out / name.replace(" ", "_").replace("+", "and")
         if rebuild or not (d / "manifest.json").is_file():
-            cfg = BuildConfig(
-                checkpoint_dir=str(gguf), output_dir=str(d), target="cpu", max_batch_size=8,
-                max_seq_len=2048, max_num_tokens=2048, force=True, **settings,
+            cfg = BuildConfig(  # the smollm2-135m profile's limits: eval windows of 1536
+                checkpoint_dir=str(gguf), output_dir=str(d), target="cpu", max_batch_size=64,
+                max_input_len=1536, max_seq_len=2048, max_num_tokens=2048, tokens_per_block=32,
+                force=True, **settings,
             )  # fmt: skip
             t0 = time.perf_counter()
             build(cfg)
@@ -83,7 +84,9 @@ def perplexity(engine: Path, text_file: Path) -> dict[str, Any] | None:
     """``llmc eval``'s JSON, or None where this llmc has no eval command."""
     cmd = [sys.executable, "-m", "llmc.cli.main", "eval", "--engine_dir", str(engine)]
     res = subprocess.run(
-        [*cmd, "--text_file", str(text_file), "--json"], capture_output=True, text=True
+        [*cmd, "--text_file", str(text_file), "--device", "cpu", "--json", "-"],
+        capture_output=True,
+        text=True,
     )
     if res.returncode != 0:
         if "No such command" in res.stderr:
