@@ -77,7 +77,30 @@ def build_command(
         str | None,
         option(
             "dtype",
-            "Weight and activation dtype: float32, float16 or bfloat16. Default: bfloat16.",
+            "Activation dtype, and the weights' where not quantized: float32, float16 or "
+            "bfloat16. Default: bfloat16.",
+            metavar="DTYPE",
+        ),
+    ] = None,
+    quantization: Annotated[
+        str | None,
+        option(
+            "quantization",
+            "Weight quantization: none, or fp8 (W8A8: the qkv, o, gate_up and down "
+            "projections in float8_e4m3fn with one scale per output channel, computed at "
+            "build; activations quantized per token at run time; embedding, lm_head and "
+            "norms stay in --dtype; a pre-quantized FP8 checkpoint keeps its codes). fp8 "
+            "needs a GPU of sm_89 or newer (or cpu). Default: none.",
+            metavar="METHOD",
+        ),
+    ] = None,
+    kv_cache_dtype: Annotated[
+        str | None,
+        option(
+            "kv_cache_dtype",
+            "KV-cache element type: auto (--dtype) or fp8 (float8_e4m3fn, 1 byte per "
+            "element with a k/v scale per layer: the pool holds twice the tokens of "
+            "bfloat16). Default: auto.",
             metavar="DTYPE",
         ),
     ] = None,
@@ -166,6 +189,8 @@ def build_command(
         "max_num_tokens": max_num_tokens,
         "tokens_per_block": tokens_per_block,
         "dtype": dtype,
+        "quantization": quantization,
+        "kv_cache_dtype": kv_cache_dtype,
         "target": target,
         "load_format": load_format,
         "dummy_seed": dummy_seed,
@@ -210,6 +235,8 @@ _TYPES = {
     "enable_chunked_prefill": bool,
     "force": bool,
     "dtype": str,
+    "quantization": str,
+    "kv_cache_dtype": str,
     "target": str,
     "load_format": str,
     "checkpoint_dir": str,

@@ -13,6 +13,7 @@ from rich.table import Table
 from llmc.base.text import printable
 from llmc.cli.options import human_bytes
 from llmc.compiler.builder import BuildResult
+from llmc.compiler.quantization import SCALE_SUFFIX, describe, is_fp8_projection
 
 
 def summary_table(result: BuildResult) -> Table:
@@ -28,6 +29,9 @@ def summary_table(result: BuildResult) -> Table:
         f"vocab {spec.vocab_size}" + (", tied embeddings" if spec.tie_word_embeddings else ""),
     )
     t.add_row("dtype / target", f"{lim.dtype} / {b.target}")
+    quant = (result.manifest or {}).get("quantization") or describe(lim)
+    t.add_row("quantization", escape(printable(quant["weights"])))
+    t.add_row("KV cache", escape(printable(quant["kv_cache"])))
     t.add_row(
         "weights",
         f"dummy (seed {b.dummy_seed})" if b.load_format == "dummy" else "from the checkpoint",
@@ -55,6 +59,13 @@ def plan_table(result: BuildResult) -> Table:
     t.add_column("item", style="bold")
     t.add_column("value", justify="right")
     t.add_row("weights", f"{human_bytes(p.weight_bytes_total)} ({len(p.weight_bytes)} tensors)")
+    if p.limits.quantization == "fp8":
+        codes = sum(n for k, n in p.weight_bytes.items() if is_fp8_projection(k))
+        scales = sum(n for k, n in p.weight_bytes.items() if k.endswith(SCALE_SUFFIX))
+        t.add_row(
+            "  of which fp8",
+            f"{human_bytes(codes)} e4m3 projections + {human_bytes(scales)} float32 scales",
+        )
     saved = 1 - p.workspace_bytes / p.naive_workspace_bytes if p.naive_workspace_bytes else 0.0
     t.add_row(
         "workspace (packed / naive)",

@@ -17,10 +17,13 @@ from llmc.base.errors import ConfigError, UnsupportedError, did_you_mean
 from llmc.compiler.input_bounds import check_field_types
 from llmc.compiler.limits import (
     DTYPES,
+    KV_CACHE_DTYPES,
+    QUANTIZATIONS,
     check_chunked_prefill,
     check_input_len,
     check_positive_int,
 )
+from llmc.compiler.quantization import check_choice, check_fp8_target
 
 LOAD_FORMATS = ("auto", "dummy")
 
@@ -44,7 +47,12 @@ class BuildConfig:
     tokens_per_block: int = 32
     """KV-cache page size in tokens."""
     dtype: str = "bfloat16"
-    """Weight and activation dtype: float32, float16 or bfloat16."""
+    """Activation dtype (and the weights' where not quantized): float32, float16 or bfloat16."""
+    quantization: str = "none"
+    """Weights: 'none' (in dtype) or 'fp8' (W8A8: e4m3 projections with per-channel scales,
+    computed at build; a pre-quantized FP8 checkpoint keeps its codes)."""
+    kv_cache_dtype: str = "auto"
+    """KV cache elements: 'auto' (dtype) or 'fp8' (e4m3, one k/v scale pair per layer)."""
     target: str = "auto"
     """'auto' (detected GPU, else cpu), 'cpu', or a CUDA arch like 'sm_90'."""
     load_format: str = "auto"
@@ -70,11 +78,9 @@ class BuildConfig:
         for name in ("max_input_len", "max_seq_len"):
             if getattr(self, name) is not None:
                 check_positive_int(name, getattr(self, name))
-        if self.dtype not in DTYPES:
-            raise UnsupportedError(
-                f"dtype {self.dtype!r} is not supported; choose one of {', '.join(DTYPES)}"
-                + did_you_mean(self.dtype, DTYPES)
-            )
+        check_choice("dtype", self.dtype, DTYPES)
+        check_choice("quantization", self.quantization, QUANTIZATIONS)
+        check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         if self.load_format not in LOAD_FORMATS:
             raise ConfigError(
                 f"load_format {self.load_format!r} is not one of {', '.join(LOAD_FORMATS)}"
@@ -84,6 +90,7 @@ class BuildConfig:
             raise UnsupportedError(
                 f"target {t!r} is not supported; use auto, cpu or a CUDA arch such as sm_90"
             )
+        check_fp8_target(self.quantization, t)
         if not 0.0 < self.kv_cache_free_gpu_mem_fraction <= 1.0:
             raise ConfigError(
                 "kv_cache_free_gpu_mem_fraction must be in (0, 1], got "

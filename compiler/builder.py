@@ -33,13 +33,14 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmc.base import version
 from llmc.base.errors import CheckpointError, ConfigError, UsageError
 from llmc.compiler.build_config import BuildConfig
 from llmc.compiler.engine_format import KERNELS_DIR, write_engine_files
 from llmc.compiler.hf_reader import TOKENIZER_FILES, read_json
+from llmc.compiler.limits import EngineLimits
 from llmc.compiler.memory_plan import MemoryPlan, plan_memory
 from llmc.compiler.output_dir import (
     check_free_space,
@@ -48,9 +49,13 @@ from llmc.compiler.output_dir import (
     make_temp_dir,
     writing,
 )
+from llmc.compiler.quantization import describe
 from llmc.compiler.resolve import ResolvedBuild, detect_gpu, device_memory, resolve_build
 from llmc.compiler.spec import ModelSpec
 from llmc.cuda.build import compile_engine_kernels
+
+if TYPE_CHECKING:
+    from llmc.compiler.fp8_checkpoint import PreQuantized
 
 PHASES = ("read", "plan", "convert", "compile", "write")
 
@@ -225,6 +230,7 @@ def build(
             if dummy:
                 weights, tok_files = None, _dummy_tokenizer_files(config.checkpoint_dir)
                 fmt = "dummy"
+                quant = _quantization_notes(resolved.limits, None, fmt)
             else:
                 from llmc.compiler.checkpoint import load_checkpoint
                 from llmc.compiler.weight_passes import to_engine_weights
@@ -232,8 +238,19 @@ def build(
                 ckpt = load_checkpoint(config.checkpoint_dir)
                 if ckpt.spec != spec:
                     raise CheckpointError(f"{source}: the model config changed while building")
-                weights = to_engine_weights(spec, ckpt.tensors, resolved.limits.dtype, source)
+                lim = resolved.limits
+                weights = to_engine_weights(
+                    spec,
+                    ckpt.tensors,
+                    lim.dtype,
+                    source,
+                    quantization=lim.quantization,
+                    kv_cache_dtype=lim.kv_cache_dtype,
+                    prequantized=ckpt.fp8,
+                )
                 tok_files, fmt = dict(ckpt.tokenizer_files), ckpt.source_format
+                quant = _quantization_notes(lim, ckpt.fp8, fmt)
+                notes = (*notes, *quant["notes"])
                 del ckpt  # the HF tensors are no longer needed
         with phase("compile", f"kernels for {resolved.target}"):
             kernels = _compile_kernels(
@@ -243,6 +260,7 @@ def build(
             manifest = _manifest(
                 config, model_config, spec, hf_config, resolved, kernels, sorted(tok_files), fmt
             )
+            manifest["quantization"] = quant["section"]
             manifest = write_engine_files(tmp, manifest, plan, weights, tok_files)
         # After the last progress event: a callback that raises aborts the build before the
         # engine exists, so build() returns exactly when the engine is written.
@@ -287,6 +305,30 @@ def _manifest(
             else str(model_config),
         },
     }
+
+
+def _quantization_notes(limits: EngineLimits, fp8: PreQuantized | None, fmt: str) -> dict[str, Any]:
+    """The manifest's ``quantization`` section (what the engine stores, in words, and where its
+    fp8 values came from) and the build notes about it."""
+    kv_from = "from the checkpoint" if fp8 is not None and fp8.kv_scales else None
+    section: dict[str, Any] = {
+        "quantization": limits.quantization,
+        "kv_cache_dtype": limits.kv_cache_dtype,
+        **describe(limits, kv_from),
+    }
+    notes = []
+    if fp8 is not None:
+        notes.append(fp8.note(limits.quantization, limits.dtype))
+        if fp8.kv_scales and limits.kv_cache_dtype != "fp8":
+            notes.append("the checkpoint's k/v scales are not used (--kv_cache_dtype auto)")
+    if limits.quantization == "fp8":
+        if fmt == "dummy":
+            section["source"] = "dummy weights, quantized per output channel when loaded"
+        elif fp8 is not None:
+            section["source"] = f"pre-quantized checkpoint ({fp8.scheme.method})"
+        else:
+            section["source"] = f"quantized per output channel at build from the {fmt} weights"
+    return {"section": section, "notes": notes}
 
 
 def _with_note(plan: MemoryPlan, note: str) -> MemoryPlan:

@@ -7,7 +7,10 @@ against the spec: a missing, unexpected or mis-shaped tensor is a CheckpointErro
 it), and the tokenizer files the engine directory will carry.
 
 Formats: an HF directory (``config.json`` + safetensors) is ``"hf"``; a ``.gguf`` file (or any
-file starting with the GGUF magic) is ``"gguf"``, dequantized to float32.
+file starting with the GGUF magic) is ``"gguf"``, dequantized to float32. An HF directory
+whose config.json has a ``quantization_config`` is a pre-quantized FP8 checkpoint (read by
+``llmc.compiler.fp8_checkpoint``; any other quantization is an UnsupportedError): its
+weights keep their e4m3 codes and ``Checkpoint.fp8`` holds the checked scales.
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ from typing import Any
 
 import torch
 
-from llmc.base.errors import CheckpointError, UnsupportedError
+from llmc.base.errors import CheckpointError
 from llmc.compiler import gguf_header, gguf_reader, hf_reader
+from llmc.compiler.fp8_checkpoint import PreQuantized, is_scale_name, read_scheme, split_scales
 from llmc.compiler.spec import ModelSpec
 from llmc.compiler.weight_passes import validate_hf_tensors
 
@@ -29,9 +33,11 @@ from llmc.compiler.weight_passes import validate_hf_tensors
 class Checkpoint:
     spec: ModelSpec
     hf_config: dict[str, Any]
-    tensors: dict[str, torch.Tensor]  # HF names, float dtypes
+    tensors: dict[str, torch.Tensor]  # HF names (no scale tensors); float or e4m3 codes
     tokenizer_files: dict[str, bytes]  # tokenizer.json, tokenizer_config.json, ...
     source_format: str  # "hf" | "gguf"
+    fp8: PreQuantized | None = None
+    """A pre-quantized FP8 checkpoint's checked scales (llmc.compiler.fp8_checkpoint)."""
 
 
 def checkpoint_format(path: str | Path) -> str:
@@ -57,13 +63,7 @@ def checkpoint_format(path: str | Path) -> str:
 
 
 def _hf_spec(path: Path, cfg: dict[str, Any]) -> ModelSpec:
-    quant = cfg.get("quantization_config")
-    if quant:
-        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
-        raise UnsupportedError(
-            f"{path}: quantized HF checkpoints ({method}) are not supported; "
-            "use the unquantized checkpoint (or a GGUF, which is dequantized on import)"
-        )
+    read_scheme(cfg, str(path / "config.json"))  # an unsupported quantization fails first
     spec = ModelSpec.from_hf_config(cfg, str(path / "config.json"))
     extra = hf_reader.read_generation_eos(path)
     eos = tuple(dict.fromkeys(spec.eos_token_ids + extra))
@@ -89,11 +89,18 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     if checkpoint_format(p) == "hf":
         cfg = hf_reader.read_hf_config(p)
         spec = _hf_spec(p, cfg)
+        scheme = read_scheme(cfg, str(p / "config.json"))
         # Headers first: a wrong checkpoint fails before gigabytes are read.
-        validate_hf_tensors(spec, hf_reader.hf_tensor_shapes(p), source=str(p))
+        shapes = hf_reader.hf_tensor_shapes(p)
+        if scheme is not None:  # its scales are checked with their values, below
+            shapes = {k: v for k, v in shapes.items() if not is_scale_name(k)}
+        validate_hf_tensors(spec, shapes, source=str(p))
         tokenizer_files = hf_reader.read_tokenizer_files(p)
         tensors = hf_reader.load_hf_tensors(p)
-        return Checkpoint(spec, cfg, tensors, tokenizer_files, "hf")
+        fp8 = None
+        if scheme is not None:
+            tensors, fp8 = split_scales(spec, scheme, tensors, str(p))
+        return Checkpoint(spec, cfg, tensors, tokenizer_files, "hf", fp8)
     cfg, tensors, tokenizer_files = gguf_reader.load_gguf(p)  # validated from its header
     spec = ModelSpec.from_hf_config(cfg, str(p))
     return Checkpoint(spec, cfg, tensors, tokenizer_files, "gguf")

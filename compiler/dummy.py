@@ -12,12 +12,16 @@ Invariants:
 - values keep activations sane over many layers: norms are 1, matrices N(0, 0.02²), and
   the two projections that write into the residual stream (o_proj, down_proj) are scaled by
   1/sqrt(2 * num_layers) (GPT-2's scheme), so the residual grows slowly with depth.
+
+An fp8 engine's dummy weights are these, quantized at load (``LoadedEngine.load_weights``
+through ``weight_passes.quantize_engine_weights``, one tensor at a time, on the device).
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Iterator
 
 import torch
 
@@ -46,19 +50,25 @@ def dummy_weights(
     spec: ModelSpec, dtype: str, seed: int, device: str | torch.device = "cpu"
 ) -> dict[str, torch.Tensor]:
     """Engine tensors (``spec.tensor_shapes()``) of random values, deterministic per seed."""
+    return dict(iter_dummy_weights(spec, dtype, seed, device))
+
+
+def iter_dummy_weights(
+    spec: ModelSpec, dtype: str, seed: int, device: str | torch.device = "cpu"
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``dummy_weights`` one tensor at a time (an fp8 engine quantizes each as it comes, so
+    the activation-dtype copies of an 8B model never exist all at once)."""
     if dtype not in TORCH_DTYPES:
         raise ConfigError(f"dummy weights: dtype {dtype!r} is not one of {sorted(TORCH_DTYPES)}")
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise ConfigError(f"dummy weights: seed must be an integer, got {seed!r}")
     dt, dev = TORCH_DTYPES[dtype], torch.device(device)
-    out: dict[str, torch.Tensor] = {}
     for name, shape in spec.tensor_shapes().items():
         if name.endswith(_NORMS):
-            out[name] = torch.ones(shape, dtype=dt, device=dev)
+            yield name, torch.ones(shape, dtype=dt, device=dev)
             continue
         gen = torch.Generator(device=dev)
         gen.manual_seed(tensor_seed(seed, name))
         t = torch.empty(shape, dtype=dt, device=dev)
         t.normal_(0.0, tensor_std(spec, name), generator=gen)
-        out[name] = t
-    return out
+        yield name, t

@@ -153,15 +153,21 @@ class LoadedEngine:
 
     def load_weights(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
         """Engine tensors on ``device``: read from weights.safetensors, or regenerated from
-        the dummy seed. Names, shapes and dtype are checked against the spec."""
+        the dummy seed (quantized there for an fp8 engine). Names, shapes and dtypes are
+        checked against the engine's tensor table (``quantization.engine_tensors``)."""
         import torch
 
-        from llmc.compiler.weight_passes import TORCH_DTYPES
+        from llmc.compiler.quantization import check_engine_tensors
 
+        lim = self.limits
         if self.build.load_format == "dummy":
-            from llmc.compiler.dummy import dummy_weights
+            from llmc.compiler.dummy import iter_dummy_weights
+            from llmc.compiler.weight_passes import quantize_engine_weights
 
-            tensors = dummy_weights(self.spec, self.limits.dtype, self.build.dummy_seed, device)
+            made = iter_dummy_weights(self.spec, lim.dtype, self.build.dummy_seed, device)
+            tensors = quantize_engine_weights(
+                self.spec, made, lim.quantization, lim.kv_cache_dtype, "dummy weights"
+            )
         else:
             from safetensors import SafetensorError
             from safetensors.torch import load_file
@@ -170,18 +176,7 @@ class LoadedEngine:
                 tensors = load_file(self.dir / WEIGHTS, device=str(torch.device(device)))
             except (SafetensorError, OSError) as e:
                 raise EngineError(f"{self.dir / WEIGHTS}: cannot read weights: {e}") from e
-        expected = self.spec.tensor_shapes()
-        dt = TORCH_DTYPES[self.limits.dtype]
-        if set(tensors) != set(expected):
-            diff = sorted(set(tensors) ^ set(expected))
-            raise EngineError(f"{self.dir / WEIGHTS}: tensor names differ from the spec: {diff}")
-        for name, shape in expected.items():
-            t = tensors[name]
-            if tuple(t.shape) != shape or t.dtype != dt:
-                raise EngineError(
-                    f"{self.dir / WEIGHTS}: tensor {name!r} is {list(t.shape)} {t.dtype}, "
-                    f"expected {list(shape)} {dt}"
-                )
+        check_engine_tensors(tensors, self.spec, lim, printable(self.dir / WEIGHTS))
         return tensors
 
 

@@ -2,7 +2,8 @@
 
 Owns:
 - ``EngineLimits`` (frozen): max_batch_size, max_input_len, max_seq_len, max_num_tokens,
-  tokens_per_block, enable_chunked_prefill and dtype, validated on construction;
+  tokens_per_block, enable_chunked_prefill, dtype, quantization and kv_cache_dtype, validated
+  on construction (what the last two mean: ``llmc.compiler.quantization``);
 - the rules on them, each a named function with one wording (``check_positive_int``,
   ``check_input_len``, ``check_chunked_prefill``), which ``BuildConfig`` also calls to refuse
   bad flags early;
@@ -26,6 +27,10 @@ from typing import Any
 from llmc.base.errors import ConfigError
 
 DTYPES = ("float32", "float16", "bfloat16")
+QUANTIZATIONS = ("none", "fp8")
+"""Weight quantization: none, or fp8 (W8A8, llmc.compiler.quantization)."""
+KV_CACHE_DTYPES = ("auto", "fp8")
+"""KV pool element type: auto (the activation dtype) or fp8 (float8_e4m3fn)."""
 
 
 def check_positive_int(name: str, value: Any) -> None:
@@ -73,7 +78,11 @@ class EngineLimits:
     enable_chunked_prefill: bool
     """Split a prompt longer than the step's remaining budget over several steps."""
     dtype: str
-    """Weight and activation dtype."""
+    """Activation dtype (and the weights' where they are not quantized)."""
+    quantization: str = "none"
+    """Weights: none (in dtype) or fp8 (e4m3 projections, per-channel scales, W8A8)."""
+    kv_cache_dtype: str = "auto"
+    """KV pool elements: auto (dtype) or fp8 (e4m3, a k/v scale pair per layer)."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -90,6 +99,11 @@ class EngineLimits:
             )
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        for name, allowed in (("quantization", QUANTIZATIONS), ("kv_cache_dtype", KV_CACHE_DTYPES)):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(
+                    f"{name} {getattr(self, name)!r} is not one of {', '.join(allowed)}"
+                )
         check_input_len(self.max_input_len, self.max_seq_len)
         check_chunked_prefill(self.max_num_tokens, self.max_input_len, self.enable_chunked_prefill)
 

@@ -12,12 +12,15 @@ Owns three things, all pure arithmetic (no torch, so ``llmc build --dry_run`` st
    offsets, or, when the run lowers the limits, at the offsets ``plan_workspace`` packs for
    them (``run_workspace`` picks). ``plan_mismatch`` is how ``load_engine`` refuses a plan.json
    that is not what this table and packer give. The buffer names are the runner's contract.
-2. **Weights.** Bytes per engine tensor (``ModelSpec.tensor_shapes``) and in total.
-3. **KV cache.** Bytes per token and per block; for a known device memory, the capacity in
-   blocks, tokens and concurrent ``max_seq_len`` requests, following TensorRT-LLM: the pool
-   gets ``kv_cache_free_gpu_mem_fraction`` of the memory left free after weights and
-   workspace (or an absolute ``max_kv_tokens``). ``kv_cache_blocks`` is what the runtime
-   calls at load time with the free memory it measures.
+2. **Weights.** Bytes per engine tensor (``quantization.engine_tensors``: with fp8 weights
+   the e4m3 projections at 1 byte per element plus their float32 scales) and in total.
+   An fp8 engine's workspace adds its quantized activations (``_fp8_buffers``).
+3. **KV cache.** Bytes per token and per block (1 byte per element for an fp8 cache); for a
+   known device memory, the capacity in blocks, tokens and concurrent ``max_seq_len``
+   requests, following TensorRT-LLM: the pool gets ``kv_cache_free_gpu_mem_fraction`` of the
+   memory left free after weights and workspace (or an absolute ``max_kv_tokens``).
+   ``kv_cache_blocks`` is what the runtime calls at load time with the free memory it
+   measures.
 
 Invariants (checked by tests/compiler/test_memory_plan.py): two buffers whose live ranges intersect
 never overlap in the arena; every offset is a multiple of ``alignment``; the packed arena is
@@ -29,12 +32,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from llmc.base.errors import CapacityError, ConfigError, EngineError, check_positive_ints
 from llmc.base.text import printable
 from llmc.compiler.limits import EngineLimits
+from llmc.compiler.quantization import ELEMENT_BYTES, FP8, engine_tensor_bytes, kv_element_bytes
 from llmc.compiler.spec import ModelSpec
 
 PLAN_FORMAT_VERSION = 2
@@ -58,7 +63,7 @@ LAYER_OPS = (
 OPS = ("embed", *LAYER_OPS, "final_norm", "gather_last", "lm_head", "sample")
 """The op sequence liveness is computed over (one decoder layer stands for all layers)."""
 
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4}
+DTYPE_BYTES = {**ELEMENT_BYTES, "int64": 8, "int32": 4}
 GIB = 1 << 30
 
 
@@ -149,6 +154,9 @@ def workspace_buffers(spec: ModelSpec, limits: EngineLimits) -> list[BufferSpec]
     def buf(name: str, shape: tuple[int, ...], dt: str, first: str, last: str) -> BufferSpec:
         return BufferSpec(name, shape, dt, _op(first), _op(last))
 
+    fp8 = limits.quantization == "fp8"
+    # fp8 weights: the layers' norms write e4m3 rows (normed_fp8); only final_norm writes normed
+    normed_from = "final_norm" if fp8 else "input_norm"
     return [
         # Step inputs live the whole step.
         BufferSpec("input_ids", (t,), "int64", *step),
@@ -162,7 +170,7 @@ def workspace_buffers(spec: ModelSpec, limits: EngineLimits) -> list[BufferSpec]
         # The hidden state carried across layers: written by embed, read by final_norm.
         buf("residual", (t, h), dtype, "embed", "final_norm"),
         # Written by input_norm, post_attn_add_norm and final_norm; last read by gather_last.
-        buf("normed", (t, h), dtype, "input_norm", "gather_last"),
+        buf("normed", (t, h), dtype, normed_from, "gather_last"),
         buf("qkv", (t, spec.qkv_size), dtype, "qkv_proj", "rope_kv_write"),
         buf("q", (t, nq * hd), dtype, "rope_kv_write", "attention"),
         buf("attn_partial_out", (b, nq, MAX_KV_SPLITS, hd), "float32", "attention", "attention"),
@@ -174,7 +182,26 @@ def workspace_buffers(spec: ModelSpec, limits: EngineLimits) -> list[BufferSpec]
         buf("act", (t, i), dtype, "silu_mul", "down_proj"),
         buf("last_hidden", (b, h), dtype, "gather_last", "lm_head"),
         buf("logits", (b, v), "float32", "lm_head", "sample"),
+        *(_fp8_buffers(buf, t, h, i, nq * hd) if fp8 else ()),
     ]
+
+
+def _fp8_buffers(
+    buf: Callable[..., BufferSpec], t: int, h: int, i: int, q: int
+) -> list[BufferSpec]:
+    """An fp8 engine's quantized activations (``Fp8Rows``: e4m3 codes + a float32 scale per
+    token): the norm outputs (qkv and gate_up inputs), the attention output (o_proj input,
+    quantized by o_proj's op) and the SiLU·mul output (down input)."""
+    rows = (
+        ("normed_fp8", h, "input_norm", "gate_up_proj"),
+        ("attn_out_fp8", q, "o_proj", "o_proj"),
+        ("act_fp8", i, "silu_mul", "down_proj"),
+    )
+    out = []
+    for name, k, first, last in rows:
+        out.append(buf(name, (t, k), FP8, first, last))
+        out.append(buf(name + "_scale", (t,), "float32", first, last))
+    return out
 
 
 def plan_workspace(spec: ModelSpec, limits: EngineLimits) -> tuple[PlannedBuffer, ...]:
@@ -310,10 +337,9 @@ def plan_memory(
     With ``check_fits``, a device on which one request of ``max_seq_len`` tokens cannot fit
     raises CapacityError with the numbers and a suggested max_seq_len or memory size.
     """
-    dtype_bytes = DTYPE_BYTES[limits.dtype]
-    weight_bytes = {n: math.prod(s) * dtype_bytes for n, s in spec.tensor_shapes().items()}
+    weight_bytes = engine_tensor_bytes(spec, limits)  # fp8 codes and their scales included
     placed, packed, naive = pack_buffers(workspace_buffers(spec, limits))
-    kv_token = spec.kv_bytes_per_token(dtype_bytes)
+    kv_token = spec.kv_bytes_per_token(kv_element_bytes(limits))  # 1 byte per element for fp8
     plan = MemoryPlan(
         limits=limits,
         buffers=placed,

@@ -21,6 +21,7 @@ from typing import Any
 from llmc.base.errors import ConfigError, EngineError
 from llmc.compiler.build_config import BuildConfig
 from llmc.compiler.limits import EngineLimits
+from llmc.compiler.quantization import check_fp8_target
 from llmc.compiler.spec import ModelSpec
 
 
@@ -113,6 +114,8 @@ def resolve_build(
         tokens_per_block=config.tokens_per_block,
         enable_chunked_prefill=config.enable_chunked_prefill,
         dtype=config.dtype,
+        quantization=config.quantization,
+        kv_cache_dtype=config.kv_cache_dtype,
     )
     if config.target == "auto":
         target = gpu.arch if gpu is not None else "cpu"
@@ -120,6 +123,7 @@ def resolve_build(
         notes.append(f"target = {target} ({where})")
     else:
         target = config.target
+    check_fp8_target(config.quantization, target)  # a detected GPU below sm_89
     dummy = config.load_format == "dummy"
     resolved = ResolvedBuild(
         limits=limits,

@@ -17,6 +17,10 @@ Engine tensor names (execution layout; torch ``nn.Linear`` convention ``[out, in
     layers.{i}.down_proj            [hidden, intermediate]
     final_norm                      [hidden]
     lm_head                         [vocab, hidden]      (absent when tie_word_embeddings)
+
+These are in the activation dtype. An engine with fp8 weights stores the four projections in
+float8_e4m3fn and adds ``layers.{i}.<proj>_scale`` float32 [out]; one with an fp8 KV cache
+adds ``layers.{i}.kv_scale`` float32 [2] (``llmc.compiler.quantization.engine_tensors``).
 """
 
 from __future__ import annotations

@@ -1,20 +1,31 @@
 """Weight passes: HF tensor names → the engine's execution layout (see compiler/spec.py).
 
-Fuses Q/K/V (and their biases) into one matrix, gate/up into one matrix, casts to the
-engine dtype and makes every tensor contiguous. Validates the checkpoint against the
-ModelSpec first: a missing, unexpected or mis-shaped tensor is a CheckpointError naming it
-(expected vs got). The fused tensors are exact concatenations: fused == cat(originals) bit
-for bit after the same cast.
+Fuses Q/K/V (and their biases) into one matrix, gate/up into one matrix (``fusion_table``),
+casts to the engine dtype and makes every tensor contiguous. Validates the checkpoint
+against the ModelSpec first: a missing, unexpected or mis-shaped tensor is a CheckpointError
+naming it (expected vs got). The fused tensors are exact concatenations: fused ==
+cat(originals) bit for bit after the same cast.
+
+FP8 engines (``llmc.compiler.quantization``): the projections are quantized per output
+channel at build (``quantize_projection``, which refuses a weight with non-finite values),
+or keep a pre-quantized checkpoint's codes (``llmc.compiler.fp8_checkpoint``); dummy weights
+are quantized at load (``quantize_engine_weights``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 
 from llmc.base.errors import CheckpointError
+from llmc.compiler.quantization import KV_SCALE, SCALE_SUFFIX, is_fp8_projection
 from llmc.compiler.spec import ModelSpec
+from llmc.cuda.reference_fp8 import quantize_weight_fp8
+
+if TYPE_CHECKING:
+    from llmc.compiler.fp8_checkpoint import PreQuantized
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -70,35 +81,142 @@ def validate_hf_tensors(
             )
 
 
-def to_engine_weights(
-    spec: ModelSpec, hf: Mapping[str, torch.Tensor], dtype: str, source: str = "checkpoint"
-) -> dict[str, torch.Tensor]:
-    """Fuse and cast HF tensors into engine tensors (names and shapes: spec.tensor_shapes())."""
-    validate_hf_tensors(spec, {k: tuple(v.shape) for k, v in hf.items()}, source)
-    dt = TORCH_DTYPES[dtype]
-
-    def cast(t: torch.Tensor) -> torch.Tensor:
-        return t.to(dt).contiguous()
-
-    out: dict[str, torch.Tensor] = {"embed_tokens": cast(hf["model.embed_tokens.weight"])}
+def fusion_table(spec: ModelSpec) -> dict[str, tuple[str, ...]]:
+    """Engine tensor → the HF tensors it concatenates along dim 0, in order (one home of the
+    fusion: q | k | v, gate | up; every other engine tensor is one HF tensor)."""
+    table: dict[str, tuple[str, ...]] = {"embed_tokens": ("model.embed_tokens.weight",)}
     for n in range(spec.num_layers):
         p, e = f"model.layers.{n}.", f"layers.{n}."
         a = p + "self_attn."
-        out[e + "input_norm"] = cast(hf[p + "input_layernorm.weight"])
-        out[e + "qkv_proj"] = torch.cat(
-            [cast(hf[a + f"{x}_proj.weight"]) for x in "qkv"], dim=0
-        ).contiguous()
+        table[e + "input_norm"] = (p + "input_layernorm.weight",)
+        table[e + "qkv_proj"] = tuple(a + f"{x}_proj.weight" for x in "qkv")
         if spec.qkv_bias:
-            out[e + "qkv_bias"] = torch.cat(
-                [cast(hf[a + f"{x}_proj.bias"]) for x in "qkv"], dim=0
-            ).contiguous()
-        out[e + "o_proj"] = cast(hf[a + "o_proj.weight"])
-        out[e + "post_attn_norm"] = cast(hf[p + "post_attention_layernorm.weight"])
-        out[e + "gate_up_proj"] = torch.cat(
-            [cast(hf[p + "mlp.gate_proj.weight"]), cast(hf[p + "mlp.up_proj.weight"])], dim=0
-        ).contiguous()
-        out[e + "down_proj"] = cast(hf[p + "mlp.down_proj.weight"])
-    out["final_norm"] = cast(hf["model.norm.weight"])
+            table[e + "qkv_bias"] = tuple(a + f"{x}_proj.bias" for x in "qkv")
+        table[e + "o_proj"] = (a + "o_proj.weight",)
+        table[e + "post_attn_norm"] = (p + "post_attention_layernorm.weight",)
+        table[e + "gate_up_proj"] = (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
+        table[e + "down_proj"] = (p + "mlp.down_proj.weight",)
+    table["final_norm"] = ("model.norm.weight",)
     if not spec.tie_word_embeddings:
-        out["lm_head"] = cast(hf["lm_head.weight"])
+        table["lm_head"] = ("lm_head.weight",)
+    return table
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim=0).contiguous()
+
+
+def to_engine_weights(
+    spec: ModelSpec,
+    hf: Mapping[str, torch.Tensor],
+    dtype: str,
+    source: str = "checkpoint",
+    *,
+    quantization: str = "none",
+    kv_cache_dtype: str = "auto",
+    prequantized: PreQuantized | None = None,
+) -> dict[str, torch.Tensor]:
+    """Fuse and cast HF tensors into engine tensors (``quantization.engine_tensors``).
+
+    ``quantization='fp8'``: each projection is quantized per output channel from the
+    checkpoint's own precision (``quantize_projection``), or, for a pre-quantized checkpoint
+    (``prequantized``: its checked scales), keeps its e4m3 codes with per-channel scales;
+    fusion concatenates codes and scales (exact, since scales are per row). With
+    quantization 'none' a pre-quantized weight is dequantized (code × scale) and cast.
+    ``kv_cache_dtype='fp8'`` adds each layer's kv_scale: the checkpoint's (k, v) scales, else
+    (1.0, 1.0)."""
+    validate_hf_tensors(spec, {k: tuple(v.shape) for k, v in hf.items()}, source)
+    dt = TORCH_DTYPES[dtype]
+    scales = prequantized.weight_scales if prequantized is not None else {}
+
+    def real(name: str) -> torch.Tensor:  # the HF tensor's values, in a float dtype
+        w = hf[name]
+        if name in scales:
+            return w.float() * scales[name][:, None]
+        if not w.dtype.is_floating_point or w.element_size() == 1:
+            raise CheckpointError(
+                f"{source}: tensor {name!r} is {str(w.dtype).removeprefix('torch.')}; llmc reads "
+                "float32, float16 or bfloat16 weights (FP8 ones with a quantization_config)"
+            )
+        return w
+
+    def fp8(name: str) -> tuple[torch.Tensor, torch.Tensor]:  # (e4m3 codes, float32 [out])
+        if name in scales:
+            return hf[name], scales[name]
+        return quantize_projection(name, real(name), source)
+
+    out: dict[str, torch.Tensor] = {}
+    for name, parts in fusion_table(spec).items():
+        if quantization == "fp8" and is_fp8_projection(name):
+            codes, row_scales = zip(*(fp8(p) for p in parts), strict=True)
+            out[name] = _cat(list(codes))
+            out[name + SCALE_SUFFIX] = _cat(list(row_scales))
+        else:
+            out[name] = _cat([real(p).to(dt) for p in parts])
+    if kv_cache_dtype == "fp8":
+        kv = prequantized.kv_scales if prequantized is not None else {}
+        out.update(kv_scale_tensors(spec, kv))
+    return out
+
+
+def quantize_projection(
+    name: str, weight: torch.Tensor, source: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight [out, in] → (e4m3 [out, in], float32 scale [out]) per output channel
+    (``llmc.cuda.reference_fp8.quantize_weight_fp8``). A weight with a NaN or infinite value
+    is refused naming it (CheckpointError): its row's scale, and so every value of the row,
+    would be garbage; with per-channel amax scaling no finite value overflows."""
+    finite = torch.isfinite(weight)
+    if not bool(finite.all()):
+        bad = int((~finite).sum())
+        raise CheckpointError(
+            f"{source}: tensor {name!r} has {bad} non-finite value(s) (NaN or inf); it cannot "
+            "be quantized to fp8 (its per-channel scales would be garbage). Fix the checkpoint"
+        )
+    return quantize_weight_fp8(weight)
+
+
+def kv_scale_tensors(
+    spec: ModelSpec, kv_scales: Mapping[int, tuple[float, float]]
+) -> dict[str, torch.Tensor]:
+    """``layers.{i}.kv_scale`` float32 [2] = (k_scale, v_scale): given, else (1.0, 1.0)."""
+    return {
+        f"layers.{i}.{KV_SCALE}": torch.tensor(kv_scales.get(i, (1.0, 1.0)), dtype=torch.float32)
+        for i in range(spec.num_layers)
+    }
+
+
+def quantize_engine_weights(
+    spec: ModelSpec,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    quantization: str,
+    kv_cache_dtype: str,
+    source: str,
+) -> dict[str, torch.Tensor]:
+    """Engine tensors in the activation dtype (e.g. dummy weights, consumed one at a time so
+    each can be freed once quantized) → the engine tensors of ``quantization`` /
+    ``kv_cache_dtype`` (kv scales 1.0)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors:
+        if quantization == "fp8" and is_fp8_projection(name):
+            out[name], out[name + SCALE_SUFFIX] = quantize_projection(name, t, source)
+        else:
+            out[name] = t
+    if kv_cache_dtype == "fp8":
+        out.update(kv_scale_tensors(spec, {}))
+    return out
+
+
+def dequantize_engine_weights(
+    tensors: Mapping[str, torch.Tensor], dtype: str
+) -> dict[str, torch.Tensor]:
+    """An engine's tensors with every fp8 projection dequantized (code × scale, in ``dtype``)
+    and no scales: the values an unquantized model runs (the ``--peer hf`` model)."""
+    dt = TORCH_DTYPES[dtype]
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if name.endswith((SCALE_SUFFIX, KV_SCALE)):
+            continue
+        scale = tensors.get(name + SCALE_SUFFIX)
+        out[name] = t if scale is None else (t.float() * scale.float()[:, None]).to(dt)
     return out

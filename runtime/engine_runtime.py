@@ -6,7 +6,9 @@ Loading order (what ``EngineRuntime.load`` does):
    (``auto``: the CUDA kernels when the device is a GPU and the engine was built for its arch
    with kernels, else the torch reference backend);
 2. ``load_engine`` verifies the directory (checksums, versions, plan, target for the CUDA
-   backend) and parses the manifest once: the runtime reads the ``LoadedEngine`` only;
+   backend) and parses the manifest once: the runtime reads the ``LoadedEngine`` only; an
+   engine with fp8 weights on a GPU below sm_89 is refused unless the run asks for the torch
+   reference backend (``quantization.check_fp8_gpu``);
 3. the engine's ``EngineLimits`` are lowered once by the run (``RuntimeConfig``'s
    ``max_batch_size``/``max_num_tokens``/``enable_chunked_prefill``; raising a limit is
    refused) and the run's workspace layout is taken from the memory plan
@@ -114,6 +116,20 @@ def _gpu_arch() -> str:
     return f"sm_{major}{minor}"
 
 
+def _check_fp8_gpu(engine: Any) -> None:
+    """fp8 weights on a GPU without FP8 tensor cores: refused naming it and the rebuild."""
+    import torch
+
+    from llmc.compiler.engine_format import rebuild_command
+    from llmc.compiler.quantization import check_fp8_gpu
+
+    if engine.limits.quantization != "fp8":
+        return  # (nothing asked of the GPU otherwise)
+    arch = _gpu_arch()
+    fix = rebuild_command(engine.manifest, engine.dir, quantization="none", target=arch)
+    check_fp8_gpu(engine.limits, torch.cuda.get_device_name(), arch, fix)
+
+
 def _free_bytes(device: str, workspace_bytes: int) -> int:
     """Device memory free for the KV pool, after weights (already loaded) and workspace."""
     if device == "cuda":
@@ -168,6 +184,8 @@ class EngineRuntime:
         config = config or RuntimeConfig()
         device = resolve_device(config.device)
         engine = load_engine(engine_dir)
+        if device == "cuda" and config.backend != "torch":
+            _check_fp8_gpu(engine)
         backend, target = cls._pick_backend(config.backend, device, engine)
         if target is not None:
             engine.check_target(target)

@@ -9,7 +9,8 @@ Per ``step(batch)``:
    add+norm, gate_up, silu·mul, down, (add+norm fused with the next layer's norm)] →
    final add+norm → gather the sampled rows → lm_head (embed_tokens when tied) → logits.
    Steps of at most ``backend.fused_decode_max_tokens`` tokens run fused small-batch ops
-   instead (norm+qkv, o_proj+add, norm+gate_up+SiLU, down+add; see ``forward``).
+   instead (norm+qkv, o_proj+add, norm+gate_up+SiLU, down+add; see ``forward``). An engine
+   with fp8 weights runs the W8A8 ops (``llmc.runtime.layers`` holds every layer sequence).
    Every op writes into a view of the workspace arena (the memory plan's offsets).
 3. sample: ``backend.sample`` → ``sampled_ids``; ONE device→host copy returns the ids (and,
    when a row asked for them, the log-probabilities packed in the same copy). A prefill
@@ -42,12 +43,14 @@ import torch
 from llmc.base.errors import EngineError
 from llmc.compiler.limits import EngineLimits, check_positive_int
 from llmc.compiler.memory_plan import PlannedBuffer, plan_workspace
+from llmc.compiler.quantization import check_engine_tensors, engine_tensors, kv_cache_dtype
 from llmc.compiler.spec import ModelSpec
 from llmc.cuda.backend import Backend
 from llmc.runtime import prompt_logprobs as plp
 from llmc.runtime import sampling as smp
 from llmc.runtime.cuda_graphs import DecodeGraphs
 from llmc.runtime.kv_tensors import KVCacheTensors, allocate_kv_cache
+from llmc.runtime.layers import DecoderLayers
 from llmc.runtime.rope import cos_sin_tables
 from llmc.runtime.step_inputs import StepInputBuilder, StepInputs
 from llmc.runtime.types import RequestFault, ScheduledBatch
@@ -88,14 +91,18 @@ class ModelRunner:
         self.device = torch.device(device)
         self.limits = limits
         self.weights = self._load_weights(weights)
-        dtype = TORCH_DTYPES[limits.dtype]
+        kv_dtype = TORCH_DTYPES[kv_cache_dtype(limits)]  # e4m3 for an fp8 cache
         self.kv_cache: KVCacheTensors = allocate_kv_cache(
-            spec, num_kv_blocks, limits.tokens_per_block, dtype, self.device
+            spec, num_kv_blocks, limits.tokens_per_block, kv_dtype, self.device
         )
         self.cos, self.sin = cos_sin_tables(spec, limits.max_seq_len, self.device)
         if workspace is None:
             workspace = plan_workspace(spec, limits)
         self.workspace = Workspace(workspace, self.device)
+        self.layers = DecoderLayers(
+            spec, self.weights, limits, backend, self.kv_cache, (self.cos, self.sin),
+            self.workspace,
+        )  # fmt: skip
         self.inputs = StepInputBuilder(spec, self.workspace, self.device, limits)
         pin = self.device.type == "cuda"
         # two read-back buffers: step N+1 may be launched before step N's ids are read
@@ -116,22 +123,15 @@ class ModelRunner:
 
     # ---- set-up --------------------------------------------------------------------
     def _load_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        expected = self.spec.tensor_shapes()
-        dt = TORCH_DTYPES[self.limits.dtype]
+        """The engine tensors on the device: those of the activation dtype cast to it (a
+        float tensor of another precision is accepted), fp8 codes and float32 scales kept
+        as they are (``quantization.engine_tensors``; EngineError naming a tensor that does
+        not match)."""
+        check_engine_tensors(weights, self.spec, self.limits, "engine weights", cast_ok=True)
         out: dict[str, torch.Tensor] = {}
-        for name, shape in expected.items():
-            if name not in weights:
-                raise EngineError(f"engine weights: tensor {name!r} is missing")
+        for name, (_, dtype) in engine_tensors(self.spec, self.limits).items():
             w = weights[name]
-            if tuple(w.shape) != shape:
-                raise EngineError(
-                    f"engine weights: tensor {name!r} has shape {list(w.shape)}, "
-                    f"expected {list(shape)}"
-                )
-            out[name] = w.to(device=self.device, dtype=dt).contiguous()
-        unexpected = sorted(set(weights) - set(expected))
-        if unexpected:
-            raise EngineError(f"engine weights: unexpected tensor {unexpected[0]!r}")
+            out[name] = w.to(device=self.device, dtype=TORCH_DTYPES[dtype]).contiguous()
         if self.spec.tie_word_embeddings:
             out["lm_head"] = out["embed_tokens"]
         return out
@@ -146,52 +146,17 @@ class ModelRunner:
         linear_residual_add (o_proj, into residual in place), norm_gate_up_silu (post-attn
         norm + gate_up + SiLU·mul), linear_residual_add (down) and end with rms_norm of the
         residual; the unfused path defers each residual add into the next add+norm. Both
-        compute the same values (every intermediate rounded to the dtype).
+        compute the same values (every intermediate rounded to the dtype). The layers' op
+        sequences (and their fp8 forms) are ``DecoderLayers``'s (runtime/layers.py).
         """
         be, w, ws, spec = self.backend, self.weights, self.workspace, self.spec
         t, s = inp.num_tokens, inp.num_sampled
         eps = spec.rms_norm_eps
-        nq, hd = spec.num_heads, spec.head_dim
-        residual, normed = ws["residual"][:t], ws["normed"][:t]
-        qkv, q, attn_out = ws["qkv"][:t], ws["q"][:t], ws["attn_out"][:t]
-        proj_out, gate_up, act = ws["proj_out"][:t], ws["gate_up"][:t], ws["act"][:t]
-        meta = inp.attn
+        residual, normed, proj_out = ws["residual"][:t], ws["normed"][:t], ws["proj_out"][:t]
         fused = 0 < t <= getattr(be, "fused_decode_max_tokens", 0)
 
-        def attend(i: int) -> None:  # qkv → rope + KV write → attention → attn_out
-            k_cache, v_cache = self.kv_cache.layer(i)
-            qh = be.rope_and_cache_write(
-                qkv, meta.positions, self.cos, self.sin, k_cache, v_cache, meta.slot_mapping,
-                out=q,
-            )  # fmt: skip
-            be.attention(qh.view(t, nq, hd), k_cache, v_cache, meta, out=attn_out)
-
         be.embedding(inp.input_ids, w["embed_tokens"], out=residual)
-        for i in range(spec.num_layers):
-            p = f"layers.{i}."
-            if fused:
-                be.norm_linear(
-                    residual, w[p + "input_norm"], eps, w[p + "qkv_proj"],
-                    w.get(p + "qkv_bias"), out=qkv,
-                )  # fmt: skip
-                attend(i)
-                be.linear_residual_add(attn_out, w[p + "o_proj"], residual)
-                be.norm_gate_up_silu(
-                    residual, w[p + "post_attn_norm"], eps, w[p + "gate_up_proj"], out=act
-                )
-                be.linear_residual_add(act, w[p + "down_proj"], residual)
-                continue
-            if i == 0:
-                be.rms_norm(residual, w[p + "input_norm"], eps, out=normed)
-            else:  # the previous layer's MLP residual add, fused with this layer's norm
-                be.add_rms_norm(proj_out, residual, w[p + "input_norm"], eps, out=normed)
-            be.linear(normed, w[p + "qkv_proj"], w.get(p + "qkv_bias"), out=qkv)
-            attend(i)
-            be.linear(attn_out, w[p + "o_proj"], out=proj_out)
-            be.add_rms_norm(proj_out, residual, w[p + "post_attn_norm"], eps, out=normed)
-            be.linear(normed, w[p + "gate_up_proj"], out=gate_up)
-            be.silu_and_mul(gate_up, out=act)
-            be.linear(act, w[p + "down_proj"], out=proj_out)
+        self.layers.run(inp, fused)  # runtime/layers.py: the activation-dtype or fp8 sequence
         prompt = inp.prompt
         if s == 0 and prompt is None:
             return None

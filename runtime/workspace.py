@@ -25,6 +25,7 @@ TORCH_DTYPES = {
     "float32": torch.float32,
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
     "int64": torch.int64,
     "int32": torch.int32,
 }

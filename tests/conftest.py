@@ -17,6 +17,7 @@ Fixtures here:
 - ``tiny_llama_dir`` / ``tiny_qwen2_dir`` (session): tiny random HF checkpoints;
 - ``smollm2_gguf`` / ``smollm2_hf_dir`` (session): the real SmolLM2-135M (downloaded once into
   the model cache) and its import into a float32 HF directory;
+- ``smollm2_4l_dir`` (session): SmolLM2's first 4 layers, a small model with real weights;
 - ``tiny_engine`` (session): ``tiny_engine(checkpoint, **fields) -> engine dir``, a float32 CPU
   ``llmc build`` (``helpers.engines.tiny_build_config``), built once per distinct arguments
   in the session. Pass the limits your test depends on (``**SMALL_LIMITS`` when any small
@@ -72,6 +73,15 @@ def smollm2_hf_dir(smollm2_gguf, tmp_path_factory) -> Path:
     from llmc.compiler.gguf_reader import import_gguf
 
     return import_gguf(smollm2_gguf, tmp_path_factory.mktemp("smollm2_hf") / "model")
+
+
+@pytest.fixture(scope="session")
+def smollm2_4l_dir(smollm2_hf_dir, tmp_path_factory) -> Path:
+    """SmolLM2's first 4 layers (real weights, float32): a small model whose greedy tokens
+    mean something, for accuracy comparisons (fp8 against float32)."""
+    from helpers.checkpoints import truncate_checkpoint
+
+    return truncate_checkpoint(smollm2_hf_dir, tmp_path_factory.mktemp("smollm2_4l") / "m", 4)
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
 """``--peer hf``: the same workload through HuggingFace transformers ``generate``.
 
-The peer runs the engine's own weights (unfused back to the HF layout) in the engine's
+The peer runs the engine's own weights (unfused back to the HF layout; an fp8 engine's
+projections dequantized, so the peer computes them in bf16, weight-only) in the engine's
 dtype on the same device, as static batches of the same requests in the same order:
 prompts left-padded to the longest in the batch, greedy, ``min_new_tokens =
 max_new_tokens`` so EOS never ends a row early (lengths are exact, as in llmc's run).
@@ -67,7 +68,7 @@ def load_hf_model(engine: Any, device: torch.device) -> Any:
         import transformers
     except ImportError as e:
         raise UnsupportedError("--peer hf needs the transformers package") from e
-    from llmc.compiler.weight_passes import TORCH_DTYPES
+    from llmc.compiler.weight_passes import TORCH_DTYPES, dequantize_engine_weights
 
     spec: ModelSpec = engine.spec
     dtype = TORCH_DTYPES[engine.limits.dtype]
@@ -80,7 +81,8 @@ def load_hf_model(engine: Any, device: torch.device) -> Any:
     cfg = transformers.AutoConfig.for_model(model_type, **hf)
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    tensors = engine.load_weights(device)
+    # an fp8 engine's projections as the values they stand for (code x scale, in dtype)
+    tensors = dequantize_engine_weights(engine.load_weights(device), engine.limits.dtype)
     missing, unexpected = model.load_state_dict(hf_state_dict(spec, tensors), strict=False)
     del tensors
     bad = [k for k in missing if not k.endswith("lm_head.weight")] + list(unexpected)

@@ -162,7 +162,11 @@ def engine_section(result: dict[str, Any]) -> Table:
             f"params, {e.get('num_layers', NA)} layers, hidden {e.get('hidden_size', NA)}, "
             f"heads {e.get('num_heads', NA)}/{e.get('num_kv_heads', NA)}",
         ),
-        ("weights", f"{fmt(e.get('weight_bytes'), ',.0f', 1 / 2**20)} MiB {e.get('dtype', NA)}"),
+        (
+            "weights",
+            f"{fmt(e.get('weight_bytes'), ',.0f', 1 / 2**20)} MiB {e.get('dtype', NA)}, "
+            f"quantization {e.get('quantization', NA)}",
+        ),
         (
             "build",
             f"target {e.get('target', NA)}, max_seq_len {fmt(e.get('max_seq_len'))}, "
@@ -177,7 +181,9 @@ def engine_section(result: dict[str, Any]) -> Table:
         ),
         (
             "KV pool",
-            f"{kv_pool}, policy {rt.get('scheduler_policy', NA)}, block reuse "
+            f"{kv_pool}, kv_cache_dtype {e.get('kv_cache_dtype', NA)} "
+            f"({fmt(e.get('kv_bytes_per_token'))} bytes/token), policy "
+            f"{rt.get('scheduler_policy', NA)}, block reuse "
             f"{fmt(rt.get('enable_block_reuse'))}",
         ),
         (

@@ -18,27 +18,13 @@ from typing import Any
 import pytest
 import torch
 
-from helpers.engines import load_engine_weights, make_limits
+from helpers.engines import SMOLLM2, load_engine_weights, make_limits
 from llmc.compiler.dummy import dummy_weights
 from llmc.compiler.spec import ModelSpec
 from llmc.runtime.engine_runtime import EngineRuntime, RuntimeConfig
 from llmc.runtime.types import SamplingParams
 
 pytestmark = pytest.mark.cuda
-
-SMOLLM2 = ModelSpec(
-    architecture="LlamaForCausalLM",
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_layers=30,
-    num_heads=9,
-    num_kv_heads=3,
-    head_dim=64,
-    rope_theta=100000.0,
-    max_position_embeddings=8192,
-    tie_word_embeddings=True,
-)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -67,3 +67,25 @@ def make_hf_checkpoint(path: Path, arch: str = "llama", seed: int = 0, **overrid
     model.save_pretrained(path, safe_serialization=True)
     write_tokenizer(path, cfg_kwargs["vocab_size"])
     return path
+
+
+def truncate_checkpoint(src: Path, dst: Path, num_layers: int) -> Path:
+    """A copy of the HF checkpoint ``src`` keeping only its first ``num_layers`` layers: a
+    small model with real weights (peaked logits, unlike a random one)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["num_hidden_layers"] = num_layers
+    (dst / "config.json").write_text(json.dumps(cfg))
+    tensors = load_file(str(dst / "model.safetensors"))
+    keep = {
+        k: v
+        for k, v in tensors.items()
+        if not k.startswith("model.layers.") or int(k.split(".")[2]) < num_layers
+    }
+    save_file(keep, str(dst / "model.safetensors"))
+    return dst

@@ -2,9 +2,10 @@
 
 - ``tiny_build_config``: the BuildConfig of every tiny CPU engine (float32, target cpu);
   conftest's ``tiny_engine`` factory builds it, the ``LLM(build_config=...)`` tests pass it;
+- ``SMOLLM2``: SmolLM2-135M's ModelSpec, for dummy weights of a real shape;
 - ``SMALL_LIMITS``: the limits of the small engine the bench, profile and limits tests share;
 - ``make_limits``: EngineLimits for a test (max_input_len defaults to max_seq_len, chunked
-  prefill on, float32);
+  prefill on, float32, no quantization);
 - ``pop_limits``: the EngineLimits fields taken out of a helper's keyword arguments;
 - ``load_engine_weights``: (ModelSpec, engine weights) of a checkpoint, without a build.
 """
@@ -22,6 +23,21 @@ from llmc.compiler.build_config import BuildConfig
 from llmc.compiler.limits import EngineLimits
 from llmc.compiler.spec import ModelSpec
 from llmc.compiler.weight_passes import to_engine_weights
+
+SMOLLM2 = ModelSpec(
+    architecture="LlamaForCausalLM",
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_layers=30,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    rope_theta=100000.0,
+    max_position_embeddings=8192,
+    tie_word_embeddings=True,
+)
+"""SmolLM2-135M's shape (for dummy weights on the GPU)."""
 
 SMALL_LIMITS: dict[str, int] = dict(
     max_seq_len=128, max_input_len=64, max_num_tokens=64, max_batch_size=8, tokens_per_block=16
@@ -43,6 +59,8 @@ def make_limits(
     max_input_len: int | None = None,
     enable_chunked_prefill: bool = True,
     dtype: str = "float32",
+    quantization: str = "none",
+    kv_cache_dtype: str = "auto",
 ) -> EngineLimits:
     """EngineLimits for a test (max_input_len defaults to max_seq_len)."""
     return EngineLimits(
@@ -53,6 +71,8 @@ def make_limits(
         tokens_per_block=tokens_per_block,
         enable_chunked_prefill=enable_chunked_prefill,
         dtype=dtype,
+        quantization=quantization,
+        kv_cache_dtype=kv_cache_dtype,
     )
 
 

@@ -1,0 +1,178 @@
+"""Quantized engines: the two build settings, the engine tensor table with dtypes, and where
+an FP8 engine may run.
+
+What it owns (no torch: the memory plan and ``llmc build --dry_run`` read it):
+
+- the meaning of ``--quantization`` (none, fp8) and ``--kv_cache_dtype`` (auto = the
+  activation dtype, fp8), vLLM's names (the values, ``QUANTIZATIONS`` and
+  ``KV_CACHE_DTYPES``, are declared in compiler/limits.py beside ``EngineLimits``, whose
+  fields they are);
+- the FP8 recipe of an engine, W8A8: the four projections of every layer (``FP8_PROJECTIONS``)
+  are stored in float8_e4m3fn with one float32 scale per output channel (``<name>_scale``
+  [out]); activations are quantized per token, dynamically, by the op that produces them
+  (``llmc.cuda.reference_fp8``); embedding, lm_head, norms and biases stay in the activation
+  dtype. An fp8 KV cache stores e4m3 codes with one static (k_scale, v_scale) pair per
+  layer, ``layers.{i}.kv_scale`` float32 [2] (1.0 unless the checkpoint brings calibrated
+  scales);
+- ``engine_tensors``: every engine tensor of an engine → (shape, dtype), the table the
+  build writes, ``load_engine`` and the ModelRunner check (``check_engine_tensors``: an
+  EngineError naming the tensor) and the memory plan counts;
+- ``check_fp8_target`` / ``check_fp8_gpu``: FP8 GEMMs need FP8 tensor cores (sm_89 or newer:
+  Ada, Hopper); a target or GPU below is refused naming it and the flags that work.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from llmc.base.errors import EngineError, UnsupportedError, did_you_mean
+from llmc.compiler.limits import EngineLimits
+from llmc.compiler.spec import ModelSpec
+
+FP8 = "float8_e4m3fn"
+FP8_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+"""The engine tensors of each layer an fp8 engine stores in e4m3 (``layers.{i}.<name>``)."""
+SCALE_SUFFIX = "_scale"
+KV_SCALE = "kv_scale"
+FP8_MIN_SM = 89
+"""The first compute capability with FP8 tensor cores (Ada sm_89; Hopper sm_90)."""
+
+ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, FP8: 1}
+
+
+def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    """UnsupportedError (with a did-you-mean) unless ``value`` is one of ``choices``."""
+    if value not in choices:
+        hint = did_you_mean(str(value), choices)
+        head = str(value).split("_")[0]  # vLLM's fp8_e4m3 / fp8_e5m2 spellings
+        if not hint and head in choices:
+            hint = f" (did you mean {head!r}?)"
+        raise UnsupportedError(
+            f"{name} {value!r} is not supported; choose one of {', '.join(choices)}{hint}"
+        )
+
+
+def is_fp8_projection(name: str) -> bool:
+    """``layers.{i}.<one of FP8_PROJECTIONS>``."""
+    return name.startswith("layers.") and name.rsplit(".", 1)[-1] in FP8_PROJECTIONS
+
+
+def kv_cache_dtype(limits: EngineLimits) -> str:
+    """The KV pool's element dtype: float8_e4m3fn for an fp8 cache, else the activation's."""
+    return FP8 if limits.kv_cache_dtype == "fp8" else limits.dtype
+
+
+def kv_element_bytes(limits: EngineLimits) -> int:
+    return ELEMENT_BYTES[kv_cache_dtype(limits)]
+
+
+def engine_tensors(spec: ModelSpec, limits: EngineLimits) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every engine tensor → (shape, dtype name): ``spec.tensor_shapes()`` in the activation
+    dtype; with fp8 weights the projections in e4m3 followed by their float32 scales [out];
+    with an fp8 KV cache each layer's ``kv_scale`` float32 [2] = (k_scale, v_scale)."""
+    fp8_weights = limits.quantization == "fp8"
+    out: dict[str, tuple[tuple[int, ...], str]] = {}
+    for name, shape in spec.tensor_shapes().items():
+        if fp8_weights and is_fp8_projection(name):
+            out[name] = (shape, FP8)
+            out[name + SCALE_SUFFIX] = ((shape[0],), "float32")
+        else:
+            out[name] = (shape, limits.dtype)
+    if limits.kv_cache_dtype == "fp8":
+        for i in range(spec.num_layers):
+            out[f"layers.{i}.{KV_SCALE}"] = ((2,), "float32")
+    return out
+
+
+def engine_tensor_bytes(spec: ModelSpec, limits: EngineLimits) -> dict[str, int]:
+    """Bytes of every engine tensor (the memory plan's weights)."""
+    tensors = engine_tensors(spec, limits).items()
+    return {n: math.prod(shape) * ELEMENT_BYTES[dt] for n, (shape, dt) in tensors}
+
+
+def check_engine_tensors(
+    tensors: Mapping[str, Any],
+    spec: ModelSpec,
+    limits: EngineLimits,
+    where: str,
+    *,
+    cast_ok: bool = False,
+) -> None:
+    """Names, shapes and dtypes of ``tensors`` (torch tensors) against ``engine_tensors``:
+    EngineError naming the first tensor that is missing, unexpected or of another shape or
+    dtype than the engine's quantization says. ``cast_ok``: a 16/32-bit float tensor where the
+    activation dtype is expected passes (the caller casts it); fp8 codes and scales never."""
+    expected = engine_tensors(spec, limits)
+    settings = f"quantization {limits.quantization}, kv_cache_dtype {limits.kv_cache_dtype}"
+    missing = [n for n in expected if n not in tensors]
+    if missing:
+        raise EngineError(f"{where}: tensor {missing[0]!r} is missing ({settings})")
+    unexpected = sorted(set(tensors) - set(expected))
+    if unexpected:
+        raise EngineError(f"{where}: unexpected tensor {unexpected[0]!r} ({settings})")
+    in_dtype = spec.tensor_shapes()  # the tensors kept in the activation dtype, and only those
+    for name, (shape, dtype) in expected.items():
+        t = tensors[name]
+        got = str(t.dtype).removeprefix("torch.")
+        castable = cast_ok and name in in_dtype and dtype != FP8 and got in ELEMENT_BYTES
+        if tuple(t.shape) != shape or (got != dtype and not (castable and got != FP8)):
+            raise EngineError(
+                f"{where}: tensor {name!r} is {list(t.shape)} {got}, expected {list(shape)} "
+                f"{dtype} ({settings})"
+            )
+
+
+def sm_number(arch: str) -> int | None:
+    """90 for 'sm_90'; None for anything that is not a CUDA arch (cpu)."""
+    if arch.startswith("sm_") and arch[3:].isdigit():
+        return int(arch[3:])
+    return None
+
+
+def check_fp8_target(quantization: str, target: str) -> None:
+    """fp8 weights for a CUDA target below sm_89 are refused at build time (UnsupportedError
+    naming the target and the flags that build for it)."""
+    sm = sm_number(target)
+    if quantization == "fp8" and sm is not None and sm < FP8_MIN_SM:
+        raise UnsupportedError(
+            f"--quantization fp8 needs a GPU with FP8 tensor cores (sm_{FP8_MIN_SM} or newer: "
+            f"Ada, Hopper), but the target is {target}; build for {target} with "
+            f"--quantization none (--kv_cache_dtype fp8 works there), or choose --target "
+            f"sm_89, sm_90 or cpu"
+        )
+
+
+def check_fp8_gpu(limits: EngineLimits, gpu_name: str, arch: str, fix: str) -> None:
+    """An engine with fp8 weights on a GPU below sm_89 is refused (UnsupportedError naming
+    the GPU and ``fix``, the build command that works there)."""
+    sm = sm_number(arch)
+    if limits.quantization == "fp8" and sm is not None and sm < FP8_MIN_SM:
+        raise UnsupportedError(
+            f"this engine has fp8 weights (W8A8), which need a GPU with FP8 tensor cores "
+            f"(sm_{FP8_MIN_SM} or newer: Ada, Hopper); {gpu_name} is {arch}. Rebuild it with "
+            f"--quantization none: {fix} (or run it on the torch reference backend: "
+            "--backend torch)"
+        )
+
+
+def describe(limits: EngineLimits, kv_scales_from: str | None = None) -> dict[str, str]:
+    """The engine's quantization in words (the manifest's ``quantization`` section and the
+    build report): ``weights`` and ``kv_cache``. ``kv_scales_from``: where the fp8 KV
+    scales came from (None: 1.0, no calibrated scales)."""
+    dt = limits.dtype
+    if limits.quantization == "fp8":
+        weights = (
+            f"fp8 W8A8: {', '.join(FP8_PROJECTIONS)} in {FP8} with one float32 scale per "
+            f"output channel; activations quantized per token at run time (dynamic); "
+            f"embedding, lm_head, norms and biases stay {dt}"
+        )
+    else:
+        weights = f"none: every tensor in {dt}"
+    if limits.kv_cache_dtype == "fp8":
+        scales = kv_scales_from or "1.0 (no calibrated scales in the checkpoint)"
+        kv = f"fp8: {FP8}, 1 byte per element, one k/v scale pair per layer: {scales}"
+    else:
+        kv = f"auto: {dt}, {ELEMENT_BYTES[dt]} bytes per element"
+    return {"weights": weights, "kv_cache": kv}

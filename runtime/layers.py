@@ -1,0 +1,206 @@
+"""DecoderLayers: the decoder layers of one forward step on a Backend, in the engine's dtype
+or in FP8 (W8A8), each as the unfused op sequence and the fused small-step one.
+
+The ModelRunner embeds the step's tokens into the ``residual`` workspace buffer, calls
+``DecoderLayers.run`` and then applies the final norm and lm_head. Every op writes into a
+view of the workspace arena (the memory plan's buffers); nothing is allocated here.
+
+Op sequences per layer (the unfused path defers each residual add into the next add+norm,
+so ``proj_out`` holds the last layer's down projection, not yet added, when ``run`` returns;
+the fused path adds in place and leaves the residual complete):
+
+- activation dtype, unfused: [add+]rms_norm → linear qkv → rope + KV write → attention →
+  linear o_proj → add+rms_norm → linear gate_up → silu·mul → linear down;
+- activation dtype, fused (``0 < T <= backend.fused_decode_max_tokens``): norm_linear qkv →
+  rope + KV write → attention → linear_residual_add o_proj → norm_gate_up_silu →
+  linear_residual_add down;
+- fp8 weights, unfused: [add_]rms_norm_fp8 → linear_fp8 qkv → rope + KV write → attention →
+  quantize_fp8 → linear_fp8 o_proj → add_rms_norm_fp8 → linear_fp8 gate_up →
+  silu_and_mul_fp8 → linear_fp8 down (the quantized rows in ``normed_fp8``,
+  ``attn_out_fp8``, ``act_fp8`` and their ``_scale`` buffers);
+- fp8 weights, fused: norm_linear_fp8 qkv → rope + KV write → attention →
+  linear_residual_add_fp8 o_proj → norm_gate_up_silu_fp8 → linear_residual_add_fp8 down.
+
+Both paths of one engine compute the same values (``llmc.cuda.reference`` and
+``llmc.cuda.reference_fp8`` compose the fused ops from the unfused ones). An fp8 KV cache
+gets the layer's static (k_scale, v_scale), python floats read once at load, on
+rope_and_cache_write and attention; a 16/32-bit cache is called exactly as before.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from llmc.base.errors import EngineError
+from llmc.compiler.limits import EngineLimits
+from llmc.compiler.quantization import KV_SCALE, SCALE_SUFFIX
+from llmc.compiler.spec import ModelSpec
+from llmc.cuda.backend import Backend
+from llmc.cuda.reference_fp8 import Fp8Rows
+from llmc.runtime.kv_tensors import KVCacheTensors
+from llmc.runtime.step_inputs import StepInputs
+from llmc.runtime.workspace import TORCH_DTYPES, Workspace
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One decoder layer's tensors (scales None in an engine without fp8 weights)."""
+
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    post_attn_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    qkv_scale: torch.Tensor | None = None
+    o_scale: torch.Tensor | None = None
+    gate_up_scale: torch.Tensor | None = None
+    down_scale: torch.Tensor | None = None
+    kv_scales: tuple[float, ...] = ()
+    """(k_scale, v_scale) for an fp8 KV cache; () otherwise (not passed). Positional: the
+    TorchBackend's ops take only ``out`` by keyword."""
+
+
+def _kv_scales(w: dict[str, torch.Tensor], name: str) -> tuple[float, float]:
+    k, v = (float(x) for x in w[name].tolist())
+    for which, value in (("k_scale", k), ("v_scale", v)):
+        if not (math.isfinite(value) and value > 0):
+            raise EngineError(
+                f"engine weights: tensor {name!r} holds {which} {value}; it must be a positive "
+                "finite number"
+            )
+    return k, v
+
+
+def layer_weights(
+    spec: ModelSpec, w: dict[str, torch.Tensor], limits: EngineLimits
+) -> tuple[LayerWeights, ...]:
+    """Each layer's tensors from the engine weights (checked by the caller), read once."""
+    fp8_kv = limits.kv_cache_dtype == "fp8"
+    layers = []
+    for i in range(spec.num_layers):
+        p = f"layers.{i}."
+        scale = {
+            f"{x}_scale": w.get(p + proj + SCALE_SUFFIX)
+            for x, proj in (("qkv", "qkv_proj"), ("o", "o_proj"), ("gate_up", "gate_up_proj"))
+        }
+        layers.append(
+            LayerWeights(
+                input_norm=w[p + "input_norm"],
+                qkv=w[p + "qkv_proj"],
+                qkv_bias=w.get(p + "qkv_bias"),
+                o=w[p + "o_proj"],
+                post_attn_norm=w[p + "post_attn_norm"],
+                gate_up=w[p + "gate_up_proj"],
+                down=w[p + "down_proj"],
+                down_scale=w.get(p + "down_proj" + SCALE_SUFFIX),
+                kv_scales=_kv_scales(w, p + KV_SCALE) if fp8_kv else (),
+                **scale,
+            )
+        )
+    return tuple(layers)
+
+
+class DecoderLayers:
+    """The layers of one model over one workspace, KV cache and RoPE tables."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        weights: dict[str, torch.Tensor],
+        limits: EngineLimits,
+        backend: Backend,
+        kv_cache: KVCacheTensors,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        workspace: Workspace,
+    ) -> None:
+        self.spec, self.backend, self.kv_cache, self.ws = spec, backend, kv_cache, workspace
+        self.cos, self.sin = cos_sin
+        self.layers = layer_weights(spec, weights, limits)
+        self.fp8 = limits.quantization == "fp8"
+        self.dtype = TORCH_DTYPES[limits.dtype]
+
+    def run(self, inp: StepInputs, fused: bool) -> None:
+        """Every layer over the step's ``residual`` (see the module docstring)."""
+        if self.fp8:
+            self._run_fp8(inp, fused)
+        else:
+            self._run(inp, fused)
+
+    def _attend(
+        self, i: int, inp: StepInputs, qkv: torch.Tensor, q: torch.Tensor, attn_out: torch.Tensor
+    ) -> None:
+        """qkv → rope + KV write → attention → attn_out."""
+        be, t = self.backend, inp.num_tokens
+        k_cache, v_cache = self.kv_cache.layer(i)
+        meta, kv = inp.attn, self.layers[i].kv_scales
+        qh = be.rope_and_cache_write(
+            qkv, meta.positions, self.cos, self.sin, k_cache, v_cache, meta.slot_mapping, *kv,
+            out=q,
+        )  # fmt: skip
+        qh = qh.view(t, self.spec.num_heads, self.spec.head_dim)
+        be.attention(qh, k_cache, v_cache, meta, *kv, out=attn_out)
+
+    def _run(self, inp: StepInputs, fused: bool) -> None:
+        be, ws, t = self.backend, self.ws, inp.num_tokens
+        eps = self.spec.rms_norm_eps
+        residual, normed = ws["residual"][:t], ws["normed"][:t]
+        qkv, q, attn_out = ws["qkv"][:t], ws["q"][:t], ws["attn_out"][:t]
+        proj_out, gate_up, act = ws["proj_out"][:t], ws["gate_up"][:t], ws["act"][:t]
+        for i, lw in enumerate(self.layers):
+            if fused:
+                be.norm_linear(residual, lw.input_norm, eps, lw.qkv, lw.qkv_bias, out=qkv)
+                self._attend(i, inp, qkv, q, attn_out)
+                be.linear_residual_add(attn_out, lw.o, residual)
+                be.norm_gate_up_silu(residual, lw.post_attn_norm, eps, lw.gate_up, out=act)
+                be.linear_residual_add(act, lw.down, residual)
+                continue
+            if i == 0:
+                be.rms_norm(residual, lw.input_norm, eps, out=normed)
+            else:  # the previous layer's MLP residual add, fused with this layer's norm
+                be.add_rms_norm(proj_out, residual, lw.input_norm, eps, out=normed)
+            be.linear(normed, lw.qkv, lw.qkv_bias, out=qkv)
+            self._attend(i, inp, qkv, q, attn_out)
+            be.linear(attn_out, lw.o, out=proj_out)
+            be.add_rms_norm(proj_out, residual, lw.post_attn_norm, eps, out=normed)
+            be.linear(normed, lw.gate_up, out=gate_up)
+            be.silu_and_mul(gate_up, out=act)
+            be.linear(act, lw.down, out=proj_out)
+
+    def _rows(self, name: str, t: int) -> Fp8Rows:
+        return Fp8Rows(self.ws[name][:t], self.ws[name + "_scale"][:t])
+
+    def _run_fp8(self, inp: StepInputs, fused: bool) -> None:
+        be, ws, t, dt = self.backend, self.ws, inp.num_tokens, self.dtype
+        eps = self.spec.rms_norm_eps
+        residual, qkv, q, attn_out = (ws[n][:t] for n in ("residual", "qkv", "q", "attn_out"))
+        proj_out, gate_up, act = ws["proj_out"][:t], ws["gate_up"][:t], ws["act"][:t]
+        n8, a8, m8 = (self._rows(n, t) for n in ("normed_fp8", "attn_out_fp8", "act_fp8"))
+        for i, lw in enumerate(self.layers):
+            if fused:
+                be.norm_linear_fp8(
+                    residual, lw.input_norm, eps, lw.qkv, lw.qkv_scale, lw.qkv_bias, out=qkv
+                )
+                self._attend(i, inp, qkv, q, attn_out)
+                be.linear_residual_add_fp8(attn_out, lw.o, lw.o_scale, residual)
+                be.norm_gate_up_silu_fp8(
+                    residual, lw.post_attn_norm, eps, lw.gate_up, lw.gate_up_scale, out=act
+                )
+                be.linear_residual_add_fp8(act, lw.down, lw.down_scale, residual)
+                continue
+            if i == 0:
+                be.rms_norm_fp8(residual, lw.input_norm, eps, out=n8)
+            else:  # the previous layer's MLP residual add, fused with this layer's norm
+                be.add_rms_norm_fp8(proj_out, residual, lw.input_norm, eps, out=n8)
+            be.linear_fp8(n8, lw.qkv, lw.qkv_scale, lw.qkv_bias, dt, out=qkv)
+            self._attend(i, inp, qkv, q, attn_out)
+            be.quantize_fp8(attn_out, out=a8)
+            be.linear_fp8(a8, lw.o, lw.o_scale, None, dt, out=proj_out)
+            be.add_rms_norm_fp8(proj_out, residual, lw.post_attn_norm, eps, out=n8)
+            be.linear_fp8(n8, lw.gate_up, lw.gate_up_scale, None, dt, out=gate_up)
+            be.silu_and_mul_fp8(gate_up, out=m8)
+            be.linear_fp8(m8, lw.down, lw.down_scale, None, dt, out=proj_out)
