@@ -184,7 +184,10 @@ def test_linear_fp8(be, dtype, m, n, k, bias):
     assert got is out
     cpu = Fp8Rows(xq.q.cpu(), xq.scale.cpu())
     want = ref8.linear_fp8(cpu, wq.cpu(), ws.cpu(), None if b is None else b.cpu(), dtype)
-    assert rel_err(got, want) < (1e-4 if dtype == torch.float32 else 1e-2)
+    # Hopper's fp8 tensor cores accumulate with ~14 significant bits, not float32's 24 (see
+    # DeepSeek-V3's report): float32 outputs measured 1.2e-4 from the float32 reference on
+    # the H200 (2026-12-01), hence 1e-3, still 4x tighter than one bf16 rounding.
+    assert rel_err(got, want) < (1e-3 if dtype == torch.float32 else 1e-2)
     assert be.linear_fp8(Fp8Rows(xq.q[:0], xq.scale[:0]), wq, ws, b, dtype).shape == (0, n)
 
 
