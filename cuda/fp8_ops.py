@@ -67,7 +67,10 @@ class Fp8Ops:
         t = rows.q.shape[0]
         vec = 16 // x.element_size()
         vec_ok = k % vec == 0 and _aligned(x, rows.q)
-        block = row_block(k // vec if vec_ok else k, ROW_VPT)
+        # 512 threads at most: 1,024-thread launches (16-bit rows of 40,000, or 14,336 on the
+        # unaligned path) asked for more registers than an SM has and were refused on the
+        # H200; longer rows loop over the kernel's tail
+        block = row_block(k // vec if vec_ok else k, ROW_VPT, most=512)
         kern = self._lib(x.dtype).get(family, name)
         args = (_p(x), _p(rows.q), _p(rows.scale), _i(t), _i(k), _i(vec_ok))
         self._launch(kern, (min(t, 65535),), (block,), args)
