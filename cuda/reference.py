@@ -30,14 +30,18 @@ import math
 import torch
 
 from llmc.cuda.backend import AttentionMetadata, SamplingMetadata
+from llmc.cuda.reference_wo import PackedWeight, embedding_wo, linear_wo
 
 # ---------------------------------------------------------------------------------------
 # Dense ops
 # ---------------------------------------------------------------------------------------
 
 
-def embedding(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """ids [T] int64, table [V, H] → table[ids] [T, H]."""
+def embedding(ids: torch.Tensor, table: torch.Tensor | PackedWeight) -> torch.Tensor:
+    """ids [T] int64, table [V, H] → table[ids] [T, H] (a ``PackedWeight`` table: its rows
+    dequantized, ``llmc.cuda.reference_wo``)."""
+    if isinstance(table, PackedWeight):
+        return embedding_wo(ids, table)
     return table.index_select(0, ids)
 
 
@@ -60,8 +64,15 @@ def add_rms_norm(
     return rms_norm(residual, weight, eps), residual
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, in], weight [out, in] (nn.Linear layout) → x @ weight.T (+ bias) [T, out]."""
+def linear(
+    x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [T, in], weight [out, in] (nn.Linear layout) → x @ weight.T (+ bias) [T, out].
+
+    A weight-only ``PackedWeight`` computes in float32 (``llmc.cuda.reference_wo``); the
+    fused small-step ops below compose ``linear``, so they take one too."""
+    if isinstance(weight, PackedWeight):
+        return linear_wo(x, weight, bias)
     return torch.nn.functional.linear(x, weight, bias)
 
 
@@ -75,7 +86,7 @@ def norm_linear(
     residual: torch.Tensor,
     norm_weight: torch.Tensor,
     eps: float,
-    weight: torch.Tensor,
+    weight: torch.Tensor | PackedWeight,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """linear(rms_norm(residual), weight, bias): residual [T, K] → [T, N] (the qkv path)."""
@@ -83,7 +94,10 @@ def norm_linear(
 
 
 def norm_gate_up_silu(
-    residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_up_weight: torch.Tensor
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    gate_up_weight: torch.Tensor | PackedWeight,
 ) -> torch.Tensor:
     """silu_and_mul(linear(rms_norm(residual), gate_up_weight)): [T, K] → [T, I].
 
@@ -93,7 +107,7 @@ def norm_gate_up_silu(
 
 
 def linear_residual_add(
-    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor
+    x: torch.Tensor, weight: torch.Tensor | PackedWeight, residual: torch.Tensor
 ) -> torch.Tensor:
     """residual += linear(x, weight) (in place, in residual's dtype); returns residual."""
     return residual.add_(linear(x, weight))

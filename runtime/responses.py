@@ -41,6 +41,29 @@ class Response:
     prompt_logprobs: list[Any] | None = None
     """Final response only, when the request asked for ``prompt_logprobs``: one entry per
     prompt token (``llmc.runtime.prompt_logprobs.PromptLogprob``; None for the first)."""
+    index: int = 0
+    """Which output of the request the tokens of a streamed response belong to (0 .. n-1:
+    ``SamplingParams.n`` samples or returned beams). A request has exactly one final
+    response, sent when every output has finished."""
+    cumulative_logprob: float | None = None
+    """Final response: output 0's summed token log-probability (beam search: its beam score
+    before the length penalty), when known."""
+    completions: list[CompletionOutput] | None = None
+    """Final response of a request with several outputs: all of them, by ``index``
+    (``token_ids`` / ``text`` / ``finish_reason`` / ``logprobs`` above are output 0's).
+    None for a request with one output."""
+
+
+@dataclass
+class CompletionOutput:
+    """One output of a request (vLLM's and TensorRT-LLM's ``CompletionOutput``)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[Any] | None
+    finish_reason: FinishReason | None
 
 
 @dataclass(frozen=True)
