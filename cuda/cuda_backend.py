@@ -60,7 +60,6 @@ MAX_SPLITS = 32
 SPLIT_ROWS_PER_SEQ = 8  # partials budget: max_num_seqs * 8 (token, split) rows
 CTAS_PER_SM = 4  # most resident split-kernel CTAs per SM (CUDA-core pass: (128, 4) bounds)
 CLUSTER_SPLITS = 8  # paged_attention_cluster_kernel: CTAs per (token, kv head) (CSPLIT)
-CLUSTER_THREADS = 256  # its block (CNW * 32); __launch_bounds__(256, 2): 2 CTAs per SM
 
 
 def _kv_cache(
@@ -380,7 +379,8 @@ class CudaBackend(GemvOps, GemvFp8Ops, Fp8Ops):
                 _p(meta.seq_lens), _p(out), scale, _i(self.min_split_keys(nd, nkv)),
                 _i(bs_shift), vs,
             )  # fmt: skip
-            self._launch(k, (nd, nkv, CLUSTER_SPLITS), (CLUSTER_THREADS,), args)
+            threads = 32 * lib.cfg.cluster_warps  # its block: CNW warps (KernelConfig)
+            self._launch(k, (nd, nkv, CLUSTER_SPLITS), (threads,), args)
         elif nd > 0:
             splits = self.num_splits(nd, nkv, meta.max_seq_len, self._ctas_per_sm(paged))
             args = common + (

@@ -231,8 +231,13 @@ paged_attention_fp8_kernel(PAGED_ATTENTION_ARGS(fp8_t)) {
 // ~1 MB per layer).  Each sequence uses ceil(kv_len / min_keys) of the CSPLIT CTAs (at
 // least 1); the others contribute an empty state.  Decode rows only (token i = sequence i).
 // Launch: grid (tokens, NKV, CSPLIT), block CNW * 32; cluster (1, 1, CSPLIT) is fixed.
+// CNW = CLUSTER_WARPS, chosen by the host (KernelConfig.cluster_warps) so the warps' states
+// fit 48 KiB of static shared memory: 8, fewer for large G * HD.
 #define CSPLIT 8
-#define CNW 8
+#ifndef CLUSTER_WARPS
+#define CLUSTER_WARPS 8
+#endif
+#define CNW CLUSTER_WARPS
 
 // (Not in the host emulation: its CTAs run one after another, a cluster's cannot.)
 #if (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900) && !defined(LLMC_HOST_EMULATION)
@@ -294,8 +299,9 @@ __device__ __forceinline__ void paged_attention_cluster(
 
     // CTA `split` finishes its share of the G * HD outputs from all CSPLIT states.
     constexpr int per = (G * HD + CSPLIT - 1) / CSPLIT;
-    const int idx = split * per + (int)threadIdx.x;
-    if (threadIdx.x < per && idx < G * HD) {
+    for (int i = threadIdx.x; i < per; i += blockDim.x) {
+        const int idx = split * per + i;
+        if (idx >= G * HD) break;
         const int g = idx / HD, d = idx % HD;
         const unsigned a_m = smem_addr(&cta_ml[g][0]), a_l = smem_addr(&cta_ml[g][1]);
         const unsigned a_acc = smem_addr(&cta_acc[g][d]);

@@ -32,6 +32,8 @@ from llmc.base.errors import UnsupportedError, check_positive_ints
 CUDA_DIR = Path(__file__).resolve().parent
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
 NVCC_FLAGS = ("-std=c++17", "-O3")
+STATIC_SMEM_BYTES = 48 * 1024
+"""The most static (``__shared__``) memory one kernel may declare."""
 
 # family -> (source file, uses model constants)
 FAMILIES: dict[str, tuple[str, bool]] = {
@@ -85,6 +87,17 @@ class KernelConfig:
         return self.dtype != "float32" and self.head_dim % 16 == 0
 
     @property
+    def cluster_warps(self) -> int:
+        """Warps per CTA of decode_attention.cu's cluster kernel (its ``CNW``): 8, or fewer
+        where 8 warps' states of G = nq / nkv heads would pass the 48 KiB of static shared
+        memory a kernel may declare (G = 16 at head_dim 128 needs 74,880 bytes with 8)."""
+        g, hd = self.num_q_heads // self.num_kv_heads, self.head_dim
+        for warps in (8, 4, 2, 1):
+            if ((warps + 1) * g * (hd + 2)) * 4 + 4 <= STATIC_SMEM_BYTES:
+                return warps
+        return 1
+
+    @property
     def sm90_prefill(self) -> bool:
         """Whether prefill_attention_sm90.cu has kernels for this config (16-bit, hd 64/128)."""
         return self.dtype != "float32" and self.head_dim in (64, 128)
@@ -122,6 +135,8 @@ def macros(family: str, cfg: KernelConfig) -> dict[str, int]:
     m = {"LLMC_DTYPE": DTYPE_CODES[cfg.dtype]}
     if FAMILIES[family][1]:
         m.update(HEAD_DIM=cfg.head_dim, NUM_Q_HEADS=cfg.num_q_heads, NUM_KV_HEADS=cfg.num_kv_heads)
+    if family == "decode_attention":
+        m["CLUSTER_WARPS"] = cfg.cluster_warps
     return m
 
 

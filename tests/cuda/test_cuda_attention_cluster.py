@@ -28,7 +28,8 @@ if torch.cuda.get_device_capability()[0] < 9:  # pragma: no cover
 
 DEV = torch.device("cuda")
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
-HEADS = ((128, 32, 8), (64, 9, 3), (16, 4, 2))
+HEADS = ((128, 32, 8), (64, 9, 3), (16, 4, 2), (128, 32, 2))
+"""(head_dim, nq, nkv): G = 4, 3, 2 and 16 (4 warps per CTA: KernelConfig.cluster_warps)."""
 
 
 @pytest.fixture()

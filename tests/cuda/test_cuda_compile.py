@@ -118,3 +118,25 @@ def test_sm90_prefill_compiles_with_nvrtc(tmp_path):
     out = tmp_path / "p.cubin"
     nvrtc_compile(source("prefill_sm90", KernelConfig("bfloat16", 128, 32, 8)), "sm_90a", out)
     assert out.stat().st_size > 0
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+@pytest.mark.parametrize(
+    "cfg, warps",
+    [
+        (KernelConfig("bfloat16", 128, 32, 8), 8),
+        (KernelConfig("bfloat16", 128, 32, 2), 4),
+        (KernelConfig("float16", 256, 16, 2), 4),
+    ],
+    ids=str,
+)
+def test_cluster_decode_fits_static_shared_memory(tmp_path, cfg, warps):
+    """G = nq / nkv = 16 at head_dim 128 needed 74,880 bytes of static shared memory with 8
+    warps (ptxas refused the module on the H200): the config's warp count keeps every
+    G * HD within 48 KiB, and decode_attention.cu compiles with it."""
+    from llmc.cuda.build import nvcc_compile
+    from llmc.cuda.kernels import macros
+
+    assert cfg.cluster_warps == warps
+    assert macros("decode_attention", cfg)["CLUSTER_WARPS"] == warps
+    nvcc_compile(source("decode_attention", cfg), "sm_90", tmp_path / "decode.cubin")

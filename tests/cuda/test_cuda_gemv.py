@@ -296,6 +296,9 @@ def check_op8(be, op: str, m: int, k: int, n: int, dtype: torch.dtype, bias: boo
         out = be.norm_gate_up_silu_fp8(
             residual, norm_w, EPS, w, ws, out=poisoned(m, n, dtype=dtype)
         )
+        # the reference rounds gate and up to the dtype before silu·mul, the kernel rounds
+        # once: in bfloat16 (8-bit mantissa) that alone reaches ~1 % (1.05 % seen on the H200)
+        tol = 1.5e-2 if dtype == torch.bfloat16 else tol
         assert rel_err(out, ref8.norm_gate_up_silu_fp8(residual, norm_w, EPS, w, ws)) < tol
     else:
         w, ws = weight8(n, k)

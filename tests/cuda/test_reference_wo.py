@@ -3,14 +3,15 @@ against ``gguf.quants.dequantize``, and the reference linear / embedding."""
 
 from __future__ import annotations
 
-import gguf
 import numpy as np
 import pytest
 import torch
-from gguf.quants import dequantize, quantize
 
 from llmc.cuda import reference as ref
 from llmc.cuda.reference_wo import PackedWeight, pack_codes, unpack_codes
+
+gguf = pytest.importorskip("gguf", reason="gguf (a CPU test dependency) is not installed")
+dequantize, quantize = gguf.quants.dequantize, gguf.quants.quantize
 
 
 @pytest.mark.parametrize("bits", [4, 8])
