@@ -14,6 +14,7 @@ from llmc.base.version import ENGINE_FORMAT_VERSION, __version__
 from llmc.cli import (
     bench_cmd,
     build_cmd,
+    calibrate_cmd,
     compare_cmd,
     eval_cmd,
     import_cmd,
@@ -67,6 +68,7 @@ for _command in (
     bench_cmd,
     profile_cmd,
     eval_cmd,
+    calibrate_cmd,
     compare_cmd,
     serve_cmd,
 ):

@@ -45,4 +45,14 @@ def test_version_imports_no_torch():
 
 def test_every_command_is_registered():
     names = {c.name for c in app.registered_commands}
-    assert names == {"build", "import", "run", "bench", "profile", "eval", "compare", "serve"}
+    assert names == {
+        "build",
+        "import",
+        "run",
+        "bench",
+        "profile",
+        "eval",
+        "calibrate",
+        "compare",
+        "serve",
+    }
