@@ -275,4 +275,6 @@ def request_output(
         logprobs=logprobs or None,
         record=record,
         prompt_logprobs=final.prompt_logprobs,
+        cumulative_logprob=final.cumulative_logprob,
+        completions=final.completions,
     )

@@ -232,6 +232,7 @@ class ModelRunner:
         if logits is None or inp.sampling is None:
             return PendingStep(self, None, None, times, token_ids=[])
         s, meta = inp.num_sampled, inp.sampling
+        smp.suppress_stop_ids(logits, inp.sampled)  # min_tokens
         ids = self.backend.sample(logits, meta)
         out_ids = self.workspace["sampled_ids"][:s]
         out_ids.copy_(ids)

@@ -34,27 +34,16 @@ them.
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from llmc.runtime.logprobs import PromptLogprob
 from llmc.runtime.types import RequestFault, ScheduledSequence, Sequence
 
 _WANTS = operator.attrgetter("seq.sampling.prompt_logprobs")
-
-
-@dataclass(frozen=True)
-class PromptLogprob:
-    """One prompt token's entry: its logprob given the tokens before it, its rank (1 = the
-    most likely token) and the ``k`` most likely ids with their logprobs (most likely first)."""
-
-    token_id: int
-    logprob: float
-    rank: int
-    top: Mapping[int, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

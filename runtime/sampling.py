@@ -13,6 +13,8 @@ Invariants:
 - Seeds are taken modulo 2**64 and stored as the int64 with the same bits.
 - Penalty tensors exist only when some row has a non-neutral penalty (the common case costs
   nothing); rows without penalties keep zero counts, which leaves their logits unchanged.
+- ``min_tokens``: a row's stop ids are masked to -inf in its logits before sampling
+  (``suppress_stop_ids``) while it has fewer outputs than that; the sampler is untouched.
 - Log-probabilities are ``log_softmax`` of the *processed* logits each row samples from
   (``llmc.cuda.reference.process_logits``: penalties, temperature, top-k/p, min-p; greedy
   rows: penalties only), so a filtered-out token has logprob -inf.
@@ -21,14 +23,21 @@ Invariants:
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
 
 import torch
 
 from llmc.cuda import reference as ref
 from llmc.cuda.backend import SamplingMetadata
-from llmc.runtime.types import RequestFault, SamplingParams, Sequence, row_fault
+from llmc.runtime.logprobs import TokenLogprobs
+from llmc.runtime.types import (
+    RequestFault,
+    SamplingParams,
+    ScheduledSequence,
+    Sequence,
+    row_fault,
+)
 
 U64 = (1 << 64) - 1
 
@@ -201,28 +210,45 @@ def metadata_for(
     return build_metadata(tensors, seqs, vocab_size, torch.device(device))
 
 
-@dataclass(frozen=True)
-class TokenLogprobs:
-    """Log-probability of one sampled token and the ``len(top)`` most likely alternatives."""
+_SUPPRESSES = operator.attrgetter("seq.suppressed_ids")
 
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
+
+def suppress_stop_ids(logits: torch.Tensor, rows_of: Seq[ScheduledSequence]) -> None:
+    """``min_tokens``: set to -inf, in place, the logits of the ids that would stop a row
+    (``Sequence.suppressed_ids``: EOS and stop ids) while its sequence has fewer than
+    ``min_tokens`` outputs, so that the sampler (any backend's, unchanged) cannot pick them.
+    ``logits``: [S, vocab], row ``r`` sampled for ``rows_of[r]``. One C-level pass when no
+    row asks."""
+    if not any(map(_SUPPRESSES, rows_of)):
+        return
+    rows: list[int] = []
+    cols: list[int] = []
+    vocab = logits.shape[1]
+    for r, seq in enumerate(ss.seq for ss in rows_of):
+        if seq.suppressed_ids and len(seq.output_token_ids) < seq.sampling.min_tokens:
+            ids = [t for t in seq.suppressed_ids if t < vocab]
+            rows.extend([r] * len(ids))
+            cols.extend(ids)
+    if rows:
+        index = torch.tensor([rows, cols], dtype=torch.int64).to(logits.device)
+        logits[index[0], index[1]] = float("-inf")
 
 
 def logprob_tensor(
     logits: torch.Tensor, meta: SamplingMetadata, ids: torch.Tensor, num_top: int
 ) -> torch.Tensor:
-    """[S, 2 + 2 * num_top] float64 on the device: id, its logprob, top ids, top logprobs.
+    """[S, 3 + 2 * num_top] float64 on the device: id, its logprob, its rank, top ids, top
+    logprobs. The rank is vLLM's: the number of tokens whose logprob is >= the chosen one's.
 
     Packed in one tensor so that ids and logprobs come back in one device→host copy (ids
-    are exact in float64).
+    and ranks are exact in float64).
     """
     lp = torch.log_softmax(ref.process_logits(logits, meta), dim=-1)
     chosen = lp.gather(1, ids[:, None])
+    rank = (lp >= chosen).sum(dim=-1, keepdim=True)
     top = lp.topk(min(num_top, lp.shape[1]), dim=-1)
-    parts = [ids[:, None].double(), chosen.double(), top.indices.double(), top.values.double()]
-    return torch.cat(parts, dim=1)
+    parts = [ids[:, None], chosen, rank, top.indices, top.values]
+    return torch.cat([p.double() for p in parts], dim=1)
 
 
 def unpack_logprobs(packed: list[list[float]], seqs: Seq[Sequence]) -> list[TokenLogprobs | None]:
@@ -234,9 +260,13 @@ def unpack_logprobs(packed: list[list[float]], seqs: Seq[Sequence]) -> list[Toke
             result.append(None)
             continue
         try:
-            width = (len(row) - 2) // 2
-            top = tuple((int(row[2 + j]), float(row[2 + width + j])) for j in range(min(n, width)))
-            result.append(TokenLogprobs(token_id=int(row[0]), logprob=float(row[1]), top=top))
+            width = (len(row) - 3) // 2
+            top = tuple((int(row[3 + j]), float(row[3 + width + j])) for j in range(min(n, width)))
+            result.append(
+                TokenLogprobs(
+                    token_id=int(row[0]), logprob=float(row[1]), top=top, rank=int(row[2])
+                )
+            )
         except Exception as e:  # this request's logprobs only
             raise RequestFault.caused(seq.request_id, "unpacking its logprobs", e) from e
     return result

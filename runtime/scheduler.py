@@ -128,6 +128,8 @@ class Scheduler:
         check_new_sequence(self.limits, self.kv, seq)  # may clamp max_new_tokens
         seq.num_computed_tokens = 0
         seq.finish_reason = seq.stop_token_id = None
+        if seq.sampling.min_tokens:  # masked before sampling until min_tokens (sampling.py)
+            seq.suppressed_ids = tuple(sorted(self._stop_ids(seq.sampling)))
         self._seqs[rid] = seq
         self._order[rid] = self._arrivals
         self._arrivals += 1
@@ -334,8 +336,11 @@ class Scheduler:
         order. Returns the sequences that finished in this step. The stop decisions on tokens
         are made here, once: a model EOS id (unless ``ignore_eos``) or a ``stop_token_ids`` id
         finishes with STOP (``stop_token_id`` set), then ``Sequence.is_last_by_length`` with
-        LENGTH. Post-processing reads ``finish_reason`` / ``stop_token_id``; it decides only
-        what needs the text (stop strings, through ``finish``).
+        LENGTH; a stop id does not stop a sequence before it has more than
+        ``SamplingParams.min_tokens`` outputs (such ids are masked before sampling until
+        then, so this is the guard). Post-processing reads ``finish_reason`` /
+        ``stop_token_id``; it decides only what needs the text (stop strings, through
+        ``finish``).
         """
         seqs = batch.sequences
         n_sampled = sum(map(_SAMPLE, seqs))
@@ -373,7 +378,7 @@ class Scheduler:
             if seq.sampling is not last_sp:  # consecutive rows often share one params object
                 last_sp = seq.sampling
                 stop_ids = self._stop_ids(last_sp)
-            if token in stop_ids:
+            if token in stop_ids and len(out) > seq.sampling.min_tokens:
                 seq.stop_token_id = token
                 reason = FinishReason.STOP
             elif seq.is_last_by_length(len(out)):

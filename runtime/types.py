@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmc.base.errors import RequestError
+from llmc.runtime.chat_messages import check_chat_kwargs, check_conversation, is_conversation
 
 INT32_MAX = 2**31 - 1
 """The largest count or id a step column holds (top_k is an int32 column of the kernels)."""
@@ -123,6 +124,21 @@ def _index(value: Any) -> int | None:
         return None
 
 
+def _max_new_tokens(p: SamplingParams) -> int:
+    """The generation limit from ``max_new_tokens`` / ``max_tokens`` (either name, 32 when
+    neither is given; both given and different: refused naming both)."""
+    given = [n for n in ("max_new_tokens", "max_tokens") if getattr(p, n) is not None]
+    if not given:
+        return 32
+    values = [_integer(p, n, 1, INT32_MAX) for n in given]
+    if len(values) == 2 and values[0] != values[1]:
+        raise RequestError(
+            f"sampling parameters max_new_tokens={values[0]} and max_tokens={values[1]} "
+            "differ: they are two names of one limit, give one"
+        )
+    return values[0]
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens for one request. ``temperature == 0`` means greedy.
@@ -130,7 +146,16 @@ class SamplingParams:
     Validated at construction: a bad value raises RequestError naming the field.
     """
 
-    max_new_tokens: int = 32
+    max_new_tokens: int | None = None
+    """Most tokens to generate: this, or ``max_tokens``, or 32 when neither is given (always
+    an int after construction)."""
+    max_tokens: int | None = None
+    """vLLM's and TensorRT-LLM's name of ``max_new_tokens``. Either name may be given; both
+    given and different is refused naming both. After construction both hold the limit, so
+    ``dataclasses.replace`` that changes one of them must change the other too."""
+    min_tokens: int = 0
+    """vLLM's ``min_tokens``: EOS and ``stop_token_ids`` are suppressed (their logits set to
+    -inf before sampling) until this many tokens were generated; at most max_new_tokens."""
     temperature: float = 0.0
     top_k: int = 0
     """0 disables top-k."""
@@ -163,7 +188,12 @@ class SamplingParams:
         numbers (numpy ints) become ``int``, real numbers ``float``, ``stop`` a tuple of
         strings (a plain string is ONE stop string), ``stop_token_ids`` a tuple of ints."""
         put = functools.partial(object.__setattr__, self)
-        put("max_new_tokens", _integer(self, "max_new_tokens", 1, INT32_MAX))
+        put("max_new_tokens", _max_new_tokens(self))
+        put("max_tokens", self.max_new_tokens)
+        put("min_tokens", _integer(self, "min_tokens", 0, INT32_MAX))
+        if self.min_tokens > self.max_new_tokens:
+            limit = f"more than max_new_tokens={self.max_new_tokens}"
+            raise _bad(self, "min_tokens", limit)
         put("top_k", _integer(self, "top_k", 0, INT32_MAX, "0 disables it"))
         put("temperature", _real(self, "temperature", 0.0, FLOAT32_MAX, "0 means greedy"))
         put("top_p", _real(self, "top_p", 0.0, 1.0, open_low=True))
@@ -206,8 +236,9 @@ class SamplingParams:
         history, built on the host). The one statement of the rule behind the fast paths:
         CUDA-graph decode steps (``cuda_graphs.graph_eligible``), async scheduling
         (``engine_step.ahead_ok``) and the decode row cache (``step_inputs.DecodeRowCache``)
-        serve only plain rows."""
-        return self.logprobs is None and not self.uses_penalties
+        serve only plain rows. ``min_tokens`` masks stop ids on the host's step inputs, so
+        such a row is not plain either."""
+        return self.logprobs is None and not self.uses_penalties and not self.min_tokens
 
 
 class RequestFault(RequestError):
@@ -255,14 +286,19 @@ class FinishReason(str, enum.Enum):
 class Request:
     """What a user enqueues: prompt text or token ids, sampling parameters, priority."""
 
-    prompt: str | None = None
+    prompt: str | list[dict[str, Any]] | None = None
     prompt_token_ids: list[int] | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     priority: int = 0
     """Higher is served first among waiting requests; arrival order within a priority."""
     streaming: bool = False
     apply_chat_template: bool = False
+    """Render ``prompt`` with the engine's chat template: a user message (a string) or a
+    whole conversation (a list of ``{"role", "content"}`` dicts: system, user, assistant)."""
     metadata: dict[str, Any] = field(default_factory=dict)
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Arguments of the chat template's rendering (``add_generation_prompt``, ``tools``,
+    template-specific ones such as ``enable_thinking``), with ``apply_chat_template``."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -272,9 +308,13 @@ class Request:
         engine's limits are the Executor's and the scheduler's to check). Run at
         construction and again by ``Executor.enqueue_request`` (a Request is mutable).
         Normalizes ``prompt_token_ids`` to a list of ints. RequestError names the field."""
-        if self.prompt is not None and not isinstance(self.prompt, str):
+        if is_conversation(self.prompt):  # a conversation: only for the chat template
+            self.prompt = check_conversation(self.prompt, self.apply_chat_template is True)
+        elif self.prompt is not None and not isinstance(self.prompt, str):
             raise _bad(self, "prompt", "must be a string (or give prompt_token_ids)")
         if self.prompt_token_ids is not None:
+            if is_conversation(self.prompt_token_ids):
+                check_conversation(self.prompt_token_ids, False, "prompt_token_ids")
             if isinstance(self.prompt_token_ids, (str, bytes)):
                 raise _bad(self, "prompt_token_ids", "must be a list of token ids")
             self.prompt_token_ids = _token_ids(
@@ -290,6 +330,7 @@ class Request:
                 raise _bad(self, name, "must be True or False")
         if not isinstance(self.metadata, dict):
             raise _bad(self, "metadata", "must be a dict")
+        check_chat_kwargs(self.chat_template_kwargs, self.apply_chat_template)
 
 
 @dataclass(eq=False)
@@ -332,6 +373,9 @@ class Sequence:
     stop_token_id: int | None = None
     """The EOS / stop token id that finished the sequence (``Scheduler.update``), else None.
     Its id is the last output token; its text is not part of the output text."""
+    suppressed_ids: tuple[int, ...] = ()
+    """With ``sampling.min_tokens``: the ids that would stop it (``Scheduler._stop_ids``, set
+    by ``Scheduler.add``), masked before sampling while it has fewer outputs than that."""
 
     @property
     def num_prompt_tokens(self) -> int:

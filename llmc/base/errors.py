@@ -58,8 +58,10 @@ class UsageError(LlmcError, exit_code=2):
     """Bad command line: unknown flag, unknown YAML key, YAML that is not a mapping."""
 
 
-class ConfigError(LlmcError, exit_code=3):
-    """A value that is out of range or inconsistent (max_input_len > max_seq_len, ...)."""
+class ConfigError(LlmcError, ValueError, exit_code=3):
+    """A value that is out of range or inconsistent (max_input_len > max_seq_len, ...).
+
+    Also a ``ValueError``: what code ported from vLLM / TensorRT-LLM catches."""
 
 
 class CheckpointError(LlmcError, exit_code=4):
@@ -78,10 +80,11 @@ class EngineError(LlmcError, exit_code=7):
     """An engine directory that is incomplete, corrupt, or built for another version/target."""
 
 
-class RequestError(LlmcError, exit_code=8):
+class RequestError(LlmcError, ValueError, exit_code=8):
     """A request that cannot be served (too long, bad sampling values, ...).
 
-    Raised per request; the runtime keeps serving the others.
+    Raised per request; the runtime keeps serving the others. Also a ``ValueError``, as
+    ``ConfigError``.
     """
 
 
