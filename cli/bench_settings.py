@@ -149,7 +149,7 @@ def open_llm(engine_dir: str, runtime: RuntimeConfig, log: Console) -> LLM:
     from llmc.api import LLM
 
     log.print(f"loading engine {engine_dir}", markup=False)
-    return LLM(engine_dir, runtime_config=runtime)
+    return LLM(engine_dir=engine_dir, runtime_config=runtime)
 
 
 def write_json(path: str, result: dict[str, Any], log: Console) -> None:

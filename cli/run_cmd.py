@@ -260,7 +260,7 @@ def run_command(
 
     log = err_console()
     t0 = time.perf_counter()
-    llm = LLM(settings["engine_dir"], runtime_config=config)
+    llm = LLM(engine_dir=settings["engine_dir"], runtime_config=config)
     try:
         _serve(llm, items, settings, json_out, log, t0)
     finally:

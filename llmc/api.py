@@ -28,10 +28,19 @@ import contextlib
 import gc
 import time
 import weakref
-from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from llmc.api_inputs import (
+    Prompt,
+    checkpoint_arg,
+    conversation_list,
+    make_request,
+    prompt_list,
+    resolve_model,
+    sampling_list,
+)
 from llmc.base.errors import ConfigError, EngineError, error_class
 from llmc.compiler.build_config import BuildConfig
 from llmc.compiler.engine_cache import cached_build, rebuild
@@ -39,11 +48,10 @@ from llmc.runtime.admission import SchedulerStats
 from llmc.runtime.engine_runtime import EngineRuntime, RuntimeConfig
 from llmc.runtime.executor import Executor
 from llmc.runtime.kv_cache import KVCacheStats
+from llmc.runtime.logprobs import with_texts
 from llmc.runtime.records import RequestRecord, StepRecord
 from llmc.runtime.responses import RequestOutput, Response
 from llmc.runtime.types import Request, SamplingParams
-
-Prompt = str | Sequence[int]
 
 _LIVE: weakref.WeakSet[LLM] = weakref.WeakSet()
 
@@ -63,8 +71,9 @@ class ResponseStream:
     inner generator kept here; ``aclose()`` ends it and cancels the request.
     """
 
-    def __init__(self, executor: Executor, request: Request) -> None:
+    def __init__(self, executor: Executor, request: Request, token_text: Any = None) -> None:
         self._executor, self._request = executor, request
+        self._token_text = token_text  # attaches logprob entries' texts when given
         self._kept: AsyncIterator[Response] | None = None
         self._started = False
         self._open: int | None = None  # the request's id while it may still run
@@ -101,6 +110,9 @@ class ResponseStream:
                     done = done or r.is_final
                     if r.error is not None:
                         raise error_class(r.error_code)(r.error)
+                    if self._token_text is not None:
+                        r.logprobs = with_texts(r.logprobs, self._token_text)
+                        r.prompt_logprobs = with_texts(r.prompt_logprobs, self._token_text)
                     yield r
         finally:
             self._open = None
@@ -112,9 +124,11 @@ class ResponseStream:
 class LLM:
     """An engine loaded for generation (TensorRT-LLM's ``LLM`` API, on llmc's runtime).
 
-    Give ``engine_dir`` (built by ``llmc build`` / ``llmc.build``) or ``checkpoint_dir``
-    (an HF directory or .gguf file, built on the fly with ``build_config`` into the engine
-    cache, see ``engine_cache_dir``). The other arguments are ``RuntimeConfig`` settings:
+    Give ``model`` (vLLM's and TensorRT-LLM's first argument: an engine directory, an HF
+    checkpoint directory or a .gguf file, told apart by ``api_inputs.resolve_model``), or
+    ``engine_dir`` (built by ``llmc build`` / ``llmc.build``) or ``checkpoint_dir`` (an HF
+    directory or .gguf file). A checkpoint is built on the fly with ``build_config`` into the
+    engine cache (``engine_cache_dir``). The other arguments are ``RuntimeConfig`` settings:
     ``max_batch_size`` and ``max_num_tokens`` (the per-step token budget, TensorRT-LLM
     semantics; the KV pool is ``max_kv_tokens`` or ``kv_cache_free_gpu_mem_fraction``) may
     lower the engine's build limits for this run, never raise them.
@@ -126,8 +140,9 @@ class LLM:
 
     def __init__(
         self,
-        engine_dir: str | Path | None = None,
+        model: str | Path | None = None,
         *,
+        engine_dir: str | Path | None = None,
         checkpoint_dir: str | Path | None = None,
         build_config: BuildConfig | None = None,
         device: str = "auto",
@@ -158,7 +173,15 @@ class LLM:
             enable_block_reuse=enable_block_reuse,
             scheduler_policy=scheduler_policy,
         )
-        checkpoint = self._checkpoint_arg(engine_dir, checkpoint_dir, build_config)
+        if model is not None:
+            engine, ckpt = resolve_model(model)
+            if (engine_dir if engine is not None else checkpoint_dir) is not None:
+                raise ConfigError(
+                    f"model={str(model)!r} and {'engine_dir' if engine else 'checkpoint_dir'} "
+                    "both name what to load: give one"
+                )
+            engine_dir, checkpoint_dir = engine or engine_dir, ckpt or checkpoint_dir
+        checkpoint = checkpoint_arg(engine_dir, checkpoint_dir, build_config)
         if checkpoint is not None:
             engine_dir = cached_build(checkpoint, build_config)
             try:
@@ -177,36 +200,6 @@ class LLM:
         self._executor: Executor | None = runtime.executor().start()
         self._finalizer = weakref.finalize(self, self._executor.shutdown)
         _LIVE.add(self)
-
-    @staticmethod
-    def _checkpoint_arg(
-        engine_dir: str | Path | None,
-        checkpoint_dir: str | Path | None,
-        build_config: BuildConfig | None,
-    ) -> str | Path | None:
-        if build_config is not None and not isinstance(build_config, BuildConfig):
-            raise ConfigError(
-                f"build_config must be a llmc.BuildConfig, got {type(build_config).__name__}"
-            )
-        from_config = build_config.checkpoint_dir if build_config is not None else None
-        if checkpoint_dir is not None and from_config is not None:
-            if Path(checkpoint_dir).resolve() != Path(from_config).resolve():
-                raise ConfigError(
-                    f"checkpoint_dir={str(checkpoint_dir)!r} and build_config.checkpoint_dir="
-                    f"{from_config!r} differ; give the checkpoint once"
-                )
-        checkpoint = checkpoint_dir if checkpoint_dir is not None else from_config
-        if engine_dir is not None and (checkpoint is not None or build_config is not None):
-            raise ConfigError(
-                f"engine_dir={str(engine_dir)!r} is already built; checkpoint_dir and "
-                "build_config are for building on the fly — pass one or the other"
-            )
-        if engine_dir is None and checkpoint is None:
-            raise ConfigError(
-                "LLM needs engine_dir (an engine built by llmc build) or checkpoint_dir (an HF "
-                "checkpoint directory or .gguf file to build on the fly)"
-            )
-        return checkpoint
 
     # ---- state ---------------------------------------------------------------------------
     @property
@@ -293,23 +286,19 @@ class LLM:
                 ex.start()
 
     # ---- generation ----------------------------------------------------------------------
-    @staticmethod
-    def _request(
-        prompt: Prompt, sampling: SamplingParams, priority: int, chat: bool, streaming: bool
-    ) -> Request:
-        """A Request for ``prompt`` (text or token ids); its fields are checked by
-        ``Request.validate`` (RequestError naming the field), the one home of those rules."""
-        if isinstance(prompt, str) or not isinstance(prompt, (list, tuple)):
-            return Request(
-                prompt=prompt,  # type: ignore[arg-type]
-                sampling=sampling,
-                priority=priority,
-                streaming=streaming,
-                apply_chat_template=chat,
-            )
-        return Request(
-            prompt_token_ids=list(prompt), sampling=sampling, priority=priority, streaming=streaming
-        )
+    def _token_text(self) -> Any:
+        """The tokenizer's ``token_text`` (logprob entries' texts), None without one."""
+        tok = self.runtime.tokenizer
+        return None if tok is None else tok.token_text
+
+    def _run(self, requests: list[Request]) -> list[RequestOutput]:
+        """Run ``requests`` to completion; their outputs, logprob entries with their texts."""
+        outputs = self.executor.generate(requests)
+        token_text = self._token_text()
+        if token_text is not None:
+            for out in outputs:
+                out.attach_token_texts(token_text)
+        return outputs
 
     def generate(
         self,
@@ -319,31 +308,48 @@ class LLM:
         priority: int = 0,
         apply_chat_template: bool = False,
     ) -> list[RequestOutput]:
-        """Run prompts (text, or lists of token ids) to completion; one output per prompt, in
-        order. ``sampling_params``: one for all, or one per prompt. A request that cannot be
-        served gets an output with ``error`` set; the others still run."""
-        single = (
-            isinstance(prompts, (str, bytes))
-            or not isinstance(prompts, Iterable)  # not a prompt: Request names it
-            or (
-                isinstance(prompts, (list, tuple)) and bool(prompts) and isinstance(prompts[0], int)
-            )
-        )
-        items: list[Prompt] = [prompts] if single else list(prompts)  # type: ignore[list-item]
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(items)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(items):
-                raise ConfigError(
-                    f"{len(params)} sampling_params for {len(items)} prompts: give one "
-                    "SamplingParams, or one per prompt"
-                )
+        """Run prompts to completion; one ``RequestOutput`` per prompt, in order. A prompt is
+        text or token ids: one string, one list of ints, or a list of those (a chat
+        conversation goes to ``chat``). ``sampling_params``: one for all, or one per prompt.
+        A request that cannot be served gets an output with ``error`` set; the others run."""
+        items = prompt_list(prompts, apply_chat_template)
+        params = sampling_list(sampling_params, len(items))
         reqs = [
-            self._request(p, sp, priority, apply_chat_template, False)
+            make_request(p, sp, priority, apply_chat_template, False)
             for p, sp in zip(items, params, strict=True)
         ]
-        return self.executor.generate(reqs)
+        return self._run(reqs)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        priority: int = 0,
+    ) -> list[RequestOutput]:
+        """vLLM's ``LLM.chat``: run conversations (one list of ``{"role", "content"}``
+        messages — system, user, assistant turns — or a list of them) through the engine's
+        chat template; one ``RequestOutput`` per conversation, in order. ``tools`` and
+        ``chat_template_kwargs`` (``enable_thinking`` ...) are passed to the template."""
+        conversations = conversation_list(messages)
+        params = sampling_list(sampling_params, len(conversations))
+        kwargs = {"add_generation_prompt": add_generation_prompt, **(chat_template_kwargs or {})}
+        if tools is not None:
+            kwargs["tools"] = tools
+        reqs = [
+            Request(
+                prompt=conv,  # type: ignore[arg-type]
+                sampling=sp,
+                priority=priority,
+                apply_chat_template=True,
+                chat_template_kwargs=kwargs,
+            )
+            for conv, sp in zip(conversations, params, strict=True)
+        ]
+        return self._run(reqs)
 
     def generate_async(
         self,
@@ -363,10 +369,10 @@ class LLM:
         caller keeps the returned stream (see ``ResponseStream``); a request that fails
         raises its llmc.base.errors class. A bad argument raises RequestError here.
         """
-        req = self._request(
+        req = make_request(
             prompt, sampling_params or SamplingParams(), priority, apply_chat_template, streaming
         )
-        return ResponseStream(self.executor, req)
+        return ResponseStream(self.executor, req, self._token_text())
 
     # ---- lifetime ------------------------------------------------------------------------
     def shutdown(self, timeout: float = 30.0) -> None:

@@ -157,7 +157,8 @@ class Executor:
             if self.tokenizer is None:
                 raise RequestError("the engine has no tokenizer; send prompt_token_ids")
             if request.apply_chat_template:
-                ids = list(self.tokenizer.apply_chat_template(request.prompt))
+                kwargs = request.chat_template_kwargs or {}
+                ids = list(self.tokenizer.apply_chat_template(request.prompt, **kwargs))
             else:
                 ids = self.tokenizer.encode(request.prompt)
         elif request.prompt_token_ids is not None:

@@ -90,6 +90,7 @@ class Tokenizer:
             i for i, t in self._added_tokens() if getattr(t, "special", False)
         )
         self._template = None
+        self._token_texts: dict[int, str] = {}
         self.chat_timeout_s = CHAT_TIMEOUT_S
         self.chat_max_chars = CHAT_MAX_CHARS
 
@@ -181,14 +182,29 @@ class Tokenizer:
             self._template = env.from_string(self.chat_template)
         return self._template
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text, decoded alone with special tokens kept (a logprob entry's
+        ``decoded_token``); cached."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._tok.decode([token_id], skip_special_tokens=False)
+            if len(self._token_texts) < 1 << 16:
+                self._token_texts[token_id] = text
+        return text
+
     def apply_chat_template(
         self,
         messages: str | list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tokenize: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        **template_kwargs: Any,
     ) -> list[int] | str:
-        """Render ``messages`` (a user string or a list of role/content dicts) with the chat
-        template; token ids (no extra special tokens: the template has them) or the text."""
+        """Render ``messages`` (a user string or a list of role/content dicts: system, user,
+        assistant turns) with the chat template, as transformers' ``apply_chat_template``
+        does (``tools`` and any other template argument passed through; the special tokens
+        of tokenizer_config.json defined); token ids (no extra special tokens: the template
+        has them) or the text."""
         if self.chat_template is None:
             raise RequestError(
                 f"{self.source}: the engine's tokenizer has no chat template; "
@@ -198,8 +214,11 @@ class Tokenizer:
             messages = [{"role": "user", "content": messages}]
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise RequestError("chat messages must be a string or a list of role/content dicts")
+        context = {**self.special_tokens, **template_kwargs}
+        if tools is not None:
+            context["tools"] = tools
         text = self._render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens
+            **context, messages=messages, add_generation_prompt=add_generation_prompt
         )
         return self.encode(text, add_special_tokens=False) if tokenize else text
 

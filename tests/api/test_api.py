@@ -124,7 +124,7 @@ def test_runtime_limits_can_be_lowered_never_raised(engine_dir):
         LLM(engine_dir, device="cpu", max_num_tokens=128)
     with pytest.raises(ConfigError, match="always batches in flight"):
         LLM(engine_dir, enable_inflight_batching=False)
-    with pytest.raises(ConfigError, match="engine_dir .* or checkpoint_dir"):
+    with pytest.raises(ConfigError, match="needs model .*engine_dir .* or checkpoint_dir"):
         LLM()
     with pytest.raises(ConfigError, match="pass one or the other"):
         LLM(engine_dir, checkpoint_dir=engine_dir)
