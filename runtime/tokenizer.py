@@ -86,6 +86,7 @@ class Tokenizer:
         self.bos_token_id: int | None = (
             self._tok.token_to_id(bos_tok) if bos_tok is not None else None
         )
+        self._register_special_tokens()
         self.special_token_ids = frozenset(
             i for i, t in self._added_tokens() if getattr(t, "special", False)
         )
@@ -93,6 +94,26 @@ class Tokenizer:
         self._token_texts: dict[int, str] = {}
         self.chat_timeout_s = CHAT_TIMEOUT_S
         self.chat_max_chars = CHAT_MAX_CHARS
+
+    def _register_special_tokens(self) -> None:
+        """The config's special tokens (bos/eos/unk/pad, ``additional_special_tokens``) that
+        are in the vocabulary but not added tokens of tokenizer.json become special added
+        tokens, as transformers registers them: ``<s>`` in a chat template's text is then
+        one token, as in transformers' ``apply_chat_template``."""
+        extra = self.config.get("additional_special_tokens")
+        names = [*self.special_tokens.values(), *(extra if isinstance(extra, list) else [])]
+        added = {getattr(t, "content", None) for _, t in self._added_tokens()}
+        missing = [
+            c
+            for c in dict.fromkeys(map(_token_content, names))
+            if c and c not in added and self._tok.token_to_id(c) is not None
+        ]
+        if missing:
+            from tokenizers import AddedToken
+
+            self._tok.add_special_tokens(
+                [AddedToken(c, special=True, normalized=False) for c in missing]
+            )
 
     def _added_tokens(self) -> list[tuple[int, Any]]:
         decoder = getattr(self._tok, "get_added_tokens_decoder", None)
