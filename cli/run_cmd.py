@@ -7,14 +7,20 @@ precedence CLI > the profile's ``run:`` section > defaults. The requests go to
 ``LLM.enqueue_request`` / ``await_responses``; timings come from ``LLM.request_records``,
 the summary from its step records and KV stats. Requests come
 from ``--prompt`` (repeatable) or ``--input_file``: plain text (one prompt per line) or JSONL
-(``prompt`` or ``input_ids``, optional ``chat`` and per-request sampling fields overriding
-the flags). A request that fails (bad sampling values, too long, ...) is reported with its
-message while the others run; the exit code is then that error's code (RequestError: 8).
+(``prompt``, ``input_ids`` or ``messages``, optional ``chat`` and per-request sampling fields
+overriding the flags), or ``--messages_file``: JSONL, one conversation per line (a list of
+``{"role", "content"}``). ``--system TEXT`` makes each text prompt a conversation (that system
+message, then the prompt as the user's) and is the system message of every conversation that
+has none; conversations go through the engine's chat template. A request that fails (bad
+sampling values, too long, ...) is reported with its message while the others run; the exit
+code is then that error's code (RequestError: 8).
 
 Output: ``--json`` prints one object on stdout (outputs with text, token ids, finish reason
 and timings; a summary; the runtime) and nothing else there. Otherwise each output, then a
-Rich table per request and a summary. ``--stream`` prints the first unfinished request's
-text as it is generated (the others follow in order); with ``--json`` the deltas are listed.
+Rich table per request and a summary; with ``--logprobs K`` / ``--prompt_logprobs K`` each
+token's logprob, rank and top-K alternatives, with their texts. ``--stream`` prints the
+first unfinished request's text as it is generated (the others follow in order); with
+``--json`` the deltas are listed.
 """
 
 from __future__ import annotations
@@ -46,14 +52,20 @@ from llmc.cli.options import (
     runtime_config,
     with_flags,
 )
+from llmc.runtime.logprobs import entry_json, with_texts
 from llmc.runtime.types import Request, SamplingParams
 
 if TYPE_CHECKING:
     from llmc.api import LLM
 
 SAMPLING_KEYS = tuple(f.name for f in dataclasses.fields(SamplingParams))
-RUN_KEYS = ("engine_dir", "prompt", "input_file", "chat", "stream", *SAMPLING_KEYS, *RUNTIME_KEYS)
-JSONL_KEYS = ("prompt", "input_ids", "prompt_token_ids", "chat", *SAMPLING_KEYS)
+RUN_KEYS = (
+    "engine_dir", "prompt", "input_file", "messages_file", "system", "chat", "stream",
+    *SAMPLING_KEYS, *RUNTIME_KEYS,
+)  # fmt: skip
+JSONL_KEYS = ("prompt", "input_ids", "prompt_token_ids", "messages", "chat", *SAMPLING_KEYS)
+LIMIT_NAMES = ("max_new_tokens", "max_tokens")
+"""Two names of one sampling limit: a JSONL line's replaces the flags' under either name."""
 
 
 def _int_list(values: list[str] | None, name: str) -> tuple[int, ...] | None:
@@ -69,33 +81,67 @@ def _sampling(settings: dict[str, Any], overrides: dict[str, Any]) -> SamplingPa
     """SamplingParams from the flags/profile with ``overrides`` (a JSONL line's fields);
     ``SamplingParams`` checks and normalizes every value (RequestError naming it)."""
     values = {k: settings[k] for k in SAMPLING_KEYS if settings.get(k) is not None}
+    if any(k in overrides for k in LIMIT_NAMES):
+        for k in LIMIT_NAMES:
+            values.pop(k, None)
     values.update(overrides)
     return SamplingParams(**values)
+
+
+def _conversation(messages: Any, system: str | None) -> Any:
+    """``messages`` with ``system`` as its first message when it has no system message (a
+    value that is not a list of messages is left for ``Request.validate`` to name)."""
+    if system is None or not isinstance(messages, list):
+        return messages
+    if any(isinstance(m, dict) and m.get("role") == "system" for m in messages):
+        return messages
+    return [{"role": "system", "content": system}, *messages]
+
+
+def _text_request(text: str, sampling: SamplingParams, settings: dict[str, Any]) -> Request:
+    """The Request of one text prompt: with ``--system``, a system + user conversation."""
+    system, streaming = settings.get("system"), bool(settings.get("stream"))
+    if system is not None:
+        prompt: Any = _conversation([{"role": "user", "content": text}], system)
+        return Request(prompt=prompt, sampling=sampling, apply_chat_template=True,
+                       streaming=streaming)  # fmt: skip
+    chat = bool(settings.get("chat"))
+    return Request(prompt=text, sampling=sampling, apply_chat_template=chat, streaming=streaming)
+
+
+def _label(messages: list[dict[str, Any]]) -> str:
+    """A conversation's label: its last message's text."""
+    content = messages[-1].get("content") if messages else None
+    return content if isinstance(content, str) else f"<{len(messages)} messages>"
 
 
 def read_requests(settings: dict[str, Any]) -> list[tuple[str, Request | LlmcError]]:
     """(label, Request or the error that makes it unservable) per prompt, in order. Bad
     sampling flags refuse the command (RequestError); a bad line of an input file fails
     that request alone, its error naming the file and line."""
-    chat = bool(settings.get("chat"))
-    streaming = bool(settings.get("stream"))
     prompts = list(settings.get("prompt") or [])
-    path = settings.get("input_file")
-    if prompts and path:
-        raise UsageError("give prompts with --prompt or --input_file, not both")
-    if not prompts and not path:
-        raise UsageError("no prompt: give --prompt TEXT (repeatable) or --input_file FILE")
+    sources = [n for n in ("input_file", "messages_file") if settings.get(n)]
+    if len(sources) + bool(prompts) > 1:
+        given = (["--prompt"] if prompts else []) + [f"--{n}" for n in sources]
+        raise UsageError(f"give prompts one way: {' and '.join(given)} were both given")
+    if not prompts and not sources:
+        raise UsageError(
+            "no prompt: give --prompt TEXT (repeatable), --input_file FILE or --messages_file "
+            "FILE.jsonl"
+        )
     defaults = _sampling(settings, {})
     if prompts:
-        return [
-            (p, Request(prompt=p, sampling=defaults, apply_chat_template=chat, streaming=streaming))
-            for p in prompts
-        ]
-    p = Path(path)
+        return [(p, _text_request(p, defaults, settings)) for p in prompts]
+    flag = sources[0]
+    p = Path(settings[flag])
     try:
         lines = p.read_bytes().split(b"\n")
     except OSError as e:
-        raise UsageError(f"--input_file {p}: cannot be read ({e.strerror or e})") from None
+        raise UsageError(f"--{flag} {p}: cannot be read ({e.strerror or e})") from None
+    if flag == "messages_file":
+        return _messages_requests(p, lines, defaults, settings)
+    chat = bool(settings.get("chat"))
+    streaming = bool(settings.get("stream"))
     out: list[tuple[str, Request | LlmcError]] = []
     for n, raw in enumerate(lines, 1):
         if not raw.strip():
@@ -107,9 +153,7 @@ def read_requests(settings: dict[str, Any]) -> list[tuple[str, Request | LlmcErr
             out.append((f"<line {n}>", RequestError(f"{where}: not valid UTF-8 ({e.reason})")))
             continue
         if not line.lstrip().startswith("{"):
-            req = Request(
-                prompt=line, sampling=defaults, apply_chat_template=chat, streaming=streaming
-            )
+            req = _text_request(line, defaults, settings)
             req.metadata["where"] = where
             out.append((line, req))
             continue
@@ -122,6 +166,43 @@ def read_requests(settings: dict[str, Any]) -> list[tuple[str, Request | LlmcErr
         out.append((label, req))
     if not out:
         raise UsageError(f"--input_file {p}: has no prompts")
+    return out
+
+
+def _messages_requests(
+    path: Path, lines: list[bytes], sampling: SamplingParams, settings: dict[str, Any]
+) -> list[tuple[str, Request | LlmcError]]:
+    """``--messages_file``: one conversation per line (a JSON list of {role, content});
+    a bad line fails that request alone, its error naming the file and line."""
+    out: list[tuple[str, Request | LlmcError]] = []
+    for n, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        where = f"{path}:{n}"
+        try:
+            messages = json.loads(raw.decode("utf-8"))
+            if not isinstance(messages, list):
+                raise RequestError("a line must be a JSON list of {role, content} messages")
+            req = Request(
+                prompt=_conversation(messages, settings.get("system")),
+                sampling=sampling,
+                apply_chat_template=True,
+                streaming=bool(settings.get("stream")),
+            )
+        except UnicodeDecodeError as e:
+            out.append((f"<line {n}>", RequestError(f"{where}: not valid UTF-8 ({e.reason})")))
+            continue
+        except (json.JSONDecodeError, RecursionError) as e:
+            error = RequestError(f"{where}: not valid JSON ({getattr(e, 'msg', e)})")
+            out.append((f"<line {n}>", error))
+            continue
+        except LlmcError as e:
+            out.append((f"<line {n}>", RequestError(f"{where}: {e}")))
+            continue
+        req.metadata["where"] = where
+        out.append((_label(req.prompt), req))  # type: ignore[arg-type]
+    if not out:
+        raise UsageError(f"--messages_file {path}: has no conversations")
     return out
 
 
@@ -138,18 +219,30 @@ def _jsonl_request(
     for key in obj:
         if key not in JSONL_KEYS:
             raise RequestError(f"unknown key {key!r}" + did_you_mean(key, JSONL_KEYS))
-    if "input_ids" in obj and "prompt_token_ids" in obj:
-        raise RequestError("give input_ids or prompt_token_ids, not both")
+    given = [k for k in ("prompt", "input_ids", "prompt_token_ids", "messages") if k in obj]
+    if len(given) > 1:
+        raise RequestError(f"give one of {', '.join(given)}, not several")
     ids = obj.get("input_ids", obj.get("prompt_token_ids"))
+    sampling = _sampling(settings, {k: v for k, v in obj.items() if k in SAMPLING_KEYS})
+    if "messages" in obj:
+        req = Request(
+            prompt=_conversation(obj["messages"], settings.get("system")),
+            sampling=sampling,
+            apply_chat_template=True,
+            streaming=streaming,
+        )
+        return _label(req.prompt), req  # type: ignore[arg-type]
     prompt = obj.get("prompt")
+    if isinstance(prompt, str) and settings.get("system") is not None and "chat" not in obj:
+        return prompt, _text_request(prompt, sampling, settings)
     req = Request(
         prompt=prompt,
         prompt_token_ids=ids,
-        sampling=_sampling(settings, {k: v for k, v in obj.items() if k in SAMPLING_KEYS}),
+        sampling=sampling,
         apply_chat_template=obj.get("chat", chat),
         streaming=streaming,
     )
-    label = prompt if prompt is not None else f"<{len(req.prompt_token_ids or [])} ids>"
+    label = prompt if isinstance(prompt, str) else f"<{len(req.prompt_token_ids or [])} ids>"
     return label, req
 
 
@@ -229,9 +322,16 @@ RUN_FLAGS: tuple[Flag, ...] = (
     Flag("stop", list[str], "Stop string (repeatable); cut from the output."),
     Flag("stop_token_ids", list[str], "Stop token ids (repeatable or a,b,c)."),
     Flag("ignore_eos", bool, "Do not stop at EOS. Default: off."),
-    Flag("logprobs", int, "Return log-probabilities and this many top ones."),
+    Flag("max_tokens", int, "vLLM's name of --max_new_tokens (give one)."),
+    Flag("min_tokens", int, "Suppress EOS and stop ids until this many tokens. Default: 0."),
+    Flag("logprobs", int, "Each generated token's logprob, rank and this many top ones."),
+    Flag("prompt_logprobs", int, "Each prompt token's logprob, rank and this many top ones."),
     Flag("clamp_max_new_tokens", bool, "Lower max_new_tokens to fit max_seq_len instead of "
          "failing. Default: off."),
+    Flag("messages_file", str, "Conversations: JSONL, one JSON list of {role, content} per "
+         "line, through the chat template. Default: none.", metavar="PATH"),
+    Flag("system", str, "A system message: each prompt becomes a chat (system, then the prompt "
+         "as the user's); the system turn of conversations that have none.", metavar="TEXT"),
     Flag("chat", bool, "Apply the engine's chat template. Default: off."),
     Flag("stream", bool, "Print tokens as they come."),
 )
@@ -282,13 +382,14 @@ def _serve(llm: LLM, items: list, settings: dict[str, Any], json_out: bool, log:
     ids, got = run_requests(llm, good, printer)
     wall = time.perf_counter() - t1
     records = {r.request_id: r for r in llm.request_records}
+    token_text = None if llm.tokenizer is None else llm.tokenizer.token_text
     outputs, it = [], iter(ids)
     for index, (label, req) in enumerate(items):
         if not isinstance(req, Request):
             outputs.append(_failed_output(index, label, req))
             continue
         rid = next(it)
-        out = _output(index, label, got[rid], records[rid], streaming)
+        out = _output(index, label, got[rid], records[rid], streaming, token_text)
         if out["error"] is not None and "where" in req.metadata:  # the line it came from
             out["error"] = f"{req.metadata['where']}: {out['error']}"
         outputs.append(out)
@@ -320,7 +421,9 @@ def _failed_output(index: int, label: str, error: LlmcError) -> dict[str, Any]:
     }
 
 
-def _output(index: int, label: str, responses: list[Any], rec: Any, streaming: bool):
+def _output(
+    index: int, label: str, responses: list[Any], rec: Any, streaming: bool, token_text: Any
+):
     final = responses[-1]
     out = {
         "index": index,
@@ -334,11 +437,11 @@ def _output(index: int, label: str, responses: list[Any], rec: Any, streaming: b
         "timings": _timings(rec),
     }
     lps = [lp for r in responses for lp in (r.logprobs or [])]
-    if lps:
-        out["logprobs"] = [
-            {"token_id": lp.token_id, "logprob": lp.logprob, "top": [list(t) for t in lp.top]}
-            for lp in lps
-        ]
+    for key, entries in (("logprobs", lps), ("prompt_logprobs", final.prompt_logprobs)):
+        if entries:
+            if token_text is not None:
+                entries = with_texts(entries, token_text)
+            out[key] = [entry_json(e) for e in entries]
     if streaming:
         out["deltas"] = [r.new_text for r in responses]
     return out

@@ -13,7 +13,8 @@ def _fmt(value: float | None, scale: float = 1.0, digits: int = 1) -> str:
 
 
 def print_report(console: Any, outputs: list[dict[str, Any]], summary: dict, printed: bool):
-    """Outputs (unless already streamed), a table per request, then the summary."""
+    """Outputs (unless already streamed), their logprob tables when asked for, a table per
+    request, then the summary."""
     from rich.markup import escape
     from rich.table import Table
 
@@ -24,6 +25,10 @@ def print_report(console: Any, outputs: list[dict[str, Any]], summary: dict, pri
                 console.print(f"[red]error:[/] {escape(o['error'])}")
             else:
                 console.print(o["text"], markup=False, highlight=False, soft_wrap=True)
+    for o in outputs:
+        for key, title in (("prompt_logprobs", "prompt"), ("logprobs", "generated")):
+            if o.get(key):
+                console.print(_logprob_table(o[key], f"request {o['index']}: {title} logprobs"))
     table = Table(title="requests")
     for col in ("#", "prompt tok", "generated tok", "TTFT ms", "tokens/s", "finish"):
         table.add_column(col, justify="right" if col != "finish" else "left")
@@ -48,3 +53,32 @@ def print_report(console: Any, outputs: list[dict[str, Any]], summary: dict, pri
         highlight=False,
         soft_wrap=True,
     )
+
+
+def _token(text: str | None, token_id: int) -> str:
+    """A token's text as a table cell: quoted (whitespace shows), markup escaped."""
+    from rich.markup import escape
+
+    return escape(repr(text)) if text is not None else f"<{token_id}>"
+
+
+def _logprob_table(entries: list[dict[str, Any] | None], title: str) -> Any:
+    """One row per token: its text, logprob, rank and top alternatives (text: logprob)."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("#", "token", "logprob", "rank", "top"):
+        table.add_column(col, justify="right" if col in ("#", "logprob", "rank") else "left")
+    for i, e in enumerate(entries):
+        if e is None:  # a prompt's first token: nothing before it to score it
+            table.add_row(str(i), "-", "-", "-", "")
+            continue
+        top = ", ".join(f"{_token(t['token'], t['token_id'])} {t['logprob']:.3f}" for t in e["top"])
+        table.add_row(
+            str(i),
+            _token(e["token"], e["token_id"]),
+            f"{e['logprob']:.4f}",
+            "-" if e["rank"] is None else str(e["rank"]),
+            top,
+        )
+    return table

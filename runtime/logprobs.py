@@ -102,3 +102,19 @@ def with_texts(entries: list[Any] | None, token_text: Callable[[int], str]) -> l
     if entries is None:
         return None
     return [e if e is None else e.with_texts(token_text) for e in entries]
+
+
+def entry_json(entry: Any) -> dict[str, Any] | None:
+    """One position's entry as plain JSON (``llmc run --json``): the token's id, text,
+    logprob and rank, and its top alternatives (id, text, logprob), most likely first."""
+    if entry is None:
+        return None
+    return {
+        "token_id": entry.token_id,
+        "token": entry._text(entry.token_id),
+        "logprob": entry.logprob,
+        "rank": entry.rank,
+        "top": [
+            {"token_id": i, "token": entry._text(i), "logprob": lp} for i, lp in entry.top_items()
+        ],
+    }

@@ -149,13 +149,6 @@ class SamplingParams:
     max_new_tokens: int | None = None
     """Most tokens to generate: this, or ``max_tokens``, or 32 when neither is given (always
     an int after construction)."""
-    max_tokens: int | None = None
-    """vLLM's and TensorRT-LLM's name of ``max_new_tokens``. Either name may be given; both
-    given and different is refused naming both. After construction both hold the limit, so
-    ``dataclasses.replace`` that changes one of them must change the other too."""
-    min_tokens: int = 0
-    """vLLM's ``min_tokens``: EOS and ``stop_token_ids`` are suppressed (their logits set to
-    -inf before sampling) until this many tokens were generated; at most max_new_tokens."""
     temperature: float = 0.0
     top_k: int = 0
     """0 disables top-k."""
@@ -180,6 +173,13 @@ class SamplingParams:
     blocks (every prompt position must be computed)."""
     clamp_max_new_tokens: bool = False
     """If prompt + max_new_tokens exceeds max_seq_len: clamp instead of failing the request."""
+    max_tokens: int | None = None
+    """vLLM's and TensorRT-LLM's name of ``max_new_tokens``. Either name may be given; both
+    given and different is refused naming both. After construction both hold the limit, so
+    ``dataclasses.replace`` that changes one of them must change the other too."""
+    min_tokens: int = 0
+    """vLLM's ``min_tokens``: EOS and ``stop_token_ids`` are suppressed (their logits set to
+    -inf before sampling) until this many tokens were generated; at most max_new_tokens."""
 
     def __post_init__(self) -> None:
         """The one home of every sampling rule: each field's type and range, checked where
