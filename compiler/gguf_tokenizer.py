@@ -12,6 +12,13 @@ Tokenizer that encodes and decodes like transformers' tokenizer loaded from the 
 - control tokens (type 3) become special added tokens, user-defined ones (type 4) plain
   added tokens, so ``<|im_start|>`` in a chat stays one token;
 - BOS/EOS are added only where the file's ``add_bos_token``/``add_eos_token`` say so.
+
+Any other GGUF tokenizer (a SentencePiece-style ``"llama"`` model: Llama 2, Mistral,
+TinyLlama GGUFs; a byte-level one whose pre-tokenizer llmc does not know) goes through
+transformers' own GGUF tokenizer converter (``AutoTokenizer.from_pretrained(gguf_file=...)``,
+``transformers_tokenizer_files``), whose saved files are then the engine's: such a file encodes
+exactly as transformers loads it. One the converter refuses too is an UnsupportedError naming
+both refusals.
 """
 
 from __future__ import annotations
@@ -94,18 +101,62 @@ def _pre_tokenizer(name: str, where: str) -> tuple[Any, bool]:
 
 
 def gguf_tokenizer_files(header: GGUFHeader) -> dict[str, bytes]:
-    """``{"tokenizer.json": ..., "tokenizer_config.json": ...}`` for a GGUF's tokenizer.
+    """``{"tokenizer.json": ..., "tokenizer_config.json": ...}`` for a GGUF's tokenizer: llmc's
+    own byte-level BPE rebuild when it applies, else transformers' converter.
 
     ``header`` must have been read with the vocabulary and merges kept (TOKENIZER_ARRAYS).
     """
+    md = header.metadata
+    kind = md.get("tokenizer.ggml.model")
+    pre = str(md.get("tokenizer.ggml.pre", "default"))
+    if kind == "gpt2" and pre in PRE_TOKENIZERS:
+        return _byte_level_files(header)
+    why = (
+        f"pre-tokenizer {pre!r} is not one llmc rebuilds ({', '.join(sorted(PRE_TOKENIZERS))})"
+        if kind == "gpt2"
+        else f"tokenizer model {kind!r} is not byte-level BPE ('gpt2')"
+    )
+    return transformers_tokenizer_files(header, why)
+
+
+def transformers_tokenizer_files(header: GGUFHeader, why: str) -> dict[str, bytes]:
+    """The tokenizer files transformers writes for the GGUF's tokenizer (its GGUF converter,
+    local file only), the chat template folded into tokenizer_config.json. ``why``: why llmc's
+    own rebuild does not apply (named if the converter refuses the file too)."""
+    import tempfile
+    from pathlib import Path
+
+    path, where = Path(header.path), str(header.path)
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(
+            str(path.parent), gguf_file=path.name, local_files_only=True
+        )
+        with tempfile.TemporaryDirectory(prefix="llmc-gguf-tok-") as tmp:
+            tok.save_pretrained(tmp)
+            out = Path(tmp)
+            config = json.loads((out / "tokenizer_config.json").read_text(encoding="utf-8"))
+            template = out / "chat_template.jinja"
+            if "chat_template" not in config and template.is_file():
+                config["chat_template"] = template.read_text(encoding="utf-8")
+            tokenizer_json = (out / "tokenizer.json").read_bytes()
+    except Exception as e:  # transformers raises ValueError, KeyError, OSError ... on a file
+        raise UnsupportedError(
+            f"{where}: the GGUF {why}, and transformers' GGUF tokenizer converter failed "
+            f"({type(e).__name__}: {str(e)[:300]})"
+        ) from None
+    return {
+        "tokenizer.json": tokenizer_json,
+        "tokenizer_config.json": json.dumps(config, indent=2, ensure_ascii=False).encode(),
+    }
+
+
+def _byte_level_files(header: GGUFHeader) -> dict[str, bytes]:
+    """llmc's rebuild of a byte-level BPE GGUF tokenizer (the module docstring's rules)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, processors
 
     md, where = header.metadata, str(header.path)
-    kind = md.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise UnsupportedError(
-            f"{where}: GGUF tokenizer model {kind!r} is not supported (only byte-level BPE, 'gpt2')"
-        )
     tokens, merges = md.get("tokenizer.ggml.tokens"), md.get("tokenizer.ggml.merges", [])
     if not isinstance(tokens, list) or not isinstance(merges, list):
         raise CheckpointError(f"{where}: GGUF tokenizer vocabulary or merges missing")

@@ -100,3 +100,41 @@ def write_gguf(
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def sentencepiece_tokens(vocab_size: int = 256) -> list[tuple[str, int, float]]:
+    """A SentencePiece-style ("llama") vocabulary of ``vocab_size`` (token, type, score):
+    <unk>/<s>/</s>, byte-fallback tokens <0x00>..<0x7F>, ``▁``-prefixed word pieces and
+    letters (scores: earlier = merged first), padded with rare pieces."""
+    toks = [("<unk>", 2, 0.0), ("<s>", 3, 0.0), ("</s>", 3, 0.0)]
+    toks += [(f"<0x{b:02X}>", 6, 0.0) for b in range(128)]
+    words = (
+        "▁t he ▁the ▁h ll llo ▁hello ▁w or ▁wor ld ▁world ▁a in er ▁b en ▁s on at ▁i ing ▁in"
+    ).split()
+    letters = [chr(c) for c in (*range(ord("a"), ord("z") + 1), *range(ord("A"), ord("Z") + 1))]
+    pieces = [*words, "▁", *letters, *".,!?'-0123456789"]
+    toks += [(p, 1, -float(i)) for i, p in enumerate(pieces)]
+    toks += [(f"▁x{i}", 1, -1000.0 - i) for i in range(vocab_size - len(toks))]
+    return toks[:vocab_size]
+
+
+def sentencepiece_tokenizer(model: str = "llama", pre: str = "default") -> Callable[[Any], None]:
+    """A ``write_gguf(tokenizer=...)`` hook: the ``sentencepiece_tokens`` vocabulary under
+    tokenizer model ``model`` (scores, types, BOS added, a chat template)."""
+
+    def write(w: Any) -> None:
+        toks = sentencepiece_tokens()
+        w.add_tokenizer_model(model)
+        w.add_tokenizer_pre(pre)
+        w.add_token_list([t for t, _, _ in toks])
+        w.add_token_scores([s for _, _, s in toks])
+        w.add_token_types([ty for _, ty, _ in toks])
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_unk_token_id(0)
+        w.add_add_bos_token(True)
+        w.add_add_eos_token(False)
+        w.add_chat_template("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n"
+                            "{% endfor %}")  # fmt: skip
+
+    return write
