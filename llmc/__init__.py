@@ -7,6 +7,7 @@ The package is split into subpackages mapped from the repository's top-level fol
 The Python API (docs/PYTHON_API.md)::
 
     from llmc import LLM, SamplingParams, BuildConfig, build, Profiler
+    from llmc import RequestOutput, CompletionOutput, Logprob  # vLLM's output shapes
 
 Those names are imported lazily (module ``__getattr__``): ``import llmc`` loads neither torch
 nor the runtime, so ``llmc build --dry_run`` and ``llmc --help`` stay fast. Each name is the
@@ -23,6 +24,10 @@ from llmc.base.version import ENGINE_FORMAT_VERSION, __version__
 _LAZY: dict[str, tuple[str, str]] = {
     "LLM": ("llmc.api", "LLM"),
     "GenerationOutput": ("llmc.runtime.responses", "RequestOutput"),
+    "RequestOutput": ("llmc.runtime.responses", "RequestOutput"),
+    "CompletionOutput": ("llmc.runtime.responses", "CompletionOutput"),
+    "RequestMetrics": ("llmc.runtime.responses", "RequestMetrics"),
+    "Logprob": ("llmc.runtime.logprobs", "Logprob"),
     "RequestTimings": ("llmc.runtime.responses", "RequestTimings"),
     "SamplingParams": ("llmc.runtime.types", "SamplingParams"),
     "Request": ("llmc.runtime.types", "Request"),
@@ -37,6 +42,10 @@ __all__ = [
     "ENGINE_FORMAT_VERSION",
     "LLM",
     "GenerationOutput",
+    "RequestOutput",
+    "CompletionOutput",
+    "RequestMetrics",
+    "Logprob",
     "RequestTimings",
     "SamplingParams",
     "Request",
@@ -52,8 +61,14 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time these come from __g
     from llmc.compiler.builder import build
     from llmc.profiler_api import Profiler
     from llmc.runtime.engine_runtime import RuntimeConfig
+    from llmc.runtime.logprobs import Logprob
+    from llmc.runtime.responses import (
+        CompletionOutput,
+        RequestMetrics,
+        RequestOutput,
+        RequestTimings,
+    )
     from llmc.runtime.responses import RequestOutput as GenerationOutput
-    from llmc.runtime.responses import RequestTimings
     from llmc.runtime.types import Request, SamplingParams
 
 

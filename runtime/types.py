@@ -151,7 +151,7 @@ class SamplingParams:
     an int after construction)."""
     temperature: float = 0.0
     top_k: int = 0
-    """0 disables top-k."""
+    """0 disables top-k (-1, vLLM's spelling, is taken as 0)."""
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
@@ -194,6 +194,8 @@ class SamplingParams:
         if self.min_tokens > self.max_new_tokens:
             limit = f"more than max_new_tokens={self.max_new_tokens}"
             raise _bad(self, "min_tokens", limit)
+        if self.top_k == -1 and not isinstance(self.top_k, bool):  # vLLM's "off"
+            put("top_k", 0)
         put("top_k", _integer(self, "top_k", 0, INT32_MAX, "0 disables it"))
         put("temperature", _real(self, "temperature", 0.0, FLOAT32_MAX, "0 means greedy"))
         put("top_p", _real(self, "top_p", 0.0, 1.0, open_low=True))

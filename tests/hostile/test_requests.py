@@ -44,7 +44,7 @@ FLAG_CASES = [
     Case(
         "top_k 2**31", _run("--top_k", "2147483648", "--temperature", "1"), 8, ["top_k=2147483648"]
     ),
-    Case("top_k negative", _run("--top_k", "-1"), 8, ["top_k=-1"]),
+    Case("top_k negative", _run("--top_k", "-2"), 8, ["top_k=-2"]),
     Case("temperature nan", _run("--temperature", "nan"), 8, ["temperature=nan"]),
     Case("temperature inf", _run("--temperature", "inf"), 8, ["temperature=inf"]),
     Case("temperature beyond float32", _run("--temperature", "1e39"), 8, ["temperature=1e+39"]),
