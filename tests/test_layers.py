@@ -36,7 +36,7 @@ RANK = {name: i for i, name in enumerate(LAYERS)}
 
 def layer(module: str) -> str:
     parts = module.split(".")
-    if len(parts) == 1 or parts[1] in ("api", "profiler_api", "errors", "serve"):
+    if len(parts) == 1 or parts[1] in ("api", "api_inputs", "profiler_api", "errors", "serve"):
         return "front"  # llmc.serve: the HTTP server, a client of the front door
     top = parts[1]
     if top == "runtime":

@@ -223,3 +223,36 @@ def test_prompt_logprobs_cuda_equal_torch(model, budget):
             ranks_equal += a.rank == b.rank
             total += 1
     assert total and ranks_equal >= 0.9 * total, f"ranks equal {ranks_equal}/{total}"
+
+
+def test_min_tokens_and_logprobs_cuda_equal_torch(model):
+    """``min_tokens`` (stop ids masked in the logits before the CUDA sampler) and generated
+    logprobs with ranks, mixed with plain rows that replay CUDA graphs, against the torch
+    backend: the stop id is each request's first greedy token, so without the mask every
+    request would stop at once."""
+    spec, w = model
+    first, _, _ = generate(spec, w, "torch", graphs=False)
+    sp = [
+        SamplingParams(
+            max_new_tokens=n,
+            stop_token_ids=[ids[0]],
+            min_tokens=min(n, 4),
+            logprobs=2 if i % 2 else None,
+        )  # fmt: skip
+        if i % 3 != 2
+        else SamplingParams(max_new_tokens=n, ignore_eos=True)  # plain: graphs
+        for i, (n, ids) in enumerate(zip(NEW, first, strict=True))
+    ]
+    rt_ref = runtime(spec, w, "torch", graphs=False)
+    ref = rt_ref.executor().generate(_prompts(spec.vocab_size), sp)
+    rt = runtime(spec, w, "cuda")
+    ours = rt.executor().generate(_prompts(spec.vocab_size), sp)
+    for o, r, s, ids in zip(ours, ref, sp, first, strict=True):
+        assert o.ok and o.token_ids == r.token_ids
+        if s.min_tokens:
+            assert ids[0] not in o.token_ids[: s.min_tokens]
+        if s.logprobs:
+            for a, b in zip(o.logprobs, r.logprobs, strict=True):
+                assert a.token_id == b.token_id and a.rank == b.rank == 1
+                assert abs(a.logprob - b.logprob) <= 1e-3
+    rt.kv.check_invariants()
