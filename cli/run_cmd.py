@@ -29,6 +29,7 @@ import dataclasses
 import json
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -143,14 +144,9 @@ def read_requests(settings: dict[str, Any]) -> list[tuple[str, Request | LlmcErr
     chat = bool(settings.get("chat"))
     streaming = bool(settings.get("stream"))
     out: list[tuple[str, Request | LlmcError]] = []
-    for n, raw in enumerate(lines, 1):
-        if not raw.strip():
-            continue
-        where = f"{p}:{n}"
-        try:
-            line = raw.decode("utf-8").rstrip("\r")
-        except UnicodeDecodeError as e:
-            out.append((f"<line {n}>", RequestError(f"{where}: not valid UTF-8 ({e.reason})")))
+    for n, where, line in _file_lines(p, lines):
+        if isinstance(line, LlmcError):
+            out.append((f"<line {n}>", line))
             continue
         if not line.lstrip().startswith("{"):
             req = _text_request(line, defaults, settings)
@@ -169,18 +165,31 @@ def read_requests(settings: dict[str, Any]) -> list[tuple[str, Request | LlmcErr
     return out
 
 
+def _file_lines(path: Path, lines: list[bytes]) -> Iterator[tuple[int, str, str | LlmcError]]:
+    """(line number, ``path:number``, its text or the error of a line that is not UTF-8)
+    for every non-blank line of an input file."""
+    for n, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        where = f"{path}:{n}"
+        try:
+            yield n, where, raw.decode("utf-8").rstrip("\r")
+        except UnicodeDecodeError as e:
+            yield n, where, RequestError(f"{where}: not valid UTF-8 ({e.reason})")
+
+
 def _messages_requests(
     path: Path, lines: list[bytes], sampling: SamplingParams, settings: dict[str, Any]
 ) -> list[tuple[str, Request | LlmcError]]:
     """``--messages_file``: one conversation per line (a JSON list of {role, content});
     a bad line fails that request alone, its error naming the file and line."""
     out: list[tuple[str, Request | LlmcError]] = []
-    for n, raw in enumerate(lines, 1):
-        if not raw.strip():
+    for n, where, line in _file_lines(path, lines):
+        if isinstance(line, LlmcError):
+            out.append((f"<line {n}>", line))
             continue
-        where = f"{path}:{n}"
         try:
-            messages = json.loads(raw.decode("utf-8"))
+            messages = json.loads(line)
             if not isinstance(messages, list):
                 raise RequestError("a line must be a JSON list of {role, content} messages")
             req = Request(
@@ -189,9 +198,6 @@ def _messages_requests(
                 apply_chat_template=True,
                 streaming=bool(settings.get("stream")),
             )
-        except UnicodeDecodeError as e:
-            out.append((f"<line {n}>", RequestError(f"{where}: not valid UTF-8 ({e.reason})")))
-            continue
         except (json.JSONDecodeError, RecursionError) as e:
             error = RequestError(f"{where}: not valid JSON ({getattr(e, 'msg', e)})")
             out.append((f"<line {n}>", error))

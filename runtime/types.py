@@ -164,7 +164,9 @@ class SamplingParams:
     """Stop strings; the output is cut before the stop string."""
     ignore_eos: bool = False
     logprobs: int | None = None
-    """Return the log-probability of each sampled token (and this many top alternatives)."""
+    """Return the log-probability and rank of each sampled token and this many top
+    alternatives (``llmc.runtime.logprobs.TokenLogprobs``, also vLLM's ``dict[int, Logprob]``;
+    the front door attaches the tokens' texts)."""
     prompt_logprobs: int | None = None
     """vLLM's ``prompt_logprobs``: None = off; k >= 0 = return, for every prompt token but
     the first (whose entry is None), its log-probability given the tokens before it (raw
