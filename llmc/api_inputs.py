@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from llmc.base.errors import CheckpointError, ConfigError, RequestError
+from llmc.base.errors import ConfigError, EngineError, RequestError
 from llmc.compiler.build_config import BuildConfig
 from llmc.runtime.chat_messages import check_conversation, is_conversation
 from llmc.runtime.types import Request, SamplingParams
@@ -28,8 +28,8 @@ def resolve_model(model: str | Path) -> tuple[Path | None, Path | None]:
     if not isinstance(model, (str, Path)):
         raise ConfigError(f"model must be a path, got {type(model).__name__}")
     path = Path(model).expanduser()
-    if not path.exists():
-        raise CheckpointError(
+    if not path.exists():  # EngineError: what LLM(path) said before ``model`` existed
+        raise EngineError(
             f"model={str(model)!r} does not exist: give a local engine directory, HF checkpoint "
             "directory or .gguf file (llmc downloads no models from a hub)"
         )

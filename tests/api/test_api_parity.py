@@ -19,7 +19,7 @@ from helpers.engines import tiny_build_config
 from helpers.gguf_files import write_gguf
 from helpers.runner import hf_logits, load_hf
 from llmc import LLM, Request, SamplingParams
-from llmc.base.errors import CheckpointError, ConfigError, RequestError
+from llmc.base.errors import ConfigError, EngineError, RequestError
 from llmc.runtime.logprobs import Logprob, PromptLogprob, TokenLogprobs
 from llmc.runtime.responses import CompletionOutput, RequestMetrics
 
@@ -86,7 +86,7 @@ def test_model_path_is_an_engine_a_checkpoint_or_a_gguf(tiny_engine, tiny_llama_
     with LLM(model=str(gguf_path), build_config=cfg, device="cpu") as c:
         assert c.engine_dir.parent == tmp_path / "cache" / "engines"
         assert c.generate(prompt, sp)[0].outputs[0].token_ids == want  # same weights (F32)
-    with pytest.raises(CheckpointError, match="does not exist.*downloads no models"):
+    with pytest.raises(EngineError, match="does not exist.*downloads no models"):
         LLM(model="meta-llama/Llama-3-8B")
     (tmp_path / "notes.txt").write_text("hi")
     with pytest.raises(ConfigError, match="is a file but not a .gguf"):
