@@ -307,11 +307,14 @@ class LLM:
         *,
         priority: int = 0,
         apply_chat_template: bool = False,
+        use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Run prompts to completion; one ``RequestOutput`` per prompt, in order. A prompt is
-        text or token ids: one string, one list of ints, or a list of those (a chat
-        conversation goes to ``chat``). ``sampling_params``: one for all, or one per prompt.
-        A request that cannot be served gets an output with ``error`` set; the others run."""
+        text or token ids: one string, one list of ints, or a list of those (vLLM's
+        ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}`` dicts too; a chat conversation
+        goes to ``chat``). ``sampling_params``: one for all, or one per prompt. A request that
+        cannot be served gets an output with ``error`` set; the others run. ``use_tqdm`` is
+        accepted for vLLM scripts: llmc draws no progress bar."""
         items = prompt_list(prompts, apply_chat_template)
         params = sampling_list(sampling_params, len(items))
         reqs = [
@@ -329,11 +332,13 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
         priority: int = 0,
+        use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """vLLM's ``LLM.chat``: run conversations (one list of ``{"role", "content"}``
         messages — system, user, assistant turns — or a list of them) through the engine's
         chat template; one ``RequestOutput`` per conversation, in order. ``tools`` and
-        ``chat_template_kwargs`` (``enable_thinking`` ...) are passed to the template."""
+        ``chat_template_kwargs`` (``enable_thinking`` ...) are passed to the template;
+        ``use_tqdm`` as in ``generate``."""
         conversations = conversation_list(messages)
         params = sampling_list(sampling_params, len(conversations))
         kwargs = {"add_generation_prompt": add_generation_prompt, **(chat_template_kwargs or {})}

@@ -87,17 +87,21 @@ def checkpoint_arg(
     return checkpoint
 
 
+VLLM_PROMPT_KEYS = ("prompt", "prompt_token_ids")
+"""vLLM's ``TextPrompt`` / ``TokensPrompt`` dicts: one of these keys."""
+
+
 def prompt_list(prompts: Any, chat: bool = False) -> list[Any]:
     """``generate``'s prompts as a list: one string, one token-id list (a list of ints) or
     a list of those. A chat conversation (a list of {role, content} dicts) is refused,
     naming what was passed and where conversations go, unless ``chat`` (the chat template
     is applied: one conversation, or a list of them, are prompts then)."""
-    if is_conversation(prompts):
+    if is_conversation(prompts) and not set(VLLM_PROMPT_KEYS) & set(prompts[0]):
         if chat:
             return [prompts]
         check_conversation(prompts, False, "the prompt")
     single = (
-        isinstance(prompts, (str, bytes))
+        isinstance(prompts, (str, bytes, dict))
         or not isinstance(prompts, Iterable)  # not a prompt: Request names it
         or (isinstance(prompts, (list, tuple)) and bool(prompts) and _is_int(prompts[0]))
     )
@@ -141,16 +145,33 @@ def sampling_list(sampling_params: Any, n: int) -> list[SamplingParams]:
     return params
 
 
+def _vllm_prompt(prompt: dict[str, Any]) -> Any:
+    """The text or token ids of a vLLM prompt dict (``{"prompt": text}`` or
+    ``{"prompt_token_ids": ids}``); any other dict is refused (a chat message is the usual
+    mistake, named)."""
+    keys = [k for k in VLLM_PROMPT_KEYS if k in prompt]
+    if len(keys) == 1 and len(prompt) == 1:
+        return prompt[keys[0]]
+    if "role" in prompt:
+        raise RequestError(
+            "the prompt is one chat message (a dict with a role), not a prompt: a prompt is a "
+            "string or a list of token ids; send conversations (lists of such dicts) through "
+            "LLM.chat"
+        )
+    raise RequestError(
+        f"a prompt dict has exactly one of the keys {', '.join(VLLM_PROMPT_KEYS)}, got "
+        f"{sorted(map(str, prompt))[:8]}"
+    )
+
+
 def make_request(
     prompt: Any, sampling: SamplingParams, priority: int, chat: bool, streaming: bool
 ) -> Request:
-    """A Request for ``prompt`` (text or token ids); its fields are checked by
-    ``Request.validate`` (RequestError naming the field), the one home of those rules."""
+    """A Request for ``prompt`` (text, token ids, or a vLLM prompt dict of either); its
+    fields are checked by ``Request.validate`` (RequestError naming the field), the one home
+    of those rules."""
     if isinstance(prompt, dict):
-        raise RequestError(
-            "the prompt is one chat message (a dict), not a prompt: a prompt is a string or "
-            "a list of token ids; send conversations (lists of such dicts) through LLM.chat"
-        )
+        prompt = _vllm_prompt(prompt)
     if isinstance(prompt, str) or not isinstance(prompt, (list, tuple)) or is_conversation(prompt):
         return Request(
             prompt=prompt,  # type: ignore[arg-type]

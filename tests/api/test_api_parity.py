@@ -129,6 +129,12 @@ def test_token_id_prompts_one_or_several(llm):
     two = llm.generate([[5, 6, 7], [8, 9]], sp)
     assert [o.prompt_token_ids for o in two] == [[5, 6, 7], [8, 9]]
     assert two[0].outputs[0].token_ids == one.outputs[0].token_ids and one.prompt is None
+    (as_dict,) = llm.generate({"prompt_token_ids": [5, 6, 7]}, sp, use_tqdm=False)  # vLLM's
+    assert as_dict.token_ids == one.token_ids
+    texts = llm.generate([{"prompt": "hello"}, "hello"], sp)
+    assert texts[0].token_ids == texts[1].token_ids and texts[0].prompt == "hello"
+    with pytest.raises(RequestError, match="exactly one of the keys prompt, prompt_token_ids"):
+        llm.generate({"text": "hello"})
 
 
 def test_chat_messages_as_a_prompt_say_what_was_passed(llm):
@@ -137,7 +143,7 @@ def test_chat_messages_as_a_prompt_say_what_was_passed(llm):
         llm.generate(messages)
     with pytest.raises(RequestError, match="a list of 2 chat messages"):
         llm.generate([messages, messages])
-    with pytest.raises(RequestError, match="one chat message \\(a dict\\)"):
+    with pytest.raises(RequestError, match="one chat message \\(a dict with a role\\)"):
         llm.generate(["text", {"role": "user", "content": "hi"}])
     with pytest.raises(RequestError, match="prompt_token_ids is a list of 2 chat messages"):
         Request(prompt_token_ids=messages)  # type: ignore[arg-type]
