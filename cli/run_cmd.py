@@ -53,6 +53,7 @@ from llmc.cli.options import (
     runtime_config,
     with_flags,
 )
+from llmc.runtime.chat_messages import is_conversation
 from llmc.runtime.logprobs import entry_json, with_texts
 from llmc.runtime.types import Request, SamplingParams
 
@@ -190,7 +191,7 @@ def _messages_requests(
             continue
         try:
             messages = json.loads(line)
-            if not isinstance(messages, list):
+            if not isinstance(messages, list) or not is_conversation(messages):
                 raise RequestError("a line must be a JSON list of {role, content} messages")
             req = Request(
                 prompt=_conversation(messages, settings.get("system")),

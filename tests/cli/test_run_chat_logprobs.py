@@ -55,18 +55,19 @@ def test_system_prompt_and_messages_file(engine, tiny_llama_dir, tmp_path):
     f.write_text(
         json.dumps(turns) + "\n\n" + json.dumps([system, *turns[:1]]) + "\n"
         + "not json\n" + json.dumps([{"role": "user", "content": 5}]) + "\n"
-        + json.dumps({"role": "user"}) + "\n"
+        + json.dumps({"role": "user"}) + "\n" + "[[[1]]]\n" + "[]\n"
     )  # fmt: skip
     args = ("--engine_dir", str(engine), "--max_tokens", "2", "--ignore_eos")
     doc = run_json(*args, "--messages_file", str(f), "--system", "Be brief.", code=8)
     outs = doc["outputs"]
-    assert len(outs) == 5 and outs[0]["prompt"] == "And now?"
+    assert len(outs) == 7 and outs[0]["prompt"] == "And now?"
     assert prompt_ids(outs[0]) == len(hf_chat_ids(tiny_llama_dir, [system, *turns]))
     assert prompt_ids(outs[1]) == len(hf_chat_ids(tiny_llama_dir, [system, turns[0]]))
     assert outs[2]["error"].startswith(f"{f}:4: not valid JSON")
     assert f"{f}:5: " in outs[3]["error"]
     assert "'content' must be a string, got int" in outs[3]["error"]
-    assert f"{f}:6: a line must be a JSON list" in outs[4]["error"]
+    for i, line in ((4, 6), (5, 7), (6, 8)):
+        assert f"{f}:{line}: a line must be a JSON list of {{role, content}}" in outs[i]["error"]
     plain = run_json(*args, "--prompt", "Hi", "--system", "Be brief.")["outputs"][0]
     assert prompt_ids(plain) == len(hf_chat_ids(tiny_llama_dir, [system, turns[0]]))
     tok = Tokenizer.from_dir(tiny_llama_dir)
