@@ -75,3 +75,15 @@ def test_model_and_kernel_configs_share_the_rule():
 
     with pytest.raises(UnsupportedError, match="kernel config: num_kv_heads must be a positive"):
         KernelConfig("float32", 64, 4, 0)
+
+
+def test_bad_value_errors_are_value_errors_with_their_codes():
+    """What code ported from vLLM / TensorRT-LLM catches; the exit codes stay the classes'."""
+    from llmc.base.errors import RequestError
+
+    for cls, code in ((ConfigError, 3), (RequestError, 8)):
+        assert issubclass(cls, ValueError) and issubclass(cls, LlmcError)
+        assert cls.exit_code == code and error_class(code) is cls
+        with pytest.raises(ValueError, match="bad"):
+            raise cls("bad")
+    assert not issubclass(UsageError, ValueError) and not issubclass(BenchFailure, ValueError)
