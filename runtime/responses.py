@@ -175,6 +175,11 @@ class RequestOutput:
         ]
 
     @property
+    def num_cached_tokens(self) -> int:
+        """vLLM's: prompt tokens served from reused prefix KV blocks."""
+        return self.record.num_cached_tokens
+
+    @property
     def metrics(self) -> RequestMetrics:
         r = self.record
         return RequestMetrics(

@@ -119,6 +119,7 @@ def test_a_vllm_script_runs_unchanged(llm):
             assert 2 <= len(entry) <= 3
         m = output.metrics
         assert isinstance(m, RequestMetrics) and m.time_in_queue >= 0
+        assert m.num_cached_tokens == output.num_cached_tokens == output.timings.num_cached_tokens
         assert m.arrival_time <= m.first_token_time <= m.last_token_time <= m.finished_time
         assert output.prompt_token_ids == llm.tokenizer.encode(prompt)
 
