@@ -107,6 +107,7 @@ def gguf_tokenizer_files(header: GGUFHeader) -> dict[str, bytes]:
     ``header`` must have been read with the vocabulary and merges kept (TOKENIZER_ARRAYS).
     """
     md = header.metadata
+    _vocabulary(md, str(header.path))  # malformed metadata: CheckpointError, either path
     kind = md.get("tokenizer.ggml.model")
     pre = str(md.get("tokenizer.ggml.pre", "default"))
     if kind == "gpt2" and pre in PRE_TOKENIZERS:
@@ -152,11 +153,9 @@ def transformers_tokenizer_files(header: GGUFHeader, why: str) -> dict[str, byte
     }
 
 
-def _byte_level_files(header: GGUFHeader) -> dict[str, bytes]:
-    """llmc's rebuild of a byte-level BPE GGUF tokenizer (the module docstring's rules)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
-
-    md, where = header.metadata, str(header.path)
+def _vocabulary(md: dict[str, Any], where: str) -> tuple[list[str], list[int], list[str]]:
+    """(tokens, token types, merges) of the GGUF's tokenizer metadata, checked whichever
+    path converts it (a malformed one is a CheckpointError naming the key)."""
     tokens, merges = md.get("tokenizer.ggml.tokens"), md.get("tokenizer.ggml.merges", [])
     if not isinstance(tokens, list) or not isinstance(merges, list):
         raise CheckpointError(f"{where}: GGUF tokenizer vocabulary or merges missing")
@@ -174,7 +173,15 @@ def _byte_level_files(header: GGUFHeader) -> dict[str, bytes]:
         raise CheckpointError(
             f"{where}: GGUF has {len(tokens)} tokens but {len(types)} token types"
         )
+    return tokens, types, merges
 
+
+def _byte_level_files(header: GGUFHeader) -> dict[str, bytes]:
+    """llmc's rebuild of a byte-level BPE GGUF tokenizer (the module docstring's rules)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
+
+    md, where = header.metadata, str(header.path)
+    tokens, types, merges = _vocabulary(md, where)
     alphabet = set(bytes_to_unicode().values())
     vocab = {}
     for i, tok in enumerate(tokens):

@@ -17,7 +17,7 @@ from llmc.base.errors import UnsupportedError
 from llmc.compiler.checkpoint import load_checkpoint
 from llmc.runtime.tokenizer import Tokenizer
 
-pytest.importorskip("gguf")  # a dependency of llmc; absent on the GPU image (cuda-only runs)
+gguf = pytest.importorskip("gguf")  # a dependency of llmc; absent on the GPU image (cuda-only runs)
 
 TEXTS = ["hello world", "the thing", " Hello, World!", "in the inn", "a\nb  c", "x1 2?"]
 
@@ -89,3 +89,17 @@ def test_engine_from_a_sentencepiece_gguf_serves(sp_gguf, tmp_path, monkeypatch)
         assert out.outputs[0].text == ref.decode(out.token_ids, skip_special_tokens=True)
         config = json.loads((llm.engine_dir / "tokenizer_config.json").read_text())
         assert "chat_template" in config
+
+
+def test_malformed_sentencepiece_metadata_is_a_checkpoint_error(tiny_llama_dir, tmp_path):
+    from llmc.base.errors import CheckpointError
+
+    def edit(w, tensors):  # token types that are not integers: llmc's check, before either path
+        w.kv_data[0]["tokenizer.ggml.token_type"].value = ["x"] * 256
+        w.kv_data[0]["tokenizer.ggml.token_type"].type = gguf.GGUFValueType.ARRAY
+        w.kv_data[0]["tokenizer.ggml.token_type"].sub_type = gguf.GGUFValueType.STRING
+
+    path = write_gguf(tiny_llama_dir, tmp_path / "bad.gguf", edit=edit,
+                      tokenizer=sentencepiece_tokenizer())  # fmt: skip
+    with pytest.raises(CheckpointError, match="tokenizer.ggml.token_type must be an array of ints"):
+        load_checkpoint(path)
