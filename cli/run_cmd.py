@@ -228,7 +228,9 @@ def _jsonl_request(
             raise RequestError(f"unknown key {key!r}" + did_you_mean(key, JSONL_KEYS))
     given = [k for k in ("prompt", "input_ids", "prompt_token_ids", "messages") if k in obj]
     if len(given) > 1:
-        raise RequestError(f"give one of {', '.join(given)}, not several")
+        raise RequestError(
+            f"give one of {', '.join(given)}, not {'both' if len(given) == 2 else 'several'}"
+        )
     ids = obj.get("input_ids", obj.get("prompt_token_ids"))
     sampling = _sampling(settings, {k: v for k, v in obj.items() if k in SAMPLING_KEYS})
     if "messages" in obj:

@@ -86,7 +86,7 @@ def test_jsonl_messages_and_limit_names(engine, tiny_llama_dir, tmp_path):
     outs = run_json(*args, "--input_file", str(f), code=8)["outputs"]
     assert len(outs[0]["token_ids"]) == 3 and len(outs[1]["token_ids"]) == 2
     assert prompt_ids(outs[0]) == len(hf_chat_ids(tiny_llama_dir, conv))
-    assert "give one of prompt, messages" in outs[2]["error"]
+    assert "give one of prompt, messages, not both" in outs[2]["error"]
     res = CliRunner().invoke(app, ["run", *args, "--prompt", "a", "--max_tokens", "3"])
     assert res.exit_code == 8 and "max_new_tokens=5 and max_tokens=3 differ" in res.stderr
     res = CliRunner().invoke(app, ["run", *args, "--prompt", "a", "--messages_file", str(f)])
