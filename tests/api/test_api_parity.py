@@ -58,6 +58,7 @@ def test_max_tokens_is_max_new_tokens():
     with pytest.raises(RequestError, match="min_tokens=-1"):
         SamplingParams(min_tokens=-1)
     assert not SamplingParams(min_tokens=2).is_plain and SamplingParams().is_plain
+    assert SamplingParams(top_k=-1).top_k == 0  # vLLM's "off"
 
 
 def test_request_and_config_errors_are_value_errors(tiny_engine, tiny_llama_dir):

@@ -162,7 +162,7 @@ def test_request_that_can_never_fit_fails_fast(tiny_tok):
         (dict(temperature=-0.5), "temperature=-0.5: must be a finite number in [0, "),
         (dict(top_p=0.0), "top_p=0.0: must be a finite number in (0, 1]"),
         (dict(top_p=1.5), "top_p=1.5: must be a finite number in (0, 1]"),
-        (dict(top_k=-1), "top_k=-1: must be an integer in [0, 2147483647]"),
+        (dict(top_k=-2), "top_k=-2: must be an integer in [0, 2147483647]"),  # -1: vLLM off
         (dict(max_new_tokens=0), "max_new_tokens=0: must be an integer in [1, 2147483647]"),
     ],
 )
