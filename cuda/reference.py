@@ -358,35 +358,54 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tenso
     return out - meta.presence_penalty[:, None] * (counts > 0).to(torch.float32)
 
 
+MASS_SCALE = 2.0**32
+"""Top-p masses are integers: q_v = floor(exp(l_v - max) * 2**32) (<= 2**32, so a row's sum
+stays far below 2**53): sums of integers are exact in any order, which is what lets the
+multi-CTA kernel and this reference agree on the kept set bit for bit."""
+
+
 def apply_filters(scaled: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """Temperature-scaled logits [S, V] → the same with filtered-out entries at -inf.
 
-    Applied in HF's order, each on the distribution left by the previous one:
-    - top-k (k > 0): keep logits >= the k-th largest (ties at the threshold kept);
-    - top-p (p < 1): keep token v iff the probability mass of tokens strictly more likely
-      than v is < p (the smallest top set with mass >= p, all tied tokens included);
-    - min-p (m > 0): keep tokens with prob >= m * max prob (HF ``MinPLogitsWarper``).
-    The most likely token always survives.
+    Applied in HF's order, each on the distribution left by the previous one. With
+    M = the row max and e_v = exp(l_v - M) (float32, as CUDA's ``expf``):
+    - top-k (k > 0): keep l >= the k-th largest value (ties at the threshold kept);
+    - top-p (p < 1), on the top-k-kept set K: masses q_v = floor(e_v * 2**32) as integers,
+      Z = sum over K of q; keep v iff A_v = sum of q_w over w in K with l_w > l_v
+      satisfies float64(A_v) < float64(p) * float64(Z) (the smallest top set with mass
+      >= p, all tied tokens included; p <= 0 keeps the max and its ties);
+    - min-p (m > 0): keep e_v >= m (= prob >= m * max prob, HF ``MinPLogitsWarper``).
+    The most likely token always survives. Rows whose max is not finite (all -inf, or a
+    +inf) are returned unfiltered: ``sample`` then takes their first maximum.
+    Values compare as floats (-0 == +0); NaN logits are not supported.
     """
     s, vocab = scaled.shape
     ninf = torch.tensor(float("-inf"), device=scaled.device)
     sorted_vals = scaled.sort(dim=-1, descending=True).values
+    row_max = sorted_vals[:, :1]
+    finite = torch.isfinite(row_max)
     k = meta.top_k.long().clamp(min=0)
     k_eff = torch.where(k > 0, k.clamp(max=vocab), torch.full_like(k, vocab))
     kth = sorted_vals.gather(1, (k_eff - 1)[:, None])
-    out = torch.where(scaled < kth, ninf, scaled)
-    # top-p on the top-k-filtered distribution: sorted order is unchanged by the top-k cut
-    sorted_vals = torch.where(sorted_vals < kth, ninf, sorted_vals)
-    probs = torch.softmax(sorted_vals, dim=-1)
-    mass_before = torch.cat((torch.zeros_like(probs[:, :1]), probs.cumsum(dim=-1)[:, :-1]), -1)
-    keep = (mass_before < meta.top_p[:, None]) | (meta.top_p[:, None] >= 1.0)
+    in_k = sorted_vals >= kth  # a prefix of the sorted row
+    # top-p on the top-k-kept set, in exact integer masses
+    e = torch.exp(sorted_vals - row_max)
+    q = torch.where(in_k, (e * MASS_SCALE).floor().to(torch.int64), 0)
+    z = q.sum(dim=-1, keepdim=True)
+    # mass strictly above each value: the exclusive cumsum at the first of its ties
+    pos = torch.arange(vocab, device=scaled.device).expand(s, vocab)
+    run_start = torch.ones_like(in_k)
+    run_start[:, 1:] = sorted_vals[:, 1:] != sorted_vals[:, :-1]
+    first = torch.where(run_start, pos, 0).cummax(dim=-1).values
+    above = (q.cumsum(dim=-1) - q).gather(1, first)
+    p = meta.top_p.double()[:, None]
+    keep = in_k & ((above.double() < p * z.double()) | (p >= 1.0))
     keep[:, 0] = True
-    last = keep.sum(dim=-1, keepdim=True) - 1
-    threshold = sorted_vals.gather(1, last)
-    out = torch.where(out < threshold, ninf, out)
-    p = torch.softmax(out, dim=-1)
-    min_keep = p >= meta.min_p[:, None] * p.amax(dim=-1, keepdim=True)
-    return torch.where(min_keep, out, ninf)
+    threshold = sorted_vals.gather(1, keep.sum(dim=-1, keepdim=True) - 1)
+    out = torch.where(scaled < threshold, ninf, scaled)
+    min_keep = torch.exp(out - row_max) >= meta.min_p[:, None]
+    out = torch.where(min_keep, out, ninf)
+    return torch.where(finite, out, scaled)
 
 
 def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -411,8 +430,11 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     Gumbel-max trick ``argmax(l_v - log(-log u_v))`` over the processed logits l (which
     equals argmax(log p_v - log(-log u_v)): softmax normalisation is a per-row constant),
     with u = philox_uniform(seed, offset); an exact sample of softmax(l), independent of
-    the batch. The uniforms are bit-exact across backends; the token agrees except when two
-    keys tie within float rounding.
+    the batch (first index on equal keys; a row whose max is not finite takes its first
+    maximum). Every step is an elementwise float32 op the kernel repeats (division, exp,
+    log: torch's CUDA exp / log are CUDA's expf / logf), a max, or integer arithmetic
+    (``apply_filters``' masses), never an order-dependent float sum: on the GPU, the CUDA
+    kernel picks the same token bit for bit.
     """
     proc = process_logits(logits, meta)
     if meta.all_greedy:
