@@ -74,6 +74,22 @@ inline int atomicAdd(int* p, int v) {
     return old;
 }
 
+inline unsigned atomicAdd(unsigned* p, unsigned v) {  // sampling.cu
+    std::lock_guard<std::mutex> lock(emu_atomic_mutex);
+    const unsigned old = *p;
+    *p = old + v;
+    return old;
+}
+inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
+    std::lock_guard<std::mutex> lock(emu_atomic_mutex);
+    const unsigned long long old = *p;
+    *p = old + v;
+    return old;
+}
+inline unsigned __umulhi(unsigned a, unsigned b) {
+    return (unsigned)(((unsigned long long)a * b) >> 32);
+}
+
 inline unsigned emu_lane() { return threadIdx.x & 31; }
 inline unsigned long long* emu_slot(unsigned lane) {
     return emu_xchg[threadIdx.x >> 5][lane];
