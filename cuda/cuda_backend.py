@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from llmc.base.errors import UnsupportedError
-from llmc.cuda.backend import AttentionMetadata, SamplingMetadata, check_fused_decode_max_tokens
+from llmc.cuda.backend import AttentionMetadata, check_fused_decode_max_tokens
 from llmc.cuda.fp8_ops import Fp8Ops
 from llmc.cuda.gemv_fp8_ops import GemvFp8Ops
 from llmc.cuda.gemv_ops import FUSED_DECODE_DEFAULT, GEMV_MAX_TOKENS, GEMV_SMEM_BYTES, GemvOps
@@ -53,6 +53,7 @@ from llmc.cuda.launch_args import ptr as _p
 from llmc.cuda.launch_args import rms_block
 from llmc.cuda.prefill_sm90_ops import Sm90Prefill, enabled_by_default, supports
 from llmc.cuda.reference_fp8 import FP8_DTYPE, Fp8Rows
+from llmc.cuda.sampling_ops import SamplingOps
 
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 LOG2E = 1.4426950408889634
@@ -84,7 +85,7 @@ def _kv_cache(
     return fp8
 
 
-class CudaBackend(GemvOps, GemvFp8Ops, Fp8Ops):
+class CudaBackend(GemvOps, GemvFp8Ops, Fp8Ops, SamplingOps):
     """Backend on CuPy kernels. ``kernels_dir``: an engine's cubins (None = NVRTC).
 
     ``fused_decode_max_tokens`` (0..8, default 4; 0 = off): the ModelRunner runs steps of
@@ -135,6 +136,12 @@ class CudaBackend(GemvOps, GemvFp8Ops, Fp8Ops):
         # prefill rows on prefill_attention_sm90.cu (sm_90; False or LLMC_SM90_PREFILL=0:
         # prefill_attention.cu; see llmc.cuda.prefill_sm90_ops)
         self.sm90_prefill = enabled_by_default(torch.cuda.get_device_capability(self.device))
+        # sampling: a cluster of SAMPLE_CLUSTER CTAs per row, its slices in shared memory
+        # (sm_90+, slices within the opt-in budget less the kernel's < 8 KB static shared
+        # memory); else sample_kernel, one CTA per row
+        self.cluster_sampling = self.cluster_decode
+        self._sample_smem = optin - 8192
+        self._sample_kernels: dict[str, Any] = {}
         self._sm90 = Sm90Prefill(self)
 
     # ---- plumbing ------------------------------------------------------------------
@@ -427,39 +434,4 @@ class CudaBackend(GemvOps, GemvFp8Ops, Fp8Ops):
         k = self._lib(x.dtype).get("activation", "silu_and_mul_kernel")
         args = (_p(x), _p(out), _i(t), _i(i), _i(vec_ok))
         self._launch(k, (math.ceil(per / 256), min(t, 65535)), (256,), args)
-        return out
-
-    def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """Token ids [S] int64: a view of a buffer the next call overwrites."""
-        _need(logits, "logits", torch.float32)
-        s, v = logits.shape
-        if self._tokens is None or self._tokens.numel() < s:
-            self._tokens = torch.empty(
-                max(s, self.max_num_seqs), dtype=torch.int64, device=self.device
-            )
-        out = self._tokens[:s]
-        if s == 0:
-            return out
-        checks = (
-            ("temperature", torch.float32), ("top_k", torch.int32), ("top_p", torch.float32),
-            ("min_p", torch.float32), ("seeds", torch.int64), ("offsets", torch.int64),
-            ("repetition_penalty", torch.float32), ("presence_penalty", torch.float32),
-            ("frequency_penalty", torch.float32),
-        )  # fmt: skip
-        for name, dt in checks:
-            _need(getattr(meta, name), name, dt)
-        has_pen = meta.output_counts is not None
-        if has_pen:
-            _need(meta.output_counts, "output_counts", torch.int32)
-            _need(meta.prompt_mask, "prompt_mask", torch.bool)
-        counts = meta.output_counts if has_pen else logits
-        pmask = meta.prompt_mask if has_pen else logits
-        k = self._lib(torch.float32).get("sampling", "sample_kernel")
-        args = (
-            _p(logits), _i(v), _p(meta.temperature), _p(meta.top_k), _p(meta.top_p),
-            _p(meta.min_p), _p(meta.seeds), _p(meta.offsets), _p(meta.repetition_penalty),
-            _p(meta.presence_penalty), _p(meta.frequency_penalty), _p(counts), _p(pmask),
-            _i(has_pen), _p(out),
-        )  # fmt: skip
-        self._launch(k, (s,), (512,), args)
         return out
