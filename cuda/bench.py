@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from llmc.cuda.bench_gemv8 import fp8_gemv
+from llmc.cuda.bench_sampling import sampling_rows
 
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16
@@ -95,6 +96,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.only == "gemv8":  # the fp8 GEMV rows alone (seconds of GPU time)
         fp8_gemv(be, rows, mem_row, graph_ms, _cycle)
         return _result(ceil, rows)
+    if args.only == "sampling":  # the sampling rows alone (seconds of GPU time)
+        sampling_rows(be, mem_row, graph_ms, _cycle, bw)
+        return _result(ceil, rows)
 
     # RMSNorm / fused add + RMSNorm: 16384 x 4096 bf16 (128 MiB per tensor)
     t, h = 16384, 4096
@@ -157,25 +161,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # FP8: quantizing epilogues and W8A8 GEMMs (llmc.cuda.bench_fp8)
     fp8_rows(be, time_ms, mem_row, flops_row, torch.cuda.get_device_capability())
 
-    # Sampling: 64 rows x 128256 vocab (time only)
-    from llmc.cuda.backend import SamplingMetadata
-
-    s, v = 64, 128256
-    logits = torch.randn(s, v, device=DEV) * 3
-    for label, k, p in (("sample(temperature)", 0, 1.0), ("sample(top_k=50,top_p=0.9)", 50, 0.9)):
-        sm = SamplingMetadata(
-            temperature=torch.full((s,), 0.8, device=DEV),
-            top_k=torch.full((s,), k, dtype=torch.int32, device=DEV),
-            top_p=torch.full((s,), p, device=DEV),
-            min_p=torch.zeros(s, device=DEV),
-            seeds=torch.arange(s, device=DEV),
-            offsets=torch.zeros(s, dtype=torch.int64, device=DEV),
-            repetition_penalty=torch.ones(s, device=DEV),
-            presence_penalty=torch.zeros(s, device=DEV),
-            frequency_penalty=torch.zeros(s, device=DEV),
-        )
-        ms = time_ms(lambda sm=sm: be.sample(logits, sm), repeats=10)
-        mem_row(label, f"{s}x{v} f32", logits.nbytes, ms, None)
+    # Sampling: 64 rows x 128256 vocab, each filter (llmc.cuda.bench_sampling)
+    sampling_rows(be, mem_row, graph_ms, _cycle, bw)
 
     return _result(ceil, rows)
 
@@ -376,7 +363,10 @@ def main(argv: list[str] | None = None) -> int:
     default = Path(os.environ["OUT"]) / "kernel_bench.json" if os.environ.get("OUT") else None
     ap.add_argument("--json", type=Path, default=default, help="write results here")
     ap.add_argument(
-        "--only", choices=("gemv8",), default=None, help="gemv8: only the FP8 GEMV rows"
+        "--only",
+        choices=("gemv8", "sampling"),
+        default=None,
+        help="gemv8: only the FP8 GEMV rows; sampling: only the sampling rows",
     )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
