@@ -24,7 +24,7 @@ from llmc.cli.options import (
     runtime_config,
 )
 from llmc.runtime.bench.driver import BenchSettings, parse_percentiles
-from llmc.runtime.bench.workload import ArrivalSpec, SyntheticSpec
+from llmc.runtime.bench.workload import ArrivalSpec, BenchSampling, SyntheticSpec
 from llmc.runtime.engine_runtime import RuntimeConfig
 
 if TYPE_CHECKING:
@@ -48,6 +48,10 @@ WORKLOAD_FLAGS: tuple[Flag, ...] = (
     Flag("warmup", int, "Warm-up requests run first and excluded. Default: 2 (profile: 1)."),
     Flag("seed", int, "Seed of token ids, lengths and arrivals. Default: 0."),
     Flag("percentiles", str, "Latency percentiles to report. Default: 50,90,99.", metavar="LIST"),
+    Flag("temperature", float, "Sampling temperature of every request; 0 = greedy (the only "
+         "mode of --peer and --url). Default: 0."),
+    Flag("top_p", float, "Top-p of every request, in (0, 1]. Default: 1."),
+    Flag("top_k", int, "Top-k of every request; 0 = off. Default: 0."),
 )
 # fmt: on
 """The workload of one benchmark (``SyntheticSpec``, ``ArrivalSpec``, ``BenchSettings``)."""
@@ -97,6 +101,9 @@ class _WorkloadTypes:
     concurrency: int | None
     request_rate: float | None
     burstiness: float | None
+    temperature: float | None
+    top_p: float | None
+    top_k: int | None
     peer: str | None
     peer_batch_size: int | None
     peer_cache: str | None
@@ -140,6 +147,11 @@ def make_settings(
         peer=s.get("peer"),
         peer_batch_size=s.get("peer_batch_size"),
         peer_cache=s.get("peer_cache", "auto"),
+        sampling=BenchSampling(
+            temperature=s.get("temperature", 0.0),
+            top_p=s.get("top_p", 1.0),
+            top_k=s.get("top_k", 0),
+        ),
     )
     return (str(engine_dir) if engine_dir else None), settings, runtime_config(s)
 

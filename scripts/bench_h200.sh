@@ -11,7 +11,8 @@
 #    $OUT/results.tgz (the device tool returns at most 8 files).
 # Sizes are env-overridable (N_128=3000 N_PEER=512 ...); the defaults fit the 10 minutes
 # and say where a row runs fewer requests than issue 6 asks.
-# ROWS picks rows (default: b1 128 peer smol profile 2048 long nographs); also available:
+# ROWS picks rows (default: b1 128 sampled peer smol profile 2048 long nographs fp8*; sampled =
+# the 128/128 row at temperature 0.7, top_p 0.9, issue 17); also available:
 # b1sync (--no_async_scheduling), b1mb256 (--max_batch_size 256), b1prof (batch-1
 # per-kernel profile), 128mb1024 (a second 8B engine built with max_batch_size 1024),
 # prof2048 and profsmol (kernel-family profiles). SKIP_TESTS=1 skips step 2; PYTEST_ARGS
@@ -99,12 +100,14 @@ F8=$ENG/llama3-8b-fp8
 fp8_engine() {  # built on first use: fp8 weights (W8A8) + fp8 KV cache
     [ -f "$F8/manifest.json" ] || build llama3-8b "$F8" --quantization fp8 --kv_cache_dtype fp8
 }
-ROWS=${ROWS:-b1 128 peer smol profile 2048 long nographs fp8b1 fp8128 fp82048 fp8long}
+ROWS=${ROWS:-b1 128 sampled peer smol profile 2048 long nographs fp8b1 fp8128 fp82048 fp8long}
 for r in $ROWS; do
     case $r in
     b1) bench llama8b_b1_128_512 "$L8" 120 --num_requests "$N_B1" --isl 128 --osl 512 \
             --concurrency 1 --warmup 1 ;;
     128) bench llama8b_128_128 "$L8" 200 --num_requests "$N_128" --isl 128 --osl 128 ;;
+    sampled) bench llama8b_128_128_sampled "$L8" 200 --num_requests "$N_128" --isl 128 \
+            --osl 128 --temperature 0.7 --top_p 0.9 ;;
     peer) bench llama8b_128_128_peer "$L8" 300 --num_requests "$N_PEER" --isl 128 --osl 128 \
             --peer hf ;;
     smol) bench smollm2_128_128_peer "$SM" 200 --num_requests "$N_SMOL" --isl 128 --osl 128 \

@@ -11,10 +11,11 @@ asked for and returns the engine's own RequestRecords and StepRecords of the mea
 - request_rate R: the engine loop runs in its background thread while this thread enqueues
   each request at its scheduled arrival time (so arrival times are real).
 
-Every request uses greedy sampling with ``ignore_eos`` and ``max_new_tokens`` = its output
-length, so output lengths are exact. The JSON schema (``SCHEMA``, ``SCHEMA_VERSION``) holds
-config, environment, ceilings, aggregates, achieved rates, per-request records and an
-optional peer run; bump the version when a field changes meaning.
+Every request samples as ``BenchSampling`` says (greedy by default) with ``ignore_eos`` and
+``max_new_tokens`` = its output length, so output lengths are exact. The JSON schema
+(``SCHEMA``, ``SCHEMA_VERSION``) holds config, environment, ceilings, aggregates, achieved
+rates, per-request records and an optional peer run; bump the version when a field changes
+meaning.
 """
 
 from __future__ import annotations
@@ -34,9 +35,9 @@ from typing import Any
 
 from llmc.runtime.bench.metrics import Aggregates, aggregate, e2e, tpot, ttft
 from llmc.runtime.bench.served import Served
-from llmc.runtime.bench.workload import ArrivalSpec, WorkloadRequest, arrival_offsets
+from llmc.runtime.bench.workload import ArrivalSpec, BenchSampling, WorkloadRequest, arrival_offsets
 from llmc.runtime.records import RequestRecord, StepRecord
-from llmc.runtime.types import Request, SamplingParams
+from llmc.runtime.types import Request
 
 SCHEMA = "llmc.bench"
 SCHEMA_VERSION = 1
@@ -56,8 +57,8 @@ class WorkloadRun:
     end: float
 
 
-def to_request(w: WorkloadRequest) -> Request:
-    sampling = SamplingParams(max_new_tokens=w.output_tokens, temperature=0.0, ignore_eos=True)
+def to_request(w: WorkloadRequest, how: BenchSampling = BenchSampling()) -> Request:
+    sampling = how.params(w.output_tokens)
     if w.prompt_token_ids is not None:
         return Request(prompt_token_ids=list(w.prompt_token_ids), sampling=sampling)
     return Request(prompt=w.prompt, sampling=sampling)
@@ -66,14 +67,16 @@ def to_request(w: WorkloadRequest) -> Request:
 class _InFlight:
     """The requests a run has sent and not yet seen finish, with each one's task id."""
 
-    def __init__(self, engine: Served, total: int, progress: ProgressFn | None) -> None:
-        self.engine, self.total, self.progress = engine, total, progress
+    def __init__(
+        self, engine: Served, total: int, progress: ProgressFn | None, how: BenchSampling
+    ) -> None:
+        self.engine, self.total, self.progress, self.how = engine, total, progress, how
         self.ids: set[int] = set()
         self.task_ids: dict[int, str] = {}
         self.finished = 0
 
     def send(self, w: WorkloadRequest) -> None:
-        rid = self.engine.enqueue_request(to_request(w))
+        rid = self.engine.enqueue_request(to_request(w, self.how))
         self.task_ids[rid] = w.task_id
         self.ids.add(rid)
 
@@ -91,11 +94,15 @@ class _InFlight:
 
 
 def _run_closed(
-    engine: Served, reqs: Sequence[WorkloadRequest], limit: int, progress: ProgressFn | None
+    engine: Served,
+    reqs: Sequence[WorkloadRequest],
+    limit: int,
+    progress: ProgressFn | None,
+    how: BenchSampling,
 ) -> dict[int, str]:
     """Keep ``limit`` requests in flight until all are done (offline: limit = all), the
     engine stepped by this thread."""
-    flight = _InFlight(engine, len(reqs), progress)
+    flight = _InFlight(engine, len(reqs), progress, how)
     pending = list(reversed(reqs))
     with engine.in_caller_thread():
         while pending or flight.ids:
@@ -111,9 +118,10 @@ def _run_open(
     reqs: Sequence[WorkloadRequest],
     offsets: list[float],
     progress: ProgressFn | None,
+    how: BenchSampling,
 ) -> dict[int, str]:
     """Enqueue each request at its arrival time while the background loop runs."""
-    flight = _InFlight(engine, len(reqs), progress)
+    flight = _InFlight(engine, len(reqs), progress, how)
     t0 = time.perf_counter()
     for w, off in zip(reqs, offsets, strict=True):
         while (wait := t0 + off - time.perf_counter()) > 0:
@@ -136,11 +144,13 @@ def run_workload(
     warmup: Sequence[WorkloadRequest] = (),
     progress: ProgressFn | None = None,
     measure: AbstractContextManager[Any] | None = None,
+    sampling: BenchSampling = BenchSampling(),
 ) -> WorkloadRun:
-    """Run warm-up requests (excluded), then the measured requests in ``arrival`` mode.
-    ``measure`` (a profiling session) is entered around the measured part only."""
+    """Run warm-up requests (excluded), then the measured requests in ``arrival`` mode, each
+    sampling as ``sampling`` says. ``measure`` (a profiling session) is entered around the
+    measured part only."""
     if warmup:
-        _run_closed(engine, warmup, len(warmup), None)
+        _run_closed(engine, warmup, len(warmup), None, sampling)
     with measure if measure is not None else contextlib.nullcontext():
         first_step = len(engine.step_records)
         first_req = {r.request_id for r in engine.request_records}
@@ -148,10 +158,10 @@ def run_workload(
         if arrival.mode == "request_rate":
             offsets = arrival_offsets(len(requests), arrival)
             assert offsets is not None
-            task_ids = _run_open(engine, requests, offsets, progress)
+            task_ids = _run_open(engine, requests, offsets, progress, sampling)
         else:
             limit = arrival.concurrency if arrival.mode == "concurrency" else len(requests)
-            task_ids = _run_closed(engine, requests, max(1, int(limit or 1)), progress)
+            task_ids = _run_closed(engine, requests, max(1, int(limit or 1)), progress, sampling)
         end = time.perf_counter()
     recs = [r for r in engine.request_records if r.request_id not in first_req]
     return WorkloadRun(recs, list(engine.step_records[first_step:]), task_ids, start, end)

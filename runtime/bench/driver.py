@@ -35,6 +35,7 @@ from llmc.runtime.bench.metrics import DEFAULT_PERCENTILES, Aggregates, achieved
 from llmc.runtime.bench.served import Served
 from llmc.runtime.bench.workload import (
     ArrivalSpec,
+    BenchSampling,
     SyntheticSpec,
     WorkloadRequest,
     arrival_offsets,
@@ -58,6 +59,7 @@ class BenchSettings:
     peer_batch_size: int | None = None
     peer_cache: str = "auto"
     ceilings: bool = True
+    sampling: BenchSampling = BenchSampling()
 
     def __post_init__(self) -> None:
         if not isinstance(self.warmup, int) or self.warmup < 0:
@@ -67,6 +69,10 @@ class BenchSettings:
                 raise ConfigError(f"percentile {p:g} is outside [0, 100]")
         if self.peer is not None and self.peer not in PEERS:
             raise ConfigError(f"peer {self.peer!r} is not one of {', '.join(PEERS)}")
+        if self.peer is not None and not self.sampling.is_greedy:
+            raise UsageError(
+                f"--peer {self.peer} runs greedy decoding: benchmark it without --temperature"
+            )
 
 
 def parse_percentiles(text: str | Sequence[float]) -> tuple[float, ...]:
@@ -171,6 +177,7 @@ def workload_config(
         "mean_osl": sum(osls) / len(osls) if osls else None,
         "max_isl": max(isls, default=None),
         "max_osl": max(osls, default=None),
+        "sampling": dataclasses.asdict(settings.sampling),
     }
 
 
@@ -224,7 +231,15 @@ def run_bench(
 
         ceil = get_ceilings(rt.device)
         log(f"ceilings: {ceil.source}")
-    run = run_workload(llm, reqs, settings.arrival, warmup=warm, progress=progress, measure=measure)
+    run = run_workload(
+        llm,
+        reqs,
+        settings.arrival,
+        warmup=warm,
+        progress=progress,
+        measure=measure,
+        sampling=settings.sampling,
+    )
     agg = aggregate_run(run, settings.percentiles, summary["tokens_per_block"])
     config = {
         "engine_dir": str(llm.engine_dir),

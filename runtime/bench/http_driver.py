@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from llmc.base.errors import ConfigError
+from llmc.base.errors import ConfigError, UsageError
 from llmc.runtime.bench.benchmark import ProgressFn, WorkloadRun
 from llmc.runtime.bench.workload import ArrivalSpec, WorkloadRequest, arrival_offsets
 from llmc.runtime.records import RequestRecord
@@ -241,6 +241,8 @@ def run_bench_http(
     from llmc.runtime.bench.benchmark import BenchResult, aggregate_run, environment, request_rows
     from llmc.runtime.bench.driver import build_requests, workload_config
 
+    if not settings.sampling.is_greedy:
+        raise UsageError("--temperature with --url: the HTTP driver sends greedy requests")
     if settings.peer is not None:
         raise ConfigError("--peer runs in-process only; it cannot be combined with --url")
     warm, reqs = build_requests(

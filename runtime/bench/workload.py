@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llmc.base.errors import ConfigError, UsageError
+from llmc.base.errors import ConfigError, RequestError, UsageError
+from llmc.runtime.types import SamplingParams
 
 DISTRIBUTIONS = ("normal", "uniform")
 ARRIVAL_MODES = ("offline", "concurrency", "request_rate")
@@ -51,6 +52,37 @@ class WorkloadRequest:
     def input_len(self) -> int | None:
         """Prompt length in tokens, or None for text prompts (known after tokenizing)."""
         return len(self.prompt_token_ids) if self.prompt_token_ids is not None else None
+
+
+@dataclass(frozen=True)
+class BenchSampling:
+    """The sampling of every benchmark request: greedy unless asked (``llmc bench
+    --temperature 0.7 --top_p 0.9``); ``ignore_eos`` and ``max_new_tokens`` stay the
+    workload's (exact output lengths); seeds are the requests' derived ones."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def __post_init__(self) -> None:
+        try:
+            self.params(1)
+        except RequestError as e:
+            raise UsageError(f"benchmark sampling: {e}") from None
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def params(self, max_new_tokens: int) -> SamplingParams:
+        """One request's SamplingParams (validated there)."""
+        return SamplingParams(
+            max_new_tokens=max_new_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            ignore_eos=True,
+        )
 
 
 @dataclass(frozen=True)
