@@ -2,7 +2,8 @@
 // llmc.cuda.reference.sample, bit for bit:
 //   pen   = penalties(logits)  (repetition on prompt|output tokens, then frequency and
 //           presence on output tokens; only when has_pen)
-//   greedy rows (temperature <= 0): argmax(pen), first index on ties
+//   greedy rows (temperature <= 0, or every row when all_greedy): argmax(pen), first index
+//           on ties
 //   sampled rows: l = pen / T, M = max l (a row whose M is not finite takes its first max);
 //           e = expf(l - M); keys = the order-preserving 32-bit image of l (-0 == +0);
 //           top-k: keep key >= kth = the k-th largest key (ties kept, k = 0 off);
@@ -381,10 +382,10 @@ __device__ __forceinline__ unsigned select_top_p(RadixHist& h, int& xchg, int ra
         const long long *__restrict__ offsets, const float *__restrict__ rep,                   \
         const float *__restrict__ pres, const float *__restrict__ freq,                         \
         const int *__restrict__ counts, const unsigned char *__restrict__ prompt_mask,          \
-        int has_pen, long long *__restrict__ out
+        int has_pen, int all_greedy, long long *__restrict__ out
 #define SAMPLE_ARGS                                                                             \
     logits, V, temperature, top_k, top_p, min_p, seeds, offsets, rep, pres, freq, counts,       \
-        prompt_mask, has_pen, out
+        prompt_mask, has_pen, all_greedy, out
 
 // Row s, CTA `rank` of C: the slice [start, start + n) of the vocabulary (CACHED: its values
 // l kept in `vals`, else recomputed from the logits on every pass).
@@ -404,7 +405,7 @@ __device__ __forceinline__ void sample_row(SAMPLE_PARAMS, int s, int rank, float
         c.pres = pres[s];
         c.freq = freq[s];
     }
-    const float temp = temperature[s];
+    const float temp = all_greedy ? 0.f : temperature[s];  // all_greedy: every row (no slice)
     c.temp = temp;
     c.scaled = temp > 0.f;
 

@@ -84,7 +84,7 @@ class SamplingOps:
             _p(logits), _i(v), _p(meta.temperature), _p(meta.top_k), _p(meta.top_p),
             _p(meta.min_p), _p(meta.seeds), _p(meta.offsets), _p(meta.repetition_penalty),
             _p(meta.presence_penalty), _p(meta.frequency_penalty), _p(counts), _p(pmask),
-            _i(has_pen), _p(out),
+            _i(has_pen), _i(meta.all_greedy), _p(out),
         )  # fmt: skip
         name, grid, smem = sample_plan(v, meta.all_greedy, self.cluster_sampling, self._sample_smem)
         k = self._sample_kernels.get(name)

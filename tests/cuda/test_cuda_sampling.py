@@ -89,6 +89,13 @@ def test_non_finite_rows_take_their_first_maximum(each_kernel):
     assert got[:2].tolist() == [0, 17]
 
 
+def test_all_greedy_batches_take_every_row_greedy(each_kernel):
+    logits, meta = sampling_batch(16, 128256, "top_k+top_p", DEV, seed=6)
+    meta.all_greedy = True  # the cluster kernel then runs without shared-memory slices
+    got = assert_same_tokens(each_kernel, logits, meta)
+    assert torch.equal(got, logits.argmax(dim=-1))
+
+
 def test_vocabulary_past_shared_memory_falls_back(be):
     """Slices over the shared-memory budget: one CTA per row, the same tokens."""
     v = 8 * (be._sample_smem // 4 + 64)

@@ -29,7 +29,7 @@ pytestmark = [
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory):
     fam = EmulatedFamily(
-        "sampling", KernelConfig("float32", 16, 4, 2), {"sample_kernel": 15},
+        "sampling", KernelConfig("float32", 16, 4, 2), {"sample_kernel": 16},
         tmp_path_factory.mktemp("sampling_emu"),
     )  # fmt: skip
     return fam["sample_kernel"]
@@ -44,7 +44,7 @@ def emulated_sample(kernel, logits: torch.Tensor, meta) -> torch.Tensor:
     kernel(
         (s,), SAMPLE_THREADS, logits, v, meta.temperature, meta.top_k, meta.top_p, meta.min_p,
         meta.seeds, meta.offsets, meta.repetition_penalty, meta.presence_penalty,
-        meta.frequency_penalty, counts, pmask, int(has_pen), out,
+        meta.frequency_penalty, counts, pmask, int(has_pen), int(meta.all_greedy), out,
     )  # fmt: skip
     return out
 
@@ -68,4 +68,14 @@ def test_non_finite_rows_take_their_first_maximum(kernel):
     logits[1, [17, 40]] = float("inf")
     got = emulated_sample(kernel, logits, meta)
     assert got[:2].tolist() == [0, 17]
+    assert torch.equal(got, ref.sample(logits, meta))
+
+
+def test_all_greedy_batches_take_every_row_greedy(kernel):
+    """all_greedy (the host's promise, and the cluster kernel's no-slice launch): every row
+    is greedy whatever its temperature, as in the reference."""
+    logits, meta = sampling_batch(5, 700, "top_k+top_p", "cpu", seed=8)
+    meta.all_greedy = True
+    got = emulated_sample(kernel, logits, meta)
+    assert torch.equal(got, logits.argmax(dim=-1))
     assert torch.equal(got, ref.sample(logits, meta))
