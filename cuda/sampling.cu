@@ -308,11 +308,27 @@ __device__ __forceinline__ void radix_round(RadixHist& h, int& xchg, int rank, i
     }
 }
 
+// The one thread whose bin holds the threshold (`mine`) publishes its digit and `after`;
+// every thread appends the digit to `prefix` and takes `after` as the new `above`.
+template <typename T>
+__device__ __forceinline__ void take_bin(bool mine, T after, int shift, unsigned& prefix,
+                                         T& above) {
+    __shared__ unsigned digit;
+    __shared__ T sel;
+    if (mine) {
+        digit = threadIdx.x;
+        sel = after;
+    }
+    __syncthreads();
+    prefix |= digit << shift;
+    above = sel;
+    __syncthreads();
+}
+
 // kth = the largest key x with count(key >= x) >= k (0 < k < V).
 template <int C, typename ValFn>
 __device__ __forceinline__ unsigned select_top_k(RadixHist& h, int& xchg, int rank, int n, ValFn val,
                                                  int k) {
-    __shared__ unsigned sel_digit, sel_above;
     unsigned prefix = 0u, above = 0u;  // above: count of keys above the prefix's region
     for (int shift = 24; shift >= 0; shift -= 8) {
         unsigned cnt;
@@ -320,14 +336,7 @@ __device__ __forceinline__ unsigned select_top_k(RadixHist& h, int& xchg, int ra
         radix_round<C, false>(h, xchg, rank, n, val, 0u, prefix, shift, 0.f, cnt, unused);
         const unsigned after = above + (unsigned)suffix_excl(cnt);  // keys in bins > t
         // the bin holding the k-th largest: count(>= bin t) >= k > count(> bin t)
-        if (after + cnt >= (unsigned)k && after < (unsigned)k) {
-            sel_digit = threadIdx.x;
-            sel_above = after;
-        }
-        __syncthreads();
-        prefix |= sel_digit << shift;
-        above = sel_above;
-        __syncthreads();
+        take_bin(after + cnt >= (unsigned)k && after < (unsigned)k, after, shift, prefix, above);
     }
     return prefix;
 }
@@ -336,8 +345,7 @@ __device__ __forceinline__ unsigned select_top_k(RadixHist& h, int& xchg, int ra
 template <int C, typename ValFn>
 __device__ __forceinline__ unsigned select_top_p(RadixHist& h, int& xchg, int rank, int n, ValFn val,
                                                  unsigned kth, float M, float p) {
-    __shared__ unsigned sel_low, sel_low_count, sel_digit;
-    __shared__ unsigned long long sel_above;
+    __shared__ unsigned sel_low, sel_low_count;
     __shared__ double sel_target;
     unsigned prefix = 0u;
     unsigned long long above = 0ull;  // mass of the kept keys above the prefix's region
@@ -362,14 +370,8 @@ __device__ __forceinline__ unsigned select_top_p(RadixHist& h, int& xchg, int ra
         }
         __syncthreads();
         // the lowest non-empty bin >= t0: no keys in t0..t-1
-        if (threadIdx.x >= sel_low && cnt > 0u && cnt_after + cnt == sel_low_count) {
-            sel_digit = threadIdx.x;
-            sel_above = after;
-        }
-        __syncthreads();
-        prefix |= sel_digit << shift;
-        above = sel_above;
-        __syncthreads();
+        const bool mine = threadIdx.x >= sel_low && cnt > 0u && cnt_after + cnt == sel_low_count;
+        take_bin(mine, after, shift, prefix, above);
     }
     return prefix;
 }

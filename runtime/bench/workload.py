@@ -68,7 +68,7 @@ class BenchSampling:
         try:
             self.params(1)
         except RequestError as e:
-            raise UsageError(f"benchmark sampling: {e}") from None
+            raise ConfigError(f"benchmark sampling: {e}") from None
 
     @property
     def is_greedy(self) -> bool:

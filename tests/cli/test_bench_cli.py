@@ -9,8 +9,9 @@ import pytest
 from typer.testing import CliRunner
 
 from helpers.engines import SMALL_LIMITS
-from llmc.base.errors import BenchFailure, UsageError
+from llmc.base.errors import BenchFailure, ConfigError, UsageError
 from llmc.cli.main import app
+from llmc.runtime.bench.workload import BenchSampling
 
 pytestmark = pytest.mark.usefixtures("small_ceilings")
 
@@ -207,3 +208,55 @@ def test_logs_and_the_progress_bar_share_one_console(engine, monkeypatch) -> Non
     logs = [c for c in made if "loading engine" in c.file.getvalue()]
     assert len(bars) == 1 and logs == [bars[0]]
     assert "ceilings:" in bars[0].file.getvalue()
+
+
+# ---- --temperature / --top_p / --top_k (BenchSampling) ----------------------------------
+
+
+def test_sampled_requests_are_recorded_and_exact_length(engine, tmp_path) -> None:
+    out = tmp_path / "s.json"
+    code, _, stderr = bench(
+        engine, "--num_requests", "4", "--isl", "10", "--osl", "6", "--warmup", "0",
+        "--temperature", "0.7", "--top_p", "0.9", "--top_k", "20", "--json", str(out),
+    )  # fmt: skip
+    assert code == 0, stderr
+    r = json.loads(out.read_text())
+    assert r["config"]["workload"]["sampling"] == {"temperature": 0.7, "top_p": 0.9, "top_k": 20}
+    assert r["aggregates"]["num_completed"] == 4
+    assert r["aggregates"]["total_output_tokens"] == 4 * 6
+
+
+def test_greedy_by_default_in_the_result(engine, tmp_path) -> None:
+    out = tmp_path / "g.json"
+    code, _, stderr = bench(
+        engine, "--num_requests", "2", "--isl", "8", "--osl", "3", "--warmup", "0",
+        "--json", str(out),
+    )  # fmt: skip
+    assert code == 0, stderr
+    sampling = json.loads(out.read_text())["config"]["workload"]["sampling"]
+    assert sampling == {"temperature": 0.0, "top_p": 1.0, "top_k": 0}
+
+
+@pytest.mark.parametrize(
+    "args,word,code",
+    [
+        (("--top_p", "1.5", "--temperature", "1"), "top_p", ConfigError.exit_code),
+        (("--temperature", "-1"), "temperature", ConfigError.exit_code),
+        (("--top_k", "-3", "--temperature", "1"), "top_k", ConfigError.exit_code),
+        (("--temperature", "0.7", "--peer", "hf"), "--peer", UsageError.exit_code),
+    ],
+)
+def test_bad_sampling_flags_are_refused_naming_them(engine, args, word, code) -> None:
+    got, _, stderr = bench(engine, "--num_requests", "2", "--isl", "8", "--osl", "3", *args)
+    assert got == code, stderr
+    assert word in stderr and "Traceback" not in stderr
+
+
+def test_bench_sampling_params() -> None:
+    p = BenchSampling(temperature=0.7, top_p=0.9).params(17)
+    assert (p.temperature, p.top_p, p.top_k, p.max_new_tokens, p.ignore_eos) == (
+        0.7, 0.9, 0, 17, True,
+    )  # fmt: skip
+    assert BenchSampling().is_greedy and not BenchSampling(temperature=0.5).is_greedy
+    with pytest.raises(ConfigError, match="top_p"):
+        BenchSampling(temperature=1.0, top_p=0.0)
