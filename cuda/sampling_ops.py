@@ -4,10 +4,11 @@ Sampled rows run ``sample_cluster_kernel`` on sm_90+: a thread-block cluster of
 ``SAMPLE_CLUSTER`` CTAs per row, each keeping its slice of the row's values in shared
 memory (``sample_slice`` floats; the kernel's dynamic shared-memory limit is set once, on
 first use, so an eager warm-up step does it before any graph capture). Batches of greedy
-rows only launch it without shared memory. Devices below sm_90, and vocabularies whose
-slices do not fit the shared-memory budget, run ``sample_kernel`` (one CTA per row, the
-logits re-read on every pass; the same tokens). Both write the same token ids as
-``llmc.cuda.reference.sample`` (its docstring states the rule); no scratch memory.
+rows only launch it without shared memory. Devices below sm_90, vocabularies whose slices
+do not fit the shared-memory budget and batches past 65,535 rows run ``sample_kernel``
+(one CTA per row, the logits re-read on every pass; the same tokens). Both write the same
+token ids as ``llmc.cuda.reference.sample`` (its docstring states the rule); no scratch
+memory.
 
 ``SamplingOps`` is a mixin: the class using it provides ``device``, ``max_num_seqs``,
 ``_lib(dtype)``, ``_launch(kernel, grid, block, args, shared_mem)``, ``_tokens`` (the
@@ -42,13 +43,18 @@ def sample_slice(vocab: int) -> int:
     return (-(-vocab // SAMPLE_CLUSTER) + 3) // 4 * 4
 
 
-def sample_plan(vocab: int, all_greedy: bool, cluster: bool, smem_budget: int) -> tuple:
-    """(kernel name, grid, dynamic shared-memory bytes) of a launch for ``vocab`` columns
-    (the grid's rows dimension left as ``None``: the caller puts the row count there)."""
+MAX_GRID_Y = 65535  # the cluster kernel's rows are grid.y
+
+
+def sample_plan(
+    rows: int, vocab: int, all_greedy: bool, cluster: bool, smem_budget: int
+) -> tuple[str, tuple[int, ...], int]:
+    """(kernel name, grid, dynamic shared-memory bytes) of a launch over ``rows`` x
+    ``vocab`` logits."""
     smem = 0 if all_greedy else 4 * sample_slice(vocab)  # greedy rows keep no slice
-    if cluster and smem <= smem_budget:
-        return "sample_cluster_kernel", (SAMPLE_CLUSTER, None), smem
-    return "sample_kernel", (None,), 0
+    if cluster and smem <= smem_budget and rows <= MAX_GRID_Y:
+        return "sample_cluster_kernel", (SAMPLE_CLUSTER, rows), smem
+    return "sample_kernel", (rows,), 0
 
 
 class SamplingOps:
@@ -86,13 +92,14 @@ class SamplingOps:
             _p(meta.presence_penalty), _p(meta.frequency_penalty), _p(counts), _p(pmask),
             _i(has_pen), _i(meta.all_greedy), _p(out),
         )  # fmt: skip
-        name, grid, smem = sample_plan(v, meta.all_greedy, self.cluster_sampling, self._sample_smem)
+        name, grid, smem = sample_plan(
+            s, v, meta.all_greedy, self.cluster_sampling, self._sample_smem
+        )
         k = self._sample_kernels.get(name)
         if k is None:
             k = self._lib(torch.float32).get("sampling", name)
             if name == "sample_cluster_kernel":
                 k.max_dynamic_shared_size_bytes = self._sample_smem
             self._sample_kernels[name] = k
-        grid = tuple(s if g is None else g for g in grid)
         self._launch(k, grid, (SAMPLE_THREADS,), args, shared_mem=smem)
         return out

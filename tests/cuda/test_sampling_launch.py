@@ -18,16 +18,17 @@ def test_slices_cover_the_row_in_aligned_pieces(v):
 
 def test_plan_picks_the_cluster_kernel_when_slices_fit():
     assert sample_slice(128256) == 16032
-    assert sample_plan(128256, False, True, BUDGET) == (
-        "sample_cluster_kernel", (SAMPLE_CLUSTER, None), 4 * 16032,
+    assert sample_plan(64, 128256, False, True, BUDGET) == (
+        "sample_cluster_kernel", (SAMPLE_CLUSTER, 64), 4 * 16032,
     )  # fmt: skip
-    assert sample_plan(128256, True, True, BUDGET) == (
-        "sample_cluster_kernel", (SAMPLE_CLUSTER, None), 0,
+    assert sample_plan(3, 128256, True, True, BUDGET) == (
+        "sample_cluster_kernel", (SAMPLE_CLUSTER, 3), 0,
     )  # fmt: skip
 
 
 def test_plan_falls_back_to_one_cta_per_row():
     too_big = SAMPLE_CLUSTER * (BUDGET // 4 + 4)
-    assert sample_plan(too_big, False, True, BUDGET) == ("sample_kernel", (None,), 0)
-    assert sample_plan(too_big, True, True, BUDGET)[0] == "sample_cluster_kernel"  # greedy
-    assert sample_plan(128256, False, False, BUDGET) == ("sample_kernel", (None,), 0)
+    assert sample_plan(5, too_big, False, True, BUDGET) == ("sample_kernel", (5,), 0)
+    assert sample_plan(5, too_big, True, True, BUDGET)[0] == "sample_cluster_kernel"  # greedy
+    assert sample_plan(64, 128256, False, False, BUDGET) == ("sample_kernel", (64,), 0)
+    assert sample_plan(70000, 1000, False, True, BUDGET) == ("sample_kernel", (70000,), 0)
