@@ -101,6 +101,35 @@ struct RadixHist {
     unsigned long long mass[2][RADIX_BINS];
 };
 
+#define RADIX_NONE 0xffffffffu  // a lane without a candidate key
+
+// Adds this lane's key (digit d; RADIX_NONE: none) to the bin counts and masses. On sm_80+
+// (and in the host emulation) the lanes of a warp with the same digit add once, through
+// their first lane: round 0's digit is the top byte (sign and exponent), which puts most
+// keys of a row in a handful of bins, and lone atomics would queue on those.
+template <bool MASS>
+__device__ __forceinline__ void hist_add(unsigned* cnt, unsigned long long* mass, unsigned d,
+                                         unsigned long long q) {
+#if defined(LLMC_HOST_EMULATION) || (defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800)
+    const unsigned peers = __match_any_sync(0xffffffffu, d);
+    unsigned long long sum = 0ull;
+    if (MASS) {  // q <= 2**32: two 32-bit reductions of its 16-bit halves cannot overflow
+        const unsigned lo = __reduce_add_sync(peers, (unsigned)(q & 0xffffull));
+        const unsigned hi = __reduce_add_sync(peers, (unsigned)(q >> 16));
+        sum = ((unsigned long long)hi << 16) + lo;
+    }
+    if (d != RADIX_NONE && (int)(threadIdx.x & 31) == __ffs((int)peers) - 1) {
+        atomicAdd(&cnt[d], (unsigned)__popc(peers));
+        if (MASS) atomicAdd(&mass[d], sum);
+    }
+#else
+    if (d != RADIX_NONE) {
+        atomicAdd(&cnt[d], 1u);
+        if (MASS) atomicAdd(&mass[d], q);
+    }
+#endif
+}
+
 // One radix round: this CTA's histogram of digit (key >> shift) & 255 over the keys >= lo
 // whose bits above the digit equal `prefix` (masses when MASS), summed over the row's CTAs.
 // Thread t gets bin t's count and mass.
@@ -113,13 +142,19 @@ __device__ __forceinline__ void radix_round(RadixHist& h, int& xchg, int rank, i
     h.cnt[b][threadIdx.x] = 0u;
     if (MASS) h.mass[b][threadIdx.x] = 0ull;
     __syncthreads();
-    for (int i = threadIdx.x; i < n; i += SAMPLE_THREADS) {
-        const float l = val(i);
-        const unsigned key = order_key(l);
-        if (key < lo || (key & hi_mask) != prefix) continue;
-        const unsigned d = (key >> shift) & 255u;
-        atomicAdd(&h.cnt[b][d], 1u);
-        if (MASS) atomicAdd(&h.mass[b][d], mass_of(l, M));
+    for (int base = 0; base < n; base += SAMPLE_THREADS) {  // the same trip count per warp
+        const int i = base + (int)threadIdx.x;
+        unsigned d = RADIX_NONE;
+        unsigned long long q = 0ull;
+        if (i < n) {
+            const float l = val(i);
+            const unsigned key = order_key(l);
+            if (key >= lo && (key & hi_mask) == prefix) {
+                d = (key >> shift) & 255u;
+                if (MASS) q = mass_of(l, M);
+            }
+        }
+        hist_add<MASS>(h.cnt[b], h.mass[b], d, q);
     }
     row_sync<C>();  // every CTA's histogram is complete
     // all C loads issued before the first add (a remote load is a few hundred cycles)

@@ -122,6 +122,27 @@ inline T __shfl_down_sync(unsigned, T v, int d) {
     return r;
 }
 
+// sampling.cu's warp-aggregated histograms (words 1 and 2 of the lane slots)
+inline unsigned __match_any_sync(unsigned, unsigned v) {
+    emu_slot(emu_lane())[1] = v;
+    __syncwarp();
+    unsigned m = 0;
+    for (unsigned l = 0; l < 32; ++l) m |= (unsigned)(emu_slot(l)[1] == v) << l;
+    __syncwarp();
+    return m;
+}
+inline unsigned __reduce_add_sync(unsigned mask, unsigned v) {
+    emu_slot(emu_lane())[2] = v;
+    __syncwarp();
+    unsigned s = 0;
+    for (unsigned l = 0; l < 32; ++l)
+        if (mask >> l & 1u) s += (unsigned)emu_slot(l)[2];
+    __syncwarp();
+    return s;
+}
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
+inline int __ffs(int x) { return __builtin_ffs(x); }
+
 inline float __uint_as_float(unsigned int u) {
     float f;
     std::memcpy(&f, &u, 4);
