@@ -36,7 +36,8 @@ from llmc.cuda.kernels import (
 
 def families_for(cfg: KernelConfig, arch: str | None = None) -> list[str]:
     """Families that have kernels under ``cfg`` (no tensor-core prefill for fp32; the sm_90a
-    prefill only for 16-bit head_dim 64 / 128, and only on sm_90 when ``arch`` is given)."""
+    prefill only for 16-bit head_dim 64 / 128, and only on sm_90 when ``arch`` is given; the
+    fp8 / weight-only GEMVs only under their quantizations when ``cfg`` names one)."""
     return [f for f in FAMILIES if has_kernels(f, cfg, arch)]
 
 
@@ -84,13 +85,17 @@ def kernel_compiler() -> str:
     )
 
 
-def compile_engine_kernels(spec, dtype: str, arch: str, out_dir: Path) -> list[Path]:
+def compile_engine_kernels(
+    spec, dtype: str, arch: str, out_dir: Path, quantization: str | None = None
+) -> list[Path]:
     """Compile every kernel family for ``spec`` / ``dtype`` / ``arch`` into ``out_dir``.
 
-    ``spec`` is a ``llmc.compiler.spec.ModelSpec``; returns the written cubin paths.
+    ``spec`` is a ``llmc.compiler.spec.ModelSpec``; ``quantization`` the engine's
+    ``--quantization`` (families only some quantizations run, ``QUANTIZED_FAMILIES``, are
+    compiled for those only; None: every family). Returns the written cubin paths.
     """
     _check_arch(arch)
-    cfg = KernelConfig.from_spec(spec, dtype)
+    cfg = KernelConfig.from_spec(spec, dtype, quantization)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     use_nvcc = kernel_compiler() == "nvcc"

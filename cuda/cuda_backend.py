@@ -21,7 +21,9 @@ else NVRTC (``llmc.cuda.kernels.KernelLibrary``). Matrix products are torch.mm/a
 
 Small-step fusions (``norm_linear``, ``norm_gate_up_silu``, ``linear_residual_add``;
 cuda/gemv.cu, launched by ``llmc.cuda.gemv_ops.GemvOps``) serve steps of at most
-``fused_decode_max_tokens`` (<= 8) tokens.
+``fused_decode_max_tokens`` (<= 8) tokens. Weight-only ``PackedWeight``s (int8_wo, int4_wo,
+GGUF blocks) are dispatched on their type to ``llmc.cuda.gemv_wo_ops.WoOps`` (the three
+fused ops, ``linear``, ``embedding``).
 
 KV cache: the activation dtype, or float8_e4m3fn codes with one k and one v scale per layer
 (``kv_cache_dtype fp8``): rope_kv_fp8_kernel writes ``sat(k / k_scale)``, the *_fp8
@@ -45,6 +47,7 @@ from llmc.cuda.backend import AttentionMetadata, check_fused_decode_max_tokens
 from llmc.cuda.fp8_ops import Fp8Ops
 from llmc.cuda.gemv_fp8_ops import GemvFp8Ops
 from llmc.cuda.gemv_ops import FUSED_DECODE_DEFAULT, GEMV_MAX_TOKENS, GEMV_SMEM_BYTES, GemvOps
+from llmc.cuda.gemv_wo_ops import WoOps
 from llmc.cuda.kernels import KernelConfig, KernelLibrary
 from llmc.cuda.launch_args import aligned as _aligned
 from llmc.cuda.launch_args import i32 as _i
@@ -53,6 +56,7 @@ from llmc.cuda.launch_args import ptr as _p
 from llmc.cuda.launch_args import rms_block
 from llmc.cuda.prefill_sm90_ops import Sm90Prefill, enabled_by_default, supports
 from llmc.cuda.reference_fp8 import FP8_DTYPE, Fp8Rows
+from llmc.cuda.reference_wo import PackedWeight
 from llmc.cuda.sampling_ops import SamplingOps
 
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -85,7 +89,7 @@ def _kv_cache(
     return fp8
 
 
-class CudaBackend(GemvOps, GemvFp8Ops, Fp8Ops, SamplingOps):
+class CudaBackend(WoOps, GemvOps, GemvFp8Ops, Fp8Ops, SamplingOps):
     """Backend on CuPy kernels. ``kernels_dir``: an engine's cubins (None = NVRTC).
 
     ``fused_decode_max_tokens`` (0..8, default 4; 0 = off): the ModelRunner runs steps of
@@ -178,8 +182,10 @@ class CudaBackend(GemvOps, GemvFp8Ops, Fp8Ops, SamplingOps):
 
     # ---- ops -----------------------------------------------------------------------
     def embedding(
-        self, ids: torch.Tensor, table: torch.Tensor, out: torch.Tensor | None = None
+        self, ids: torch.Tensor, table: torch.Tensor | PackedWeight, out: torch.Tensor | None = None
     ) -> torch.Tensor:
+        if isinstance(table, PackedWeight):  # weight-only table: llmc.cuda.gemv_wo_ops
+            return self.embedding_wo(ids, table, out)
         _need(ids, "ids", torch.int64)
         _need(table, "embedding table")
         t, h = ids.shape[0], table.shape[1]
@@ -238,10 +244,12 @@ class CudaBackend(GemvOps, GemvFp8Ops, Fp8Ops, SamplingOps):
     def linear(
         self,
         x: torch.Tensor,
-        weight: torch.Tensor,
+        weight: torch.Tensor | PackedWeight,
         bias: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if isinstance(weight, PackedWeight):  # weight-only: llmc.cuda.gemv_wo_ops
+            return self.linear_wo(x, weight, bias, out)
         if out is None:
             return torch.nn.functional.linear(x, weight, bias)
         if out.dtype != x.dtype:  # e.g. float32 logits from 16-bit weights

@@ -48,17 +48,30 @@ FAMILIES: dict[str, tuple[str, bool]] = {
     "sampling": ("sampling.cu", False),
     "gemv": ("gemv.cu", False),
     "gemv_fp8": ("gemv_fp8.cu", False),
+    "gemv_wo": ("gemv_wo.cu", False),
+    "wo_dequant": ("wo_dequant.cu", False),
+}
+WO_QUANTIZATIONS = ("int8_wo", "int4_wo", "gguf")
+# Families an engine needs only under some ``--quantization`` values (engine builds compile
+# them only there; a KernelConfig without a quantization, the run time's, has them all).
+QUANTIZED_FAMILIES: dict[str, tuple[str, ...]] = {
+    "gemv_fp8": ("fp8",),
+    "gemv_wo": WO_QUANTIZATIONS,
+    "wo_dequant": WO_QUANTIZATIONS,
 }
 
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Compile-time constants of one engine's kernels."""
+    """Compile-time constants of one engine's kernels. ``quantization`` (an engine's
+    ``--quantization``; None = any) only selects families (``QUANTIZED_FAMILIES``): it is no
+    macro, so it never changes a cubin."""
 
     dtype: str
     head_dim: int
     num_q_heads: int
     num_kv_heads: int
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CODES:
@@ -77,9 +90,9 @@ class KernelConfig:
             raise UnsupportedError(f"kernel config: head_dim must be even, got {self.head_dim}")
 
     @classmethod
-    def from_spec(cls, spec: Any, dtype: str) -> KernelConfig:
-        """From a ``ModelSpec`` and the engine dtype."""
-        return cls(dtype, spec.head_dim, spec.num_heads, spec.num_kv_heads)
+    def from_spec(cls, spec: Any, dtype: str, quantization: str | None = None) -> KernelConfig:
+        """From a ``ModelSpec``, the engine dtype and (builds) its quantization."""
+        return cls(dtype, spec.head_dim, spec.num_heads, spec.num_kv_heads, quantization)
 
     @property
     def tensor_core_prefill(self) -> bool:
@@ -122,6 +135,11 @@ def has_kernels(family: str, cfg: KernelConfig, arch: str | None = None) -> bool
     if family == "prefill_attention" and not cfg.tensor_core_prefill:
         return False
     if family == "prefill_sm90" and not cfg.sm90_prefill:
+        return False
+    if family == "gemv_wo" and cfg.dtype == "float32":  # 16-bit mma operands only
+        return False
+    wanted = QUANTIZED_FAMILIES.get(family)
+    if wanted is not None and cfg.quantization is not None and cfg.quantization not in wanted:
         return False
     return arch is None or family_arch(family, arch) is not None
 

@@ -73,6 +73,15 @@ inline int atomicAdd(int* p, int v) {
     *p = old + v;
     return old;
 }
+inline float atomicAdd(float* p, float v) {
+    std::lock_guard<std::mutex> lock(emu_atomic_mutex);
+    const float old = *p;
+    *p = old + v;
+    return old;
+}
+// `extern __shared__` (dynamic shared memory) of the kernels that name it under
+// LLMC_HOST_EMULATION (gemv_wo.cu): one CTA at a time, so one buffer.
+alignas(16) static unsigned char emu_dyn_smem[256 * 1024];
 
 inline unsigned atomicAdd(unsigned* p, unsigned v) {  // sampling.cu
     std::lock_guard<std::mutex> lock(emu_atomic_mutex);

@@ -1,0 +1,383 @@
+// gemv_wo.cu: fused small-batch (M = 1..8 token rows) decode GEMVs on weight-only quantized
+// weights (llmc.cuda.reference_wo.PackedWeight: uint8 codes, 4 bits two per byte (even k in
+// the low nibble) or 8 bits, code_zero, groups of gs columns with one f16 / f32 scale and an
+// optional offset each), memory-bound on the codes. 16-bit activations (f16 / bf16) only.
+//
+// Four kernels per (BITS, SMODE, VECTOR) (extern "C" names gemv_wo{4,8}_{row,kstep,deq}_
+// {norm,norm_silu,add,linear}[_scalar]; M is a run-time argument):
+//   norm       out[m, n] = round(sum_k w[n, k] * xn[m, k] (+ bias[n]))              (qkv)
+//   norm_silu  W = [2I, K] gate | up: act[m, j] = round(round(silu(round(g))) * round(u))
+//   add        residual[m, n] = round(residual[m, n] + round(sum_k w[n, k] x[m, k])) (o, down)
+//   linear     out[m, n] = round(sum_k w[n, k] x[m, k] (+ bias[n])), out float32 or dtype
+// with xn = round(x * rsqrt(mean(x^2) + eps) * norm_w) and w[n, k] = s * (q - code_zero) + o
+// of the element's group: the compositions of llmc.cuda.reference (norm_linear, ...).
+//
+// Dot products on tensor cores (mma.m16n8k16, f32 accumulate, A and B in the activation
+// dtype), as cuda/gemv_fp8.cu: a *tile* is 16 weight rows (gate_up: 8 gate + the 8 matching
+// up rows), the mma's n the 8 token rows (rows >= M read as zeros). Lane (g = lane / 4,
+// t = lane % 4) streams one 16-byte vector of codes of tile rows g and g + 8 per k-step
+// (ld.global.nc.L1::no_allocate): VB = 32 (4-bit) or 16 (8-bit) columns, a k-step
+// KS = 4 VB columns. The sum over k does not care which column takes which mma slot as long
+// as weights and activations agree, so the codes are unpacked where they lie:
+//   4-bit: word w (columns 8w..8w+7 of the vector) -> four 16-bit pairs (j, j + 4), j < 4,
+//          by one lop3 with a magic exponent each (f16: 1024 + q, bf16: 128 + q; f16 odd
+//          pairs as 1024 + 16 q, scaled by 1/16 in the same fma), then one fma2 subtracting
+//          magic + code_zero (exact: small integers);
+//   8-bit: byte e -> float 2^23 + q by one prmt, one fadd (- 2^23 - code_zero), exact, and
+//          one cvt per pair (the values are small integers: exact in 16 bits).
+// The activations are staged once per CTA in shared memory as 16-bit values, in that pair
+// order, rows at stride S (K padded to whole k-steps, + 64 bytes: the two token rows of one
+// LDS.128 phase fall in different banks), the pad zeroed.
+//
+// Scales (SMODE), chosen by the host from gs:
+//   row    gs == K: one group per row; the mma sums are scaled in the epilogue (int8_wo);
+//   kstep  gs % KS == 0: every k-step lies in one group; each k-step's mma sums (of exact
+//          q - z values) are scaled and added in float32 (int4_wo g128); offsets add
+//          o * sum_k x over the k-step (per-k-step sums staged beside the activations);
+//   deq    gs < KS (GGUF blocks, g16 / g32 / g64): each weight is dequantized before the
+//          mma: w = fma2(q - z, s, o) in 16 bits (4-bit) or fma(s, q - z, o) in float32
+//          rounded once (8-bit) (deviation from the float32 weights: one 16-bit rounding).
+// Scale loads (2 or 4 bytes) travel with the code loads of their k-step (kstep, deq).
+//
+// Work: tiles round-robin over the CTAs (grid <= SMs, <= tiles; 512 threads, one CTA per
+// SM), 16 tiles per round; with c < 16 tiles in a round, 16 / c warps share each tile over
+// contiguous shares of the k-steps and add their sums through shared memory (split-K for
+// small N). A warp streams its share in batches of WO_U k-steps double-buffered in
+// registers. The first batch is loaded, and the next two prefetched into L2, before the
+// prologue (rms scale, staging), so the weight stream starts at once.
+//
+// The *_scalar kernels (row bytes not a multiple of 16, or a misaligned base) load codes
+// by bytes and x by elements: correct, slow. Launch: grid min(SMs, tiles), block 512,
+// dynamic smem M * S + M * xsum_len * 4 bytes (the host runs the unfused sequence when that
+// exceeds its budget). The PTX helpers are host code under LLMC_HOST_EMULATION
+// (tests/cuda/kernel_emulator.h).
+//
+// History: v1 (this; not yet measured on the H200).
+#include "common.cuh"
+
+#include "wo_codes.cuh"
+
+// Shared per-k-step activation sums (offsets of the kstep mode, all of K for row mode).
+struct WoSums {
+    const float* xsum;  // [M][n] or nullptr
+    int n, M;
+};
+
+template <int BITS, int SMODE>
+__device__ __forceinline__ void wo_mma_batch(float (&tot)[4], const WoBatch<BITS, SMODE>& B,
+                                             const WoLane& L, const unsigned char* xrow,
+                                             bool has_row, int kb, int n, const WoSums& xs,
+                                             int t4) {
+    constexpr int XB = wo_ks<BITS>() * 2;  // staged bytes per k-step
+#pragma unroll
+    for (int u = 0; u < WO_U; ++u) {
+        if (u < n) {  // warp-uniform
+            const unsigned char* xk = xrow + (kb + u) * XB;
+            if constexpr (SMODE == WO_KSTEP) {
+                float acc[4] = {0.f, 0.f, 0.f, 0.f};
+                wo_kstep<BITS, SMODE>(acc, B.c[u], B.sc[u], L, xk, has_row);
+                const float sg = wo_scale(B.sc[u].s[0][0], L.f32);
+                const float s8 = wo_scale(B.sc[u].s[1][0], L.f32);
+                tot[0] = fmaf(sg, acc[0], tot[0]);
+                tot[1] = fmaf(sg, acc[1], tot[1]);
+                tot[2] = fmaf(s8, acc[2], tot[2]);
+                tot[3] = fmaf(s8, acc[3], tot[3]);
+                if (xs.xsum != nullptr) {  // + o * (sum of the k-step's x), per token
+                    const float og = wo_scale(B.sc[u].o[0][0], L.f32);
+                    const float o8 = wo_scale(B.sc[u].o[1][0], L.f32);
+                    const int m0 = min(2 * t4, xs.M - 1), m1 = min(2 * t4 + 1, xs.M - 1);
+                    const float x0 = xs.xsum[m0 * xs.n + kb + u], x1 = xs.xsum[m1 * xs.n + kb + u];
+                    tot[0] = fmaf(og, x0, tot[0]);
+                    tot[1] = fmaf(og, x1, tot[1]);
+                    tot[2] = fmaf(o8, x0, tot[2]);
+                    tot[3] = fmaf(o8, x1, tot[3]);
+                }
+            } else {
+                wo_kstep<BITS, SMODE>(tot, B.c[u], B.sc[u], L, xk, has_row);
+            }
+        }
+    }
+}
+
+// The warp's k-steps [s0, s1) (s0 < s1), batch A already loaded when `preloaded`.
+template <int BITS, int SMODE, bool VECTOR>
+__device__ __forceinline__ void wo_stream(float (&tot)[4], WoBatch<BITS, SMODE>& A,
+                                          WoBatch<BITS, SMODE>& B, const WoLane& L,
+                                          const unsigned char* xrow, bool has_row, int s0, int s1,
+                                          bool preloaded, const WoSums& xs, int t4) {
+    int kb = s0;
+    if (!preloaded) wo_load_batch<BITS, SMODE, VECTOR>(A, L, kb, min(WO_U, s1 - kb));
+    while (true) {  // two batches per trip: A and B swap roles without register moves
+        int next = min(WO_U, s1 - kb - WO_U);
+        if (next > 0) wo_load_batch<BITS, SMODE, VECTOR>(B, L, kb + WO_U, next);
+        wo_mma_batch<BITS, SMODE>(tot, A, L, xrow, has_row, kb, min(WO_U, s1 - kb), xs, t4);
+        kb += WO_U;
+        if (kb >= s1) break;
+        next = min(WO_U, s1 - kb - WO_U);
+        if (next > 0) wo_load_batch<BITS, SMODE, VECTOR>(A, L, kb + WO_U, next);
+        wo_mma_batch<BITS, SMODE>(tot, B, L, xrow, has_row, kb, min(WO_U, s1 - kb), xs, t4);
+        kb += WO_U;
+        if (kb >= s1) break;
+    }
+}
+
+// ---- prologue ---------------------------------------------------------------------------
+// Per-row block sums of v[8] (rows >= M zero); every thread gets the totals.
+__device__ __forceinline__ void wo_reduce_rows(float (&v)[8], float (*red)[8], float* tot) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int m = 0; m < 8; ++m) {
+        const float s = warp_sum(v[m]);
+        if (lane == 0) red[warp][m] = s;
+    }
+    __syncthreads();
+    if (threadIdx.x < 8) {
+        float t = 0.f;
+#pragma unroll
+        for (int w = 0; w < WO_WARPS; ++w) t += red[w][threadIdx.x];
+        tot[threadIdx.x] = t;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int m = 0; m < 8; ++m) v[m] = tot[m];
+}
+
+// Stage the M rows (rms-normed and rounded for MODE 0 / 1) into xs as 16-bit values in the
+// pair order, zero the pad, and (offsets) their sums per k-step / per row; ends with a barrier.
+template <int MODE, int BITS, int SMODE, int VW>
+__device__ __forceinline__ void wo_prologue(const WoArgs& a, unsigned char* xs, float* xsum,
+                                            int nsum, float (*red)[8], float* tot) {
+    constexpr int KS = wo_ks<BITS>();
+    const int K = a.K, M = a.M, nv = K / VW;
+    const int pad = (K + KS - 1) / KS * KS - K;
+    for (int i = threadIdx.x; i < M * pad; i += WO_THREADS) {
+        const int m = i / pad, c = K + i % pad;
+        *reinterpret_cast<unsigned short*>(xs + m * a.S + wo_xoff<BITS>(c)) = 0;
+    }
+    if (xsum != nullptr) {
+        for (int i = threadIdx.x; i < M * nsum; i += WO_THREADS) xsum[i] = 0.f;
+    }
+    float rs[8];
+#pragma unroll
+    for (int m = 0; m < 8; ++m) rs[m] = 1.f;
+    if constexpr (MODE == 0 || MODE == 1) {  // rms scale: float32 sum of squares
+        float v[8];
+#pragma unroll
+        for (int m = 0; m < 8; ++m) v[m] = 0.f;
+        for (int i = threadIdx.x; i < nv; i += WO_THREADS) {
+#pragma unroll
+            for (int m = 0; m < 8; ++m) {
+                if (m < M) {
+                    float f[VW];
+                    load_vec<VW>(a.x + (long long)m * K + i * VW, f);
+#pragma unroll
+                    for (int e = 0; e < VW; ++e) v[m] += f[e] * f[e];
+                }
+            }
+        }
+        wo_reduce_rows(v, red, tot);
+#pragma unroll
+        for (int m = 0; m < 8; ++m) rs[m] = rsqrtf(v[m] / (float)K + a.eps);
+    } else if (xsum != nullptr) {
+        __syncthreads();  // the sums are zero before any thread adds to them
+    }
+    for (int i = threadIdx.x; i < nv; i += WO_THREADS) {
+        float nw[VW];
+        if constexpr (MODE == 0 || MODE == 1) load_vec<VW>(a.norm_w + i * VW, nw);
+        const int c0 = i * VW;
+#pragma unroll
+        for (int m = 0; m < 8; ++m) {
+            if (m >= M) continue;
+            float f[VW];
+            load_vec<VW>(a.x + (long long)m * K + c0, f);
+            if constexpr (MODE == 0 || MODE == 1) {
+#pragma unroll
+                for (int e = 0; e < VW; ++e) f[e] = to_float(from_float(f[e] * rs[m] * nw[e]));
+            }
+            unsigned char* row = xs + m * a.S;
+            if constexpr (VW == 8) {  // one code word (4-bit) or two (8-bit): 16 bytes
+                v4u v;
+                if constexpr (BITS == 4) {
+                    v = v4u{pack2(f[0], f[4]), pack2(f[1], f[5]), pack2(f[2], f[6]),
+                            pack2(f[3], f[7])};
+                } else {
+                    v = v4u{pack2(f[0], f[1]), pack2(f[2], f[3]), pack2(f[4], f[5]),
+                            pack2(f[6], f[7])};
+                }
+                *reinterpret_cast<v4u*>(row + wo_xoff<BITS>(c0)) = v;
+            } else {
+#pragma unroll
+                for (int e = 0; e < VW; ++e) {
+                    *reinterpret_cast<unsigned short*>(row + wo_xoff<BITS>(c0 + e)) = from_float(f[e]);
+                }
+            }
+            if (xsum != nullptr) {
+                float s = 0.f;
+#pragma unroll
+                for (int e = 0; e < VW; ++e) s += f[e];
+                atomicAdd(&xsum[m * nsum + (SMODE == WO_ROW ? 0 : c0 / KS)], s);
+            }
+        }
+    }
+    __syncthreads();
+}
+
+// ---- epilogue ---------------------------------------------------------------------------
+__device__ __forceinline__ float wo_silu(float g) { return g / (1.f + expf(-g)); }
+
+// Outputs of one tile: v[0..1] = row g, tokens 2 t4 and 2 t4 + 1; v[2..3] = row g + 8.
+template <int MODE>
+__device__ __forceinline__ void wo_store(const WoArgs& a, const float (&v)[4], int tile, int g,
+                                         int t4) {
+    const int n_out = a.n_out;
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+        const int m = 2 * t4 + e;
+        if (m >= a.M) continue;
+        if constexpr (MODE == 1) {
+            const int j = tile * 8 + g;
+            if (j >= n_out) continue;
+            const float gs = to_float(from_float(wo_silu(to_float(from_float(v[e])))));
+            scalar_t* o = static_cast<scalar_t*>(a.out) + (long long)m * n_out + j;
+            *o = from_float(gs * to_float(from_float(v[2 + e])));
+        } else {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int n = tile * 16 + 8 * h + g;
+                if (n >= n_out) continue;
+                float y = v[2 * h + e];
+                const long long i = (long long)m * n_out + n;
+                if constexpr (MODE == 2) {
+                    scalar_t* o = static_cast<scalar_t*>(a.out) + i;
+                    *o = from_float(to_float(*o) + to_float(from_float(y)));
+                } else {
+                    if (a.bias != nullptr) y += to_float(a.bias[n]);
+                    if (MODE == 3 && (a.flags & WO_OUT_F32)) {
+                        static_cast<float*>(a.out)[i] = to_float(from_float(y));
+                    } else {
+                        static_cast<scalar_t*>(a.out)[i] = from_float(y);
+                    }
+                }
+            }
+        }
+    }
+}
+
+// Row mode: the per-row scale (and offset times the row's sum of x) applied at the end.
+template <int SMODE>
+__device__ __forceinline__ void wo_row_scale(float (&v)[4], const WoLane& L, const WoSums& xs,
+                                             int t4) {
+    if constexpr (SMODE == WO_ROW) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const float s = wo_scale(wo_ld_scale(L.s[h], 0, L.f32), L.f32);
+            float o = 0.f;
+            if (L.o[h] != nullptr) o = wo_scale(wo_ld_scale(L.o[h], 0, L.f32), L.f32);
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                v[2 * h + e] *= s;
+                if (xs.xsum != nullptr) v[2 * h + e] += o * xs.xsum[min(2 * t4 + e, xs.M - 1)];
+            }
+        }
+    }
+}
+
+template <int MODE, int BITS, int SMODE, bool VECTOR>
+__device__ __forceinline__ void gemv_wo_body(const WoArgs& a) {
+    constexpr int VW = VECTOR ? 8 : 1;  // activation elements per prologue load
+    constexpr int KS = wo_ks<BITS>();
+#ifdef LLMC_HOST_EMULATION
+    v4u* wo_smem = reinterpret_cast<v4u*>(emu_dyn_smem);
+#else
+    extern __shared__ v4u wo_smem[];
+#endif
+    unsigned char* xs = reinterpret_cast<unsigned char*>(wo_smem);
+    __shared__ float part[WO_WARPS][4][32];  // split-K partial sums [warp][value][lane]
+    __shared__ float red[WO_WARPS][8];
+    __shared__ float tot[8];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t4 = lane & 3;
+    const int K = a.K, n_out = a.n_out;
+    const int tiles = MODE == 1 ? (n_out + 7) / 8 : (n_out + 15) / 16;
+    const int ksteps = (K + KS - 1) / KS;
+    const int c = (tiles - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x;
+    if (c <= 0) return;  // the host keeps grid <= tiles; CTA-uniform
+    const int nsum = SMODE == WO_ROW ? 1 : ksteps;
+    float* xsum = nullptr;
+    if (a.offsets != nullptr && SMODE != WO_DEQ) {
+        xsum = reinterpret_cast<float*>(xs + (long long)a.M * a.S);
+    }
+    const WoSums sums{xsum, nsum, a.M};
+    const unsigned char* xrow = xs + g * a.S + 16 * t4;
+    const WoConst kc = wo_const(a.code_zero);
+
+    WoBatch<BITS, SMODE> A, B;
+    WoWork w = wo_work(0, c, ksteps, warp);
+    WoLane L = wo_lane<BITS, MODE>(a, w.tile, g, t4, kc);
+    if (w.active && w.s0 < w.s1) {  // start the weight stream before the prologue
+        wo_load_batch<BITS, SMODE, VECTOR>(A, L, w.s0, min(WO_U, w.s1 - w.s0));
+        const unsigned char* rp =
+            a.w + (long long)wo_tile_row<MODE>(w.tile, lane & 15, n_out) * L.rowbytes;
+        const int beg = 64 * (w.s0 + WO_U);
+        const int end = min(min(64 * w.s1, L.rowbytes), beg + 64 * 2 * WO_U);
+        for (int off = beg + 128 * (lane >> 4); off < end; off += 256) wo_prefetch(rp + off);
+    }
+    wo_prologue<MODE, BITS, SMODE, VW>(a, xs, xsum, nsum, red, tot);
+
+    for (int r = 0; r * WO_WARPS < c; ++r) {
+        if (r > 0) {
+            w = wo_work(r, c, ksteps, warp);
+            L = wo_lane<BITS, MODE>(a, w.tile, g, t4, kc);
+        }
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        if (w.active && w.s0 < w.s1) {
+            wo_stream<BITS, SMODE, VECTOR>(acc, A, B, L, xrow, g < a.M, w.s0, w.s1, r == 0, sums,
+                                           t4);
+        }
+        if (w.split > 1) {  // add the other warps' shares of this tile (CTA-uniform branch)
+            if (w.active) {
+#pragma unroll
+                for (int j = 0; j < 4; ++j) part[warp][j][lane] = acc[j];
+            }
+            __syncthreads();
+            if (w.active && w.part == 0) {
+                for (int s = 1; s < w.split; ++s) {
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) acc[j] += part[warp + s][j][lane];
+                }
+            }
+        }
+        if (w.active && w.part == 0) {
+            wo_row_scale<SMODE>(acc, L, sums, t4);
+            wo_store<MODE>(a, acc, w.tile, g, t4);
+        }
+        if (w.split > 1) __syncthreads();  // part is rewritten by the next round
+    }
+}
+
+// One kernel per (mode, bits, scale mode, vector); all share one signature.
+#define WO_KERNEL(NAME, MODE, BITS, SMODE, VECTOR)                                             \
+    extern "C" __global__ void __launch_bounds__(WO_THREADS, 1) NAME(                          \
+        const scalar_t* __restrict__ x, const scalar_t* __restrict__ norm_w, float eps,        \
+        const unsigned char* __restrict__ w, const void* __restrict__ scales,                  \
+        const void* __restrict__ offsets, const scalar_t* __restrict__ bias, void* out, int N,  \
+        int K, int M, int S, int gs, int G, int code_zero, int flags) {                        \
+        gemv_wo_body<MODE, BITS, SMODE, VECTOR>(                                               \
+            WoArgs{x, norm_w, eps, w, scales, offsets, bias, out, N, K, M, S, gs, G, code_zero, \
+                   flags});                                                                    \
+    }
+
+#define WO_MODES(PFX, BITS, SMODE, VECTOR, SFX)                     \
+    WO_KERNEL(PFX##_norm##SFX, 0, BITS, SMODE, VECTOR)              \
+    WO_KERNEL(PFX##_norm_silu##SFX, 1, BITS, SMODE, VECTOR)         \
+    WO_KERNEL(PFX##_add##SFX, 2, BITS, SMODE, VECTOR)               \
+    WO_KERNEL(PFX##_linear##SFX, 3, BITS, SMODE, VECTOR)
+
+#define WO_FAMILY(PFX, BITS, SMODE) \
+    WO_MODES(PFX, BITS, SMODE, true, ) WO_MODES(PFX, BITS, SMODE, false, _scalar)
+
+WO_FAMILY(gemv_wo4_row, 4, WO_ROW)
+WO_FAMILY(gemv_wo4_kstep, 4, WO_KSTEP)
+WO_FAMILY(gemv_wo4_deq, 4, WO_DEQ)
+WO_FAMILY(gemv_wo8_row, 8, WO_ROW)
+WO_FAMILY(gemv_wo8_kstep, 8, WO_KSTEP)
+WO_FAMILY(gemv_wo8_deq, 8, WO_DEQ)

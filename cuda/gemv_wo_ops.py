@@ -1,0 +1,338 @@
+"""Weight-only ops of the CudaBackend on ``PackedWeight``s (cuda/gemv_wo.cu, cuda/wo_dequant.cu).
+
+The CudaBackend dispatches on the weight's type: ``norm_linear``, ``norm_gate_up_silu`` and
+``linear_residual_add`` (this mixin, ahead of ``GemvOps`` in the MRO: a tensor weight goes
+on to the BF16 kernels), ``linear`` and ``embedding`` (CudaBackend's own, which call
+``linear_wo`` / ``embedding_wo`` here). The plans:
+
+- small steps (T <= ``GEMV_MAX_TOKENS`` rows, 16-bit activations): one gemv_wo.cu kernel
+  per op, dequantizing in registers, with the norm prologue and the SiLU / residual / bias
+  epilogues; the scale mode from the group size (``wo_scale_mode``), the activations staged
+  in shared memory (``wo_smem_bytes``);
+- anything else (T > 8, float32 activations, a staging that exceeds the shared-memory
+  budget, a group size that is not a multiple of 16): dequantize-then-cuBLAS, the weight
+  dequantized (wo_dequant.cu, bit-exact, rounded once into the activation dtype) in row
+  chunks of at most ``WO_CHUNK_BYTES`` into a temporary, each chunk one torch.mm into its
+  columns of ``out``; the fused ops then run their unfused sequences (rms_norm, linear,
+  silu_and_mul / add), which compute the same values.
+- ``embedding``: wo_dequant.cu's row gather, rows dequantized into ``out``'s dtype.
+
+``WoOps`` is a mixin: the class using it provides ``device``, ``_lib(dtype)``, ``_launch``,
+``_sm_count``, ``_gemv_smem``, the ``_gemv_kernels`` cache, ``rms_norm`` and
+``silu_and_mul`` (CudaBackend does).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from llmc.base.errors import UnsupportedError
+from llmc.cuda.gemv_ops import GEMV_MAX_TOKENS, GEMV_THREADS, check_token_rows
+from llmc.cuda.launch_args import i32 as _i
+from llmc.cuda.launch_args import need as _need
+from llmc.cuda.launch_args import ptr as _p
+from llmc.cuda.reference_wo import PackedWeight
+
+WO_ACT_DTYPES = (torch.float16, torch.bfloat16)  # gemv_wo.cu: 16-bit mma operands
+WO_CHUNK_BYTES = 64 << 20  # dequantized weight rows per cuBLAS call (a bounded temporary)
+WO_SMEM_MARGIN = 1024  # gemv_wo.cu's static shared memory (8.7 KB) is ~0.5 KB above gemv.cu's
+WO_ROWS_THREADS = 256  # wo_rows_kernel block
+_MODES = ("norm", "norm_silu", "add", "linear")
+_NULL = np.uint64(0)
+
+
+def wo_kstep_cols(bits: int) -> int:
+    """Columns of one k-step of gemv_wo.cu: 4 lanes x one 16-byte code vector."""
+    return 128 if bits == 4 else 64
+
+
+def wo_scale_mode(bits: int, k: int, group_size: int) -> str | None:
+    """gemv_wo.cu's scale mode: ``row`` (one group per row), ``kstep`` (whole k-steps per
+    group), ``deq`` (groups of a multiple of 16 columns), None (no kernel: dequantize)."""
+    if group_size == k:
+        return "row"
+    if group_size % wo_kstep_cols(bits) == 0:
+        return "kstep"
+    return "deq" if group_size % 16 == 0 else None
+
+
+def wo_row_stride(bits: int, k: int) -> int:
+    """Shared-memory bytes per staged activation row: K in whole k-steps of 16-bit values,
+    plus 64 (the two token rows of one LDS.128 phase in different banks)."""
+    ks = wo_kstep_cols(bits)
+    return -(-k // ks) * ks * 2 + 64
+
+
+def wo_smem_bytes(bits: int, k: int, group_size: int, m: int, offsets: bool) -> int:
+    """Dynamic shared memory of a gemv_wo.cu launch: M staged rows, plus the per-k-step (or
+    per-row) activation sums the offsets of the row / kstep modes need."""
+    mode = wo_scale_mode(bits, k, group_size)
+    sums = 0
+    if offsets and mode in ("row", "kstep"):
+        sums = m * (1 if mode == "row" else -(-k // wo_kstep_cols(bits))) * 4
+    return m * wo_row_stride(bits, k) + sums
+
+
+def wo_tiles(mode: int, n_out: int) -> int:
+    """Tiles of a gemv_wo.cu launch: 16 rows, or 8 gate + 8 up rows (mode 1)."""
+    return math.ceil(n_out / (8 if mode == 1 else 16))
+
+
+def wo_kernel_name(bits: int, scale_mode: str, mode: int, vector: bool) -> str:
+    return f"gemv_wo{bits}_{scale_mode}_{_MODES[mode]}" + ("" if vector else "_scalar")
+
+
+def check_packed(op: str, w: Any, k: int | None = None) -> tuple[int, int]:
+    """(N, K) of a PackedWeight whose tensors are contiguous CUDA tensors (K = ``k`` when
+    given: the input's columns)."""
+    if not isinstance(w, PackedWeight):
+        raise UnsupportedError(f"CudaBackend.{op}: weight must be a PackedWeight")
+    _need(w.codes, "weight codes", torch.uint8)
+    _need(w.scales, "weight scales")
+    if w.offsets is not None:
+        _need(w.offsets, "weight offsets", w.scales.dtype)
+    n, wk = w.shape
+    if k is not None and wk != k:
+        raise UnsupportedError(
+            f"CudaBackend.{op}: input of {k} columns and weight {[n, wk]} do not chain "
+            f"([M, K] x [N, K])"
+        )
+    return n, wk
+
+
+def _scale_flags(w: PackedWeight) -> int:
+    return 1 if w.scales.dtype == torch.float32 else 0
+
+
+class WoOps:
+    """The weight-only ops (mixin; see the module docstring for what it needs)."""
+
+    device: torch.device
+    _sm_count: int
+    _gemv_smem: int
+    _gemv_kernels: dict[tuple[torch.dtype, str], Any]
+    _lib: Any
+    _launch: Any
+    rms_norm: Any
+    silu_and_mul: Any
+
+    # ---- plans ---------------------------------------------------------------------------
+    def _wo_budget(self) -> int:
+        return self._gemv_smem - WO_SMEM_MARGIN
+
+    def _wo_fused(self, x: torch.Tensor, w: PackedWeight) -> bool:
+        """Whether gemv_wo.cu serves x [M, K] against ``w`` (else: dequantize-then-cuBLAS)."""
+        m, k = x.shape
+        if x.dtype not in WO_ACT_DTYPES or not 0 < m <= GEMV_MAX_TOKENS:
+            return False
+        if wo_scale_mode(w.bits, k, w.group_size) is None:
+            return False
+        return wo_smem_bytes(w.bits, k, w.group_size, m, w.offsets is not None) <= self._wo_budget()
+
+    def _wo_gemv(
+        self, mode: int, x: torch.Tensor, norm_w: torch.Tensor | None, eps: float,
+        w: PackedWeight, bias: torch.Tensor | None, out: torch.Tensor, n_out: int,
+    ) -> None:  # fmt: skip
+        """Launch the gemv_wo.cu kernel of ``mode`` (0 norm, 1 norm_silu, 2 add, 3 linear)."""
+        m, k = x.shape
+        smode = wo_scale_mode(w.bits, k, w.group_size)
+        row_bytes = w.codes.shape[1]
+        bases = (x, w.codes) + ((norm_w,) if norm_w is not None else ())
+        vector = row_bytes % 16 == 0 and all(t.data_ptr() % 16 == 0 for t in bases)
+        name = wo_kernel_name(w.bits, smode, mode, vector)
+        kern = self._gemv_kernels.get((x.dtype, name))
+        if kern is None:
+            kern = self._lib(x.dtype).get("gemv_wo", name)
+            kern.max_dynamic_shared_size_bytes = self._wo_budget()
+            self._gemv_kernels[(x.dtype, name)] = kern
+        flags = _scale_flags(w) | (2 if out.dtype == torch.float32 else 0)
+        args = (
+            _p(x), _p(norm_w) if norm_w is not None else _NULL, np.float32(eps), _p(w.codes),
+            _p(w.scales), _p(w.offsets) if w.offsets is not None else _NULL,
+            _p(bias) if bias is not None else _NULL, _p(out), _i(n_out), _i(k), _i(m),
+            _i(wo_row_stride(w.bits, k)), _i(w.group_size), _i(w.scales.shape[1]),
+            _i(w.code_zero), _i(flags),
+        )  # fmt: skip
+        grid = max(1, min(self._sm_count, wo_tiles(mode, n_out)))
+        smem = wo_smem_bytes(w.bits, k, w.group_size, m, w.offsets is not None)
+        self._launch(kern, (grid,), (GEMV_THREADS,), args, shared_mem=smem)
+
+    def _wo_rows(
+        self, w: PackedWeight, ids: torch.Tensor | None, n0: int, t: int, out: torch.Tensor
+    ) -> None:
+        """out[i] = dequantize(row ids[i]) (ids None: row n0 + i), i < t, in out's dtype."""
+        n, k = w.shape
+        g = w.scales.shape[1]
+        codes = w.codes[n0:] if ids is None else w.codes
+        scales = w.scales[n0:] if ids is None else w.scales
+        offsets = None if w.offsets is None else (w.offsets[n0:] if ids is None else w.offsets)
+        vec = k % 8 == 0 and w.group_size % 8 == 0 and out.data_ptr() % 16 == 0
+        vec = vec and codes.data_ptr() % 8 == 0
+        per = 8 if vec else 1
+        kern = self._lib(out.dtype).get("wo_dequant", "wo_rows_kernel")
+        args = (
+            _p(ids) if ids is not None else _NULL, _p(codes), _p(scales),
+            _p(offsets) if offsets is not None else _NULL, _p(out), _i(t), _i(k),
+            np.int64(n if ids is not None else n - n0), _i(w.bits), _i(w.code_zero),
+            _i(w.group_size), _i(g), _i(_scale_flags(w)), _i(vec),
+        )  # fmt: skip
+        grid = (math.ceil(k / (per * WO_ROWS_THREADS)), min(t, 65535))
+        self._launch(kern, grid, (WO_ROWS_THREADS,), args)
+
+    # ---- ops -----------------------------------------------------------------------------
+    def linear_wo(
+        self,
+        x: torch.Tensor,
+        weight: PackedWeight,
+        bias: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x [T, K] @ dequantize(weight).T (+ bias) [T, N], rounded to x's dtype (``out``
+        may be float32: the rounded values, as the BF16 linear gives float32 logits)."""
+        _need(x, "x")
+        n, k = check_packed("linear", weight, x.shape[1] if x.dim() == 2 else None)
+        t = x.shape[0]
+        if bias is not None:
+            _need(bias, "bias", x.dtype)
+        if out is None:
+            out = torch.empty(t, n, dtype=x.dtype, device=self.device)
+        if tuple(out.shape) != (t, n) or out.dtype not in (x.dtype, torch.float32):
+            raise UnsupportedError(
+                f"CudaBackend.linear: out {out.dtype} {list(out.shape)}, expected "
+                f"{x.dtype} or float32 {[t, n]}"
+            )
+        _need(out, "out")
+        if t == 0:
+            return out
+        if self._wo_fused(x, weight):
+            self._wo_gemv(3, x, None, 0.0, weight, bias, out, n)
+            return out
+        rows = max(16, WO_CHUNK_BYTES // (k * x.element_size()))
+        for n0 in range(0, n, rows):
+            n1 = min(n, n0 + rows)
+            wd = torch.empty(n1 - n0, k, dtype=x.dtype, device=self.device)
+            self._wo_rows(weight, None, n0, n1 - n0, wd)
+            b = None if bias is None else bias[n0:n1]
+            dst = out if n1 - n0 == n else out[:, n0:n1]
+            if out.dtype != x.dtype:
+                dst.copy_(torch.nn.functional.linear(x, wd, b))
+            elif b is None:
+                torch.mm(x, wd.t(), out=dst)
+            else:
+                torch.addmm(b, x, wd.t(), out=dst)
+        return out
+
+    def embedding_wo(
+        self, ids: torch.Tensor, table: PackedWeight, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """ids [T] int64 -> the dequantized rows [T, H] in out's dtype (float32 when None);
+        ids outside [0, V) give zero rows."""
+        _need(ids, "ids", torch.int64)
+        _, h = check_packed("embedding", table)
+        t = ids.shape[0]
+        if out is None:
+            out = torch.empty(t, h, dtype=torch.float32, device=self.device)
+        _need(out, "out")
+        if tuple(out.shape) != (t, h):
+            raise UnsupportedError(
+                f"CudaBackend.embedding: out {list(out.shape)}, expected {[t, h]}"
+            )
+        if t:
+            self._wo_rows(table, ids, 0, t, out)
+        return out
+
+    def norm_linear(
+        self,
+        residual: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        weight: torch.Tensor | PackedWeight,
+        bias: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """linear(rms_norm(residual), weight, bias); a PackedWeight in one gemv_wo kernel."""
+        if not isinstance(weight, PackedWeight):
+            return super().norm_linear(residual, norm_weight, eps, weight, bias, out)  # type: ignore[misc]
+        op = "norm_linear"
+        m, n = self._wo_check(op, residual, weight, norm_weight)
+        if out is None:
+            out = torch.empty(m, n, dtype=residual.dtype, device=self.device)
+        self._wo_out(op, "out", out, (m, n), residual.dtype)
+        if bias is not None:
+            _need(bias, "bias", residual.dtype)
+        if m == 0:
+            return out
+        if not self._wo_fused(residual, weight):
+            return self.linear_wo(self.rms_norm(residual, norm_weight, eps), weight, bias, out)
+        self._wo_gemv(0, residual, norm_weight, eps, weight, bias, out, n)
+        return out
+
+    def norm_gate_up_silu(
+        self,
+        residual: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        gate_up_weight: torch.Tensor | PackedWeight,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """silu_and_mul(linear(rms_norm(residual), gate_up)); a PackedWeight in one kernel."""
+        w = gate_up_weight
+        if not isinstance(w, PackedWeight):
+            return super().norm_gate_up_silu(residual, norm_weight, eps, w, out)  # type: ignore[misc]
+        op = "norm_gate_up_silu"
+        m, n2 = self._wo_check(op, residual, w, norm_weight)
+        if n2 % 2:
+            raise UnsupportedError(
+                f"CudaBackend.{op}: gate_up weight has {n2} rows; expected gate | up (even)"
+            )
+        if out is None:
+            out = torch.empty(m, n2 // 2, dtype=residual.dtype, device=self.device)
+        self._wo_out(op, "out", out, (m, n2 // 2), residual.dtype)
+        if m == 0:
+            return out
+        if not self._wo_fused(residual, w):
+            gate_up = self.linear_wo(self.rms_norm(residual, norm_weight, eps), w)
+            return self.silu_and_mul(gate_up, out=out)
+        self._wo_gemv(1, residual, norm_weight, eps, w, None, out, n2 // 2)
+        return out
+
+    def linear_residual_add(
+        self, x: torch.Tensor, weight: torch.Tensor | PackedWeight, residual: torch.Tensor
+    ) -> torch.Tensor:
+        """residual += linear(x, weight) in place; a PackedWeight in one kernel."""
+        if not isinstance(weight, PackedWeight):
+            return super().linear_residual_add(x, weight, residual)  # type: ignore[misc]
+        op = "linear_residual_add"
+        m, n = self._wo_check(op, x, weight, None)
+        self._wo_out(op, "residual", residual, (m, n), x.dtype)
+        if m == 0:
+            return residual
+        if not self._wo_fused(x, weight):
+            return residual.add_(self.linear_wo(x, weight))
+        self._wo_gemv(2, x, None, 0.0, weight, None, residual, n)
+        return residual
+
+    def _wo_check(
+        self, op: str, x: torch.Tensor, w: PackedWeight, norm_w: torch.Tensor | None
+    ) -> tuple[int, int]:
+        _need(x, "x")
+        if x.dim() != 2:
+            raise UnsupportedError(f"CudaBackend.{op}: input must be [M, K], got {list(x.shape)}")
+        n, _ = check_packed(op, w, x.shape[1])
+        check_token_rows(op, x.shape[0])
+        if norm_w is not None:
+            self._wo_out(op, "norm weight", norm_w, (x.shape[1],), x.dtype)
+        return x.shape[0], n
+
+    def _wo_out(
+        self, op: str, name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype
+    ) -> None:
+        _need(t, name, dtype)
+        if tuple(t.shape) != shape:
+            raise UnsupportedError(
+                f"CudaBackend.{op}: {name} has shape {list(t.shape)}, expected {list(shape)}"
+            )

@@ -1,0 +1,388 @@
+// wo_codes.cuh: the code side of cuda/gemv_wo.cu (its header comment has the design):
+// launch constants, kernel arguments, the PTX helpers (host stand-ins under
+// LLMC_HOST_EMULATION), the staged-activation layout, the 4-bit / 8-bit unpacking into mma
+// operands, the work split, and one k-step of a lane's two code vectors (scales applied per
+// the scale mode).
+#pragma once
+#include "common.cuh"
+
+#define WO_THREADS 512
+#define WO_WARPS 16
+#define WO_U 2  // k-steps per batch: 2 rows x 2 = 4 16-byte code loads per lane, two batches
+
+#define WO_ROW 0
+#define WO_KSTEP 1
+#define WO_DEQ 2
+#define WO_SCALE_F32 1  // flags
+#define WO_OUT_F32 2
+
+#if LLMC_DTYPE == 0
+#error "gemv_wo.cu: 16-bit activations only (float32 engines dequantize, llmc.cuda.gemv_wo_ops)"
+#endif
+
+struct WoArgs {
+    const scalar_t* x;        // [M, K]: residual (norm kernels) or activation
+    const scalar_t* norm_w;   // [K] (norm kernels)
+    float eps;
+    const unsigned char* w;   // codes [rows, K / 2] or [rows, K]
+    const void* scales;       // [rows, G] f16 or f32
+    const void* offsets;      // [rows, G] like scales, or nullptr
+    const scalar_t* bias;     // [N] or nullptr (norm, linear)
+    void* out;                // [M, N] out, [M, I] act, residual [M, N]
+    int n_out, K, M, S, gs, G, code_zero, flags;
+};
+
+// ---- PTX helpers (host stand-ins under LLMC_HOST_EMULATION) ---------------------------
+__device__ __forceinline__ v4u wo_ld16(const unsigned char* p) {
+    v4u r;
+#ifdef LLMC_HOST_EMULATION
+    r = *reinterpret_cast<const v4u*>(p);
+#else
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p));
+#endif
+    return r;
+}
+
+// One raw scale / offset (f32 bits, or f16 bits in the low half).
+__device__ __forceinline__ unsigned int wo_ld_scale(const unsigned char* row, int gi, bool f32) {
+#ifdef LLMC_HOST_EMULATION
+    if (f32) return *reinterpret_cast<const unsigned int*>(row + 4 * (long long)gi);
+    return *reinterpret_cast<const unsigned short*>(row + 2 * (long long)gi);
+#else
+    unsigned int r;
+    if (f32) {
+        asm volatile("ld.global.nc.b32 %0, [%1];" : "=r"(r) : "l"(row + 4 * (long long)gi));
+    } else {
+        unsigned short h;
+        asm volatile("ld.global.nc.u16 %0, [%1];" : "=h"(h) : "l"(row + 2 * (long long)gi));
+        r = h;
+    }
+    return r;
+#endif
+}
+
+__device__ __forceinline__ void wo_prefetch(const unsigned char* p) {
+#ifdef LLMC_HOST_EMULATION
+    (void)p;
+#else
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+#endif
+}
+
+__device__ __forceinline__ float wo_h2f(unsigned int h) {
+#ifdef LLMC_HOST_EMULATION
+    return emu_half_to_float((unsigned short)h);
+#else
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((unsigned short)h));
+    return f;
+#endif
+}
+
+__device__ __forceinline__ float wo_scale(unsigned int raw, bool f32) {
+    return f32 ? __uint_as_float(raw) : wo_h2f(raw);
+}
+
+// d = a * b + c on two 16-bit values of the activation dtype, rounded once each.
+__device__ __forceinline__ unsigned int wo_fma2(unsigned int a, unsigned int b, unsigned int c) {
+#ifdef LLMC_HOST_EMULATION
+    auto lo = [](unsigned int v) { return to_float((unsigned short)(v & 0xffffu)); };
+    auto hi = [](unsigned int v) { return to_float((unsigned short)(v >> 16)); };
+    const double l = (double)lo(a) * lo(b) + lo(c), h = (double)hi(a) * hi(b) + hi(c);
+    return pack2((float)l, (float)h);
+#else
+    unsigned int d;
+#if LLMC_DTYPE == 1
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+#else
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+#endif
+    return d;
+#endif
+}
+
+// d += A (16 x 16) * B (16 x 8), float32 accumulation, operands in the activation dtype.
+__device__ __forceinline__ void wo_mma(float (&d)[4], const unsigned int (&a)[4], unsigned int b0,
+                                       unsigned int b1) {
+#ifdef LLMC_HOST_EMULATION
+    mma16816(d, a, b0, b1);
+#else
+#if LLMC_DTYPE == 1
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+#endif
+}
+
+// ---- layout ---------------------------------------------------------------------------
+template <int BITS>
+__host__ __device__ constexpr int wo_vb() {  // columns per 16-byte code vector
+    return BITS == 4 ? 32 : 16;
+}
+template <int BITS>
+__host__ __device__ constexpr int wo_ks() {  // columns per k-step (4 lanes x VB)
+    return 4 * wo_vb<BITS>();
+}
+
+// Byte offset of column c in a staged activation row (the pair order of the header).
+template <int BITS>
+__device__ __forceinline__ int wo_xoff(int c) {
+    constexpr int KS = wo_ks<BITS>();
+    const int ks = c / KS, r = c - ks * KS;
+    if constexpr (BITS == 4) {  // [ks][word w][lane t][pair j][half]: 256 bytes per k-step
+        const int t = r >> 5, w = (r >> 3) & 3, e = r & 7;
+        return ks * 256 + w * 64 + t * 16 + (e & 3) * 4 + (e >> 2) * 2;
+    } else {  // [ks][q][lane t][8 natural columns]: 128 bytes per k-step
+        const int t = r >> 4, q = (r >> 3) & 1, e = r & 7;
+        return ks * 128 + q * 64 + t * 16 + e * 2;
+    }
+}
+
+// Constants of the code unpacking (16-bit pairs of the activation dtype).
+struct WoConst {
+    unsigned int one, nz;    // 1.0 | 1.0, -(magic + code_zero) twice
+    unsigned int sixteenth, nz16;  // f16 4-bit odd pairs: 1/16 twice, -(64 + code_zero) twice
+    float fz;                // 8-bit: 2^23 + code_zero
+};
+
+__device__ __forceinline__ WoConst wo_const(int code_zero) {
+    WoConst c;
+    c.one = pack2(1.f, 1.f);
+#if LLMC_DTYPE == 1
+    const float magic = 1024.f;
+#else
+    const float magic = 128.f;
+#endif
+    const float nz = -(magic + (float)code_zero);
+    c.nz = pack2(nz, nz);
+    c.sixteenth = pack2(0.0625f, 0.0625f);
+    const float nz16 = -(64.f + (float)code_zero);
+    c.nz16 = pack2(nz16, nz16);
+    c.fz = 8388608.f + (float)code_zero;
+    return c;
+}
+
+// 4-bit code word -> the pairs (j, j + 4) of q - code_zero, j = 0..3 (exact).
+__device__ __forceinline__ void wo_unpack4(unsigned int wd, const WoConst& k, unsigned int (&p)[4]) {
+#if LLMC_DTYPE == 1
+    const unsigned int w8 = wd >> 8;
+    p[0] = wo_fma2((wd & 0x000f000fu) | 0x64006400u, k.one, k.nz);
+    p[1] = wo_fma2((wd & 0x00f000f0u) | 0x64006400u, k.sixteenth, k.nz16);
+    p[2] = wo_fma2((w8 & 0x000f000fu) | 0x64006400u, k.one, k.nz);
+    p[3] = wo_fma2((w8 & 0x00f000f0u) | 0x64006400u, k.sixteenth, k.nz16);
+#else
+#pragma unroll
+    for (int j = 0; j < 4; ++j) p[j] = wo_fma2(((wd >> (4 * j)) & 0x000f000fu) | 0x43004300u, k.one, k.nz);
+#endif
+}
+
+// 8-bit code word -> four floats q - code_zero (exact).
+__device__ __forceinline__ void wo_unpack8(unsigned int wd, const WoConst& k, float (&f)[4]) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) f[e] = __uint_as_float(__byte_perm(wd, 0x4b000000u, 0x7440 + e)) - k.fz;
+}
+
+// ---- work -----------------------------------------------------------------------------
+template <int MODE>
+__device__ __forceinline__ int wo_tile_row(int tile, int r, int n_out) {
+    if constexpr (MODE == 1) {
+        const int j = min(tile * 8 + (r & 7), n_out - 1);
+        return r < 8 ? j : n_out + j;
+    } else {
+        return min(tile * 16 + r, n_out - 1);
+    }
+}
+
+struct WoWork {
+    int tile, split, part, s0, s1;
+    bool active;
+};
+
+__device__ __forceinline__ WoWork wo_work(int r, int c, int ksteps, int warp) {
+    WoWork w;
+    const int cr = min(WO_WARPS, c - r * WO_WARPS);  // tiles in this round
+    w.split = WO_WARPS / cr;
+    const int lt = warp / w.split;
+    w.part = warp - lt * w.split;
+    w.active = lt < cr;
+    w.tile = (int)blockIdx.x + (r * WO_WARPS + lt) * (int)gridDim.x;
+    w.s0 = w.part * ksteps / w.split;
+    w.s1 = (w.part + 1) * ksteps / w.split;
+    return w;
+}
+
+// A lane's view of its tile: code rows g and g + 8 (at its 16-byte column of a k-step),
+// scale / offset rows, the unpacking constants.
+struct WoLane {
+    const unsigned char* c[2];  // codes of rows g, g + 8 at byte 16 t of k-step 0
+    const unsigned char* s[2];  // scale rows (bytes)
+    const unsigned char* o[2];  // offset rows (nullptr: none)
+    int t, K, rowbytes, gs, G;
+    bool f32;
+    WoConst k;
+};
+
+template <int BITS, int MODE>
+__device__ __forceinline__ WoLane wo_lane(const WoArgs& a, int tile, int g, int t, WoConst k) {
+    WoLane L;
+    L.f32 = (a.flags & WO_SCALE_F32) != 0;
+    L.rowbytes = BITS == 4 ? a.K / 2 : a.K;
+    const long long gbytes = (long long)a.G * (L.f32 ? 4 : 2);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const long long row = wo_tile_row<MODE>(tile, g + 8 * h, a.n_out);
+        L.c[h] = a.w + row * L.rowbytes + 16 * t;
+        L.s[h] = static_cast<const unsigned char*>(a.scales) + row * gbytes;
+        L.o[h] = a.offsets ? static_cast<const unsigned char*>(a.offsets) + row * gbytes : nullptr;
+    }
+    L.t = t, L.K = a.K, L.gs = a.gs, L.G = a.G, L.k = k;
+    return L;
+}
+
+// 16 code bytes of k-step ks (zeros past the row).
+template <bool VECTOR>
+__device__ __forceinline__ v4u wo_load_codes(const WoLane& L, const unsigned char* p, int ks) {
+    const int b = ks * 64 + 16 * L.t;  // byte of the row
+    if constexpr (VECTOR) {
+        if (b < L.rowbytes) return wo_ld16(p + ks * 64);  // rowbytes % 16 == 0: all or none
+        return v4u{0u, 0u, 0u, 0u};
+    } else {
+        unsigned int w[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+        for (int e = 0; e < 16; ++e) {
+            if (b + e < L.rowbytes) w[e >> 2] |= (unsigned int)p[ks * 64 + e] << (8 * (e & 3));
+        }
+        return v4u{w[0], w[1], w[2], w[3]};
+    }
+}
+
+// Raw scales of one batch entry: [row h][group A / B] (kstep: A only; row: none).
+template <int SMODE>
+struct WoScales {
+    unsigned int s[2][SMODE == WO_DEQ ? 2 : 1];
+    unsigned int o[2][SMODE == WO_DEQ ? 2 : 1];
+};
+
+template <int BITS, int SMODE>
+struct WoBatch {
+    v4u c[WO_U][2];
+    WoScales<SMODE> sc[WO_U];
+};
+
+template <int BITS, int SMODE, bool VECTOR>
+__device__ __forceinline__ void wo_load_batch(WoBatch<BITS, SMODE>& B, const WoLane& L, int kb,
+                                              int n) {
+    constexpr int KS = wo_ks<BITS>(), VB = wo_vb<BITS>();
+#pragma unroll
+    for (int u = 0; u < WO_U; ++u) {
+        if (u < n) {
+            const int ks = kb + u;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) B.c[u][h] = wo_load_codes<VECTOR>(L, L.c[h], ks);
+            if constexpr (SMODE != WO_ROW) {
+                const int c0 = ks * KS + (SMODE == WO_DEQ ? L.t * VB : 0);
+                const int ga = min(c0 / L.gs, L.G - 1);
+                const int gb = SMODE == WO_DEQ ? min((c0 + VB / 2) / L.gs, L.G - 1) : ga;
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    B.sc[u].s[h][0] = wo_ld_scale(L.s[h], ga, L.f32);
+                    B.sc[u].o[h][0] = L.o[h] ? wo_ld_scale(L.o[h], ga, L.f32) : 0u;
+                    if constexpr (SMODE == WO_DEQ) {
+                        if (gb != ga) {
+                            B.sc[u].s[h][1] = wo_ld_scale(L.s[h], gb, L.f32);
+                            B.sc[u].o[h][1] = L.o[h] ? wo_ld_scale(L.o[h], gb, L.f32) : 0u;
+                        } else {
+                            B.sc[u].s[h][1] = B.sc[u].s[h][0];
+                            B.sc[u].o[h][1] = B.sc[u].o[h][0];
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+// The mmas of one k-step of a lane's two code vectors into acc.
+template <int BITS, int SMODE>
+__device__ __forceinline__ void wo_kstep(float (&acc)[4], const v4u (&cv)[2],
+                                         const WoScales<SMODE>& sc, const WoLane& L,
+                                         const unsigned char* xk, bool has_row) {
+    const unsigned int cw[2][4] = {{cv[0].x, cv[0].y, cv[0].z, cv[0].w},
+                                   {cv[1].x, cv[1].y, cv[1].z, cv[1].w}};
+    if constexpr (BITS == 4) {
+        unsigned int s2[2][2], o2[2][2];  // deq: 16-bit scale / offset pairs [row][group]
+        if constexpr (SMODE == WO_DEQ) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+#pragma unroll
+                for (int q = 0; q < 2; ++q) {
+                    const float s = wo_scale(sc.s[h][q], L.f32);
+                    const float o = L.o[h] ? wo_scale(sc.o[h][q], L.f32) : 0.f;
+                    s2[h][q] = pack2(s, s);
+                    o2[h][q] = pack2(o, o);
+                }
+            }
+        }
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+            unsigned int p[2][4];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                wo_unpack4(cw[h][w], L.k, p[h]);
+                if constexpr (SMODE == WO_DEQ) {
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) p[h][j] = wo_fma2(p[h][j], s2[h][w >> 1], o2[h][w >> 1]);
+                }
+            }
+            v4u xv = v4u{0u, 0u, 0u, 0u};
+            if (has_row) xv = *reinterpret_cast<const v4u*>(xk + w * 64);
+            const unsigned int a0[4] = {p[0][0], p[1][0], p[0][1], p[1][1]};
+            wo_mma(acc, a0, xv.x, xv.y);
+            const unsigned int a1[4] = {p[0][2], p[1][2], p[0][3], p[1][3]};
+            wo_mma(acc, a1, xv.z, xv.w);
+        }
+    } else {
+        float s[2] = {1.f, 1.f}, o[2] = {0.f, 0.f};
+        if constexpr (SMODE == WO_DEQ) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                s[h] = wo_scale(sc.s[h][0], L.f32);
+                o[h] = L.o[h] ? wo_scale(sc.o[h][0], L.f32) : 0.f;
+            }
+        }
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+            v4u xv = v4u{0u, 0u, 0u, 0u};
+            if (has_row) xv = *reinterpret_cast<const v4u*>(xk + q * 64);
+            const unsigned int xw[4] = {xv.x, xv.y, xv.z, xv.w};
+#pragma unroll
+            for (int ww = 0; ww < 2; ++ww) {
+                const int w = 2 * q + ww;
+                unsigned int p[2][2];
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    float f[4];
+                    wo_unpack8(cw[h][w], L.k, f);
+                    if constexpr (SMODE == WO_DEQ) {
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) f[e] = fmaf(s[h], f[e], o[h]);
+                    }
+                    p[h][0] = pack2(f[0], f[1]);
+                    p[h][1] = pack2(f[2], f[3]);
+                }
+                const unsigned int a[4] = {p[0][0], p[1][0], p[0][1], p[1][1]};
+                wo_mma(acc, a, xw[2 * ww], xw[2 * ww + 1]);
+            }
+        }
+    }
+}
+

@@ -1,0 +1,148 @@
+"""The weight-only kernels (cuda/gemv_wo.cu, cuda/wo_dequant.cu) on the CPU, through the host
+emulator (tests/helpers/cuda_emulator.py, tests/cuda/kernel_emulator.h): the kernel source
+compiled as host C++ with its PTX helpers' host stand-ins, launched with the CudaBackend's
+plans (llmc.cuda.gemv_wo_ops), against llmc.cuda.reference on random PackedWeights.
+
+What the emulation checks without a GPU: the code unpacking (4-bit magic-exponent lop3 pairs
+and 1/16-scaled odd pairs for f16, 8-bit prmt floats), the staged-activation pair order
+against the mma fragment layouts, the three scale modes (row, kstep with per-k-step
+activation sums for offsets, deq), f16 / f32 scales, scalar kernels, K tails (partial
+k-steps), split-K warps and several rounds of tiles, every epilogue (bias, SiLU, residual
+add, float32 logits). wo_rows_kernel (embedding, dequantize) is checked bit for bit against
+PackedWeight.dequantize. Not marked ``cuda``: runs here; skipped where g++ is missing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers.cuda_emulator import EmulatedFamily, emulator_missing
+from helpers.packed_weights import random_packed
+from llmc.cuda import reference as ref
+from llmc.cuda.gemv_wo_ops import (
+    wo_kernel_name,
+    wo_row_stride,
+    wo_scale_mode,
+    wo_smem_bytes,
+    wo_tiles,
+)
+from llmc.cuda.kernels import KernelConfig
+
+pytestmark = [pytest.mark.skipif(emulator_missing(), reason="g++ not on PATH"), pytest.mark.slow]
+
+EPS = 1e-5
+TORCH = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+MODES = {"norm": 0, "silu": 1, "add": 2, "linear": 3}
+
+# (op, bits, group_size (None = K), offsets, scales, code_zero, M, K, N, SMs, note)
+CASES = [
+    ("norm", 4, 128, True, torch.float16, None, 1, 256, 40, 2, "kstep + sums, 3 tiles"),
+    ("add", 4, 128, False, torch.float16, 8, 3, 384, 33, 1, "kstep symmetric"),
+    ("silu", 4, 32, True, torch.float32, None, 2, 256, 24, 2, "deq, Q4_K-like"),
+    ("linear", 4, 16, False, torch.float16, 8, 5, 160, 17, 1, "deq g16: two groups a vector"),
+    ("norm", 8, None, False, torch.float16, 128, 8, 200, 19, 2, "row, scalar (K % 16 = 8)"),
+    ("add", 8, 32, False, torch.float16, 128, 4, 512, 48, 3, "deq, Q8_0-like"),
+    ("silu", 8, 16, False, torch.float32, 32, 1, 256, 16, 1, "deq, Q6_K-like"),
+    ("linear", 8, 64, True, torch.float32, 0, 2, 192, 21, 2, "kstep + sums, K tail"),
+    ("add", 4, None, True, torch.float16, 0, 7, 96, 9, 1, "row + sums, split-K, tail"),
+    ("norm", 4, None, False, torch.float16, 8, 2, 100, 12, 1, "row, scalar (K / 2 = 50)"),
+    ("norm", 4, 128, False, torch.float16, 8, 2, 128, 600, 1, "38 tiles: 3 rounds"),
+]
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory):
+    names = {
+        wo_kernel_name(b, s, mode, v): 16
+        for b in (4, 8)
+        for s in ("row", "kstep", "deq")
+        for mode in range(4)
+        for v in (True, False)
+    }
+    tmp = tmp_path_factory.mktemp("wo_emu")
+    fams = {dt: EmulatedFamily("gemv_wo", KernelConfig(dt, 128, 32, 8), names, tmp) for dt in TORCH}
+    rows = {
+        dt: EmulatedFamily("wo_dequant", KernelConfig(dt, 128, 32, 8), {"wo_rows_kernel": 14}, tmp)
+        for dt in ("float32", "bfloat16")
+    }
+    return fams, rows
+
+
+def _case_id(c) -> str:
+    return f"{c[0]}-int{c[1]}-g{c[2] or 'K'}-m{c[6]}-k{c[7]}-n{c[8]}"
+
+
+@pytest.mark.parametrize("dtype", list(TORCH))
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_emulated_gemv_wo_matches_reference(families, dtype, case):
+    op, bits, gs, offs, sdt, cz, m, k, n, sms, _ = case
+    dt = TORCH[dtype]
+    mode = MODES[op]
+    gs = gs or k
+    rows = 2 * n if mode == 1 else n
+    w = random_packed(rows, k, bits, gs, offsets=offs, scale_dtype=sdt, code_zero=cz, seed=k + n)
+    g = torch.Generator().manual_seed(m * 7 + k)
+    x = (3 * torch.randn(m, k, generator=g)).to(dt)
+    norm_w = (1 + 0.3 * torch.randn(k, generator=g)).to(dt)
+    bias = torch.randn(n, generator=g).to(dt) if mode in (0, 3) else None
+    smode = wo_scale_mode(bits, k, gs)
+    vector = w.codes.shape[1] % 16 == 0
+    out_dt = torch.float32 if mode == 3 else dt
+    out = torch.randn(m, n, generator=g).to(dt) if mode == 2 else torch.full((m, n), float("nan"))
+    out = out.to(out_dt)
+    before = out.clone()
+    flags = (1 if sdt == torch.float32 else 0) | (2 if out_dt == torch.float32 else 0)
+    kern = families[0][dtype][wo_kernel_name(bits, smode, mode, vector)]
+    grid = max(1, min(sms, wo_tiles(mode, n)))
+    assert wo_smem_bytes(bits, k, gs, m, offs) <= 256 * 1024
+    kern(
+        (grid,), 512, x, norm_w if mode < 2 else 0, EPS, w.codes, w.scales,
+        w.offsets if offs else 0, bias if bias is not None else 0, out, n, k, m,
+        wo_row_stride(bits, k), gs, w.scales.shape[1], w.code_zero, flags,
+    )  # fmt: skip
+    if mode == 0:
+        want = ref.norm_linear(x, norm_w, EPS, w, bias)
+    elif mode == 1:
+        want = ref.norm_gate_up_silu(x, norm_w, EPS, w)
+    elif mode == 2:
+        want = ref.linear_residual_add(x, w, before.clone())
+    else:
+        want = ref.linear(x, w, bias).float()
+    assert not torch.isnan(out).any(), "NaN: an output was never written"
+    if mode == 2:  # the added part, not the residual, carries the error
+        out, want = out.double() - before.double(), want.double() - before.double()
+    err = ((out.double() - want.double()).norm() / want.double().norm()).item()
+    assert err < 1e-2, f"{case[-1]}: rel err {err:.2e}"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    "bits, gs, offs, sdt, k",
+    [
+        (4, 32, True, torch.float32, 256),  # Q4_K-like, vector path
+        (8, 16, False, torch.float32, 64),  # Q6_K-like
+        (8, 36, False, torch.float16, 72),  # gs % 8 != 0: scalar path
+        (4, 14, True, torch.float16, 14),  # K % 8 != 0: scalar path
+    ],
+)
+def test_emulated_rows_are_bit_exact(families, dtype, bits, gs, offs, sdt, k):
+    w = random_packed(11, k, bits, gs, offsets=offs, scale_dtype=sdt, seed=k)
+    dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    kern = families[1][dtype]["wo_rows_kernel"]
+    vec = int(k % 8 == 0 and gs % 8 == 0)
+    per = 8 if vec else 1
+    flags = 1 if sdt == torch.float32 else 0
+    ids = torch.tensor([3, 0, 10, -1, 11, 3], dtype=torch.int64)  # -1, 11: zero rows
+    out = torch.full((6, k), float("nan")).to(dt)
+    grid = (-(-k // (per * 256)), 6)
+    args = (w.codes, w.scales, w.offsets if offs else 0, out, 6, k, 11, bits, w.code_zero, gs)
+    kern(grid, 256, ids, *args, w.scales.shape[1], flags, vec)
+    dense = w.dequantize()
+    want = torch.zeros(6, k)
+    want[[0, 1, 2, 5]] = dense[[3, 0, 10, 3]]
+    assert torch.equal(out, want.to(dt))
+    full = torch.full((11, k), float("nan")).to(dt)  # dequantize: ids = nullptr
+    args = (w.codes, w.scales, w.offsets if offs else 0, full, 11, k, 11, bits, w.code_zero, gs)
+    kern((grid[0], 11), 256, 0, *args, w.scales.shape[1], flags, vec)
+    assert torch.equal(full, dense.to(dt))
