@@ -15,7 +15,10 @@
 # the 128/128 row at temperature 0.7, top_p 0.9, issue 17); also available:
 # b1sync (--no_async_scheduling), b1mb256 (--max_batch_size 256), b1prof (batch-1
 # per-kernel profile), 128mb1024 (a second 8B engine built with max_batch_size 1024),
-# prof2048 and profsmol (kernel-family profiles). SKIP_TESTS=1 skips step 2; PYTEST_ARGS
+# prof2048 and profsmol (kernel-family profiles), int4b1 / int4128 / int8b1 / int8128 (issue
+# 14: weight-only int4_wo / int8_wo engines of the 8B profile, dummy weights quantized at
+# build, batch 1 128/512 and 128/128 offline; beside the bf16 rows b1 / 128). SKIP_TESTS=1
+# skips step 2; PYTEST_ARGS
 # (absolute paths: Python runs outside the checkout) replaces its test files. LLMC_COMMIT names
 # the commit in env.txt and every result (the device tool's copy of the tree keeps a stale .git:
 # pass LLMC_COMMIT=$(git rev-parse --short=12 HEAD) from the calling machine).
@@ -100,6 +103,11 @@ F8=$ENG/llama3-8b-fp8
 fp8_engine() {  # built on first use: fp8 weights (W8A8) + fp8 KV cache
     [ -f "$F8/manifest.json" ] || build llama3-8b "$F8" --quantization fp8 --kv_cache_dtype fp8
 }
+W4=$ENG/llama3-8b-int4wo
+W8=$ENG/llama3-8b-int8wo
+wo_engine() {  # dir, quantization: built on first use (dummy weights quantized at build)
+    [ -f "$1/manifest.json" ] || build llama3-8b "$1" --quantization "$2"
+}
 ROWS=${ROWS:-b1 128 sampled peer smol profile 2048 long nographs fp8b1 fp8128 fp82048 fp8long}
 for r in $ROWS; do
     case $r in
@@ -143,6 +151,14 @@ for r in $ROWS; do
             --isl 2048 --osl 128 ;;
     fp8long) fp8_engine; bench llama8b_fp8_128_2048 "$F8" 200 --num_requests "${N_LONG_FP8:-$N_LONG}" \
             --isl 128 --osl 2048 ;;
+    int4b1) wo_engine "$W4" int4_wo; bench llama8b_int4wo_b1_128_512 "$W4" 120 \
+            --num_requests "$N_B1" --isl 128 --osl 512 --concurrency 1 --warmup 1 ;;
+    int4128) wo_engine "$W4" int4_wo; bench llama8b_int4wo_128_128 "$W4" 200 \
+            --num_requests "$N_128" --isl 128 --osl 128 ;;
+    int8b1) wo_engine "$W8" int8_wo; bench llama8b_int8wo_b1_128_512 "$W8" 120 \
+            --num_requests "$N_B1" --isl 128 --osl 512 --concurrency 1 --warmup 1 ;;
+    int8128) wo_engine "$W8" int8_wo; bench llama8b_int8wo_128_128 "$W8" 200 \
+            --num_requests "$N_128" --isl 128 --osl 128 ;;
     b1sync) bench llama8b_b1_sync "$L8" 90 --num_requests "$N_B1" --isl 128 --osl 512 \
             --concurrency 1 --warmup 1 --no_async_scheduling ;;
     nographs) bench llama8b_b1_nographs "$L8" 60 --num_requests 2 --isl 128 --osl 512 \

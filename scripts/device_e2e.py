@@ -41,6 +41,10 @@ ROWS = (
     ("llama8b_fp8_b1_128_512", "Llama-3-8B FP8 + FP8 KV batch 1, 128/512"),
     ("llama8b_fp8_2048_128", "Llama-3-8B FP8 + FP8 KV 2048/128 offline"),
     ("llama8b_fp8_128_2048", "Llama-3-8B FP8 + FP8 KV 128/2048 offline"),
+    ("llama8b_int4wo_b1_128_512", "Llama-3-8B int4_wo (g128) batch 1, 128/512"),
+    ("llama8b_int4wo_128_128", "Llama-3-8B int4_wo (g128) 128/128 offline"),
+    ("llama8b_int8wo_b1_128_512", "Llama-3-8B int8_wo batch 1, 128/512"),
+    ("llama8b_int8wo_128_128", "Llama-3-8B int8_wo 128/128 offline"),
 )
 
 TRTLLM_FP8 = {
