@@ -1,0 +1,171 @@
+"""The CudaBackend's weight-only launches on the CPU, recorded instead of run
+(tests/helpers/gemv_launch.py): the dispatch on the weight's type, the kernel chosen per
+layout (scale mode from the group size, vector or *_scalar), the arguments against the C
+signature of cuda/gemv_wo.cu / wo_dequant.cu, grid and shared memory, the fallbacks
+(dequantize-then-cuBLAS past the staging budget, for float32, for T > 8, for group sizes
+that are no multiple of 16), and which engines compile the quantized families."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from helpers.gemv_launch import NP_TYPE, aligned, recording_backend
+from helpers.packed_weights import random_packed
+from llmc.base.errors import UnsupportedError
+from llmc.cuda import gemv_wo_ops as wo
+from llmc.cuda.build import families_for
+from llmc.cuda.gemv_ops import GEMV_THREADS
+from llmc.cuda.kernels import CUDA_DIR, FAMILIES, WO_QUANTIZATIONS, KernelConfig
+
+
+def _signature(file: str, pattern: str) -> list[str]:
+    text = (CUDA_DIR / file).read_text().replace("\\\n", " ")
+    params = re.search(pattern, text, re.S).group(1)
+    return [p.strip().rsplit(" ", 1)[0] for p in params.split(",")]
+
+
+GEMV_SIG = _signature("gemv_wo.cu", r"\) NAME\((.*?)\) \{")
+ROWS_SIG = _signature("wo_dequant.cu", r"void wo_rows_kernel\((.*?)\) \{")
+
+
+def check(launch: tuple, types: list[str]) -> tuple:
+    kern, grid, block, args, smem = launch
+    assert len(args) == len(types), (kern.name, len(args), types)
+    for a, ty in zip(args, types, strict=True):
+        want = np.uint64 if "*" in ty else {"long long": np.int64, **NP_TYPE}[ty]
+        assert type(a) is want, (kern.name, ty, type(a))
+    return kern, grid, block, args, smem
+
+
+@pytest.fixture
+def be(monkeypatch):
+    monkeypatch.setattr(wo, "_need", lambda t, name, dtype=None: None)
+    return recording_backend(monkeypatch)
+
+
+def test_signatures_parsed():
+    assert len(GEMV_SIG) == 16 and GEMV_SIG[2] == "float" and GEMV_SIG[-1] == "int"
+    assert len(ROWS_SIG) == 14 and ROWS_SIG[7] == "long long"
+
+
+@pytest.mark.parametrize(
+    "bits, gs, k, mode",
+    [(4, 128, 4096, "kstep"), (4, 256, 4096, "kstep"), (4, 4096, 4096, "row"),
+     (8, 64, 4096, "kstep"), (8, 14336, 14336, "row"), (4, 32, 4096, "deq"),
+     (4, 16, 4096, "deq"), (8, 32, 4096, "deq"), (4, 48, 4800, "deq"), (4, 8, 4096, None),
+     (8, 24, 4800, None)],
+)  # fmt: skip
+def test_scale_modes(bits, gs, k, mode):
+    assert wo.wo_scale_mode(bits, k, gs) == mode
+
+
+@pytest.mark.parametrize("m", [1, 4, 8])
+def test_fused_launches_match_the_signature(be, m):
+    k, n, i = 4096, 600, 704  # 38 tiles: 38 CTAs
+    x, nw = aligned(m, k), aligned(k)
+    w = random_packed(n, k, 4, 128, offsets=True)
+    be.norm_linear(x, nw, 1e-5, w, aligned(n), out=aligned(m, n))
+    kern, grid, block, args, smem = check(be.launches[-1], GEMV_SIG)
+    assert kern.family == "gemv_wo" and kern.name == "gemv_wo4_kstep_norm"
+    assert block == (GEMV_THREADS,) and grid == (38,)
+    assert args[8:] == (n, k, m, 32 * 256 + 64, 128, 32, 0, 0)  # N K M S gs G code_zero flags
+    assert smem == m * (32 * 256 + 64) + m * 32 * 4  # staged rows + per-k-step sums
+    assert kern.max_dynamic_shared_size_bytes == be._gemv_smem - wo.WO_SMEM_MARGIN
+    gu = random_packed(2 * i, k, 4, 32, offsets=True, scale_dtype=torch.float32)
+    be.norm_gate_up_silu(x, nw, 1e-5, gu, out=aligned(m, i))
+    kern, grid, _, args, smem = check(be.launches[-1], GEMV_SIG)
+    assert kern.name == "gemv_wo4_deq_norm_silu" and args[8] == i and args[-1] == 1
+    assert smem == m * (32 * 256 + 64)  # deq: the offsets are in the weights, no sums
+    down = random_packed(k, i, 8, i, offsets=False, code_zero=128)
+    res = aligned(m, k)
+    assert be.linear_residual_add(aligned(m, i), down, res) is res
+    kern, grid, _, args, smem = check(be.launches[-1], GEMV_SIG)
+    assert kern.name == "gemv_wo8_row_add" and args[-2] == 128 and grid == (132,)
+    assert smem == m * (11 * 128 + 64)  # 704 columns: 11 k-steps of 64
+    small = random_packed(40, 256, 8, 16, offsets=False, scale_dtype=torch.float32, code_zero=32)
+    logits = aligned(m, 40, dtype=torch.float32)
+    be.linear(aligned(m, 256), small, out=logits)
+    kern, grid, _, args, _ = check(be.launches[-1], GEMV_SIG)
+    assert kern.name == "gemv_wo8_deq_linear" and grid == (3,) and args[-1] == 1 | 2
+
+
+def test_scalar_kernels(be):
+    w = random_packed(21, 100, 4, 100, offsets=False)  # 50-byte code rows
+    be.linear(aligned(2, 100), w, out=aligned(2, 21))
+    assert be.launches[-1][0].name == "gemv_wo4_row_linear_scalar"
+    w = random_packed(21, 512, 4, 128, offsets=False)
+    x = aligned(2 * 512 + 1)[1:].view(2, 512)  # misaligned base
+    be.linear_residual_add(x, w, aligned(2, 21))
+    assert be.launches[-1][0].name == "gemv_wo4_kstep_add_scalar"
+
+
+def test_fallbacks_dequantize_then_mm(be):
+    """Past the staging budget (down at M = 8: 8 x 28736 bytes), float32 activations, T > 8,
+    a group size no kernel serves: wo_rows_kernel into a temporary, then torch.mm."""
+    k, n = 14336, 64
+    w = random_packed(n, k, 4, 128, offsets=True)
+    assert wo.wo_smem_bytes(4, k, 128, 8, True) > be._gemv_smem - wo.WO_SMEM_MARGIN
+    x = torch.zeros(8, k, dtype=torch.bfloat16)
+    res = torch.zeros(8, n, dtype=torch.bfloat16)
+    be.linear_residual_add(x, w, res)
+    kern, grid, block, args, _ = check(be.launches[-1], ROWS_SIG)
+    assert kern.family == "wo_dequant" and args[5:8] == (n, k, n) and grid == (7, n)
+    assert block == (wo.WO_ROWS_THREADS,) and args[-1] == 1  # vector path
+    for xx, ww in (
+        (torch.zeros(2, 256), random_packed(n, 256, 8, 256, offsets=False)),  # float32
+        (torch.zeros(9, 256, dtype=torch.bfloat16), random_packed(n, 256, 4, 128, offsets=True)),
+        (torch.zeros(2, 256, dtype=torch.bfloat16), random_packed(n, 256, 4, 8, offsets=True)),
+    ):
+        before = len(be.launches)
+        out = be.linear(xx, ww)
+        assert out.shape == (xx.shape[0], n) and out.dtype == xx.dtype
+        assert [lk[0].family for lk in be.launches[before:]] == ["wo_dequant"]
+
+
+def test_linear_chunks_large_weights(be, monkeypatch):
+    monkeypatch.setattr(wo, "WO_CHUNK_BYTES", 64 * 256 * 2)  # 64 rows of K 256 per chunk
+    w = random_packed(150, 256, 4, 128, offsets=True)
+    out = be.linear(
+        torch.zeros(20, 256, dtype=torch.bfloat16), w, torch.zeros(150, dtype=torch.bfloat16)
+    )
+    rows = [lk for lk in be.launches if lk[0].family == "wo_dequant"]
+    assert [lk[3][5] for lk in rows] == [64, 64, 22] and out.shape == (20, 150)
+    assert [int(lk[3][1]) - int(rows[0][3][1]) for lk in rows] == [0, 64 * 128, 128 * 128]
+
+
+def test_embedding_launch(be):
+    table = random_packed(1000, 576, 4, 32, offsets=True, scale_dtype=torch.float32)
+    out = aligned(5, 576)
+    assert be.embedding(torch.zeros(5, dtype=torch.int64), table, out=out) is out
+    kern, grid, _, args, _ = check(be.launches[-1], ROWS_SIG)
+    assert kern.name == "wo_rows_kernel" and grid == (1, 5) and args[5:8] == (5, 576, 1000)
+    assert args[-2:] == (1, 1)  # f32 scales, vector
+
+
+def test_bad_inputs(be):
+    w = random_packed(64, 256, 4, 128, offsets=True)
+    with pytest.raises(UnsupportedError, match="9 token rows"):
+        be.norm_linear(aligned(9, 256), aligned(256), 1e-5, w)
+    with pytest.raises(UnsupportedError, match="do not chain"):
+        be.linear_residual_add(aligned(2, 128), w, aligned(2, 64))
+    with pytest.raises(UnsupportedError, match="norm weight has shape"):
+        be.norm_linear(aligned(2, 256), aligned(255), 1e-5, w)
+    with pytest.raises(UnsupportedError, match="out .* expected"):
+        be.linear(aligned(2, 256), w, out=aligned(2, 63))
+
+
+def test_quantized_families_compile_only_where_needed():
+    every = set(families_for(KernelConfig("bfloat16", 128, 32, 8)))
+    assert every == set(FAMILIES)
+    quant = {"gemv_fp8", "gemv_wo", "wo_dequant"}
+    wo_fams = {"gemv_wo", "wo_dequant"}
+    cases = [("none", set()), ("fp8", {"gemv_fp8"})] + [(q, wo_fams) for q in WO_QUANTIZATIONS]
+    for q, has in cases:
+        fams = set(families_for(KernelConfig("bfloat16", 128, 32, 8, q), "sm_90"))
+        assert fams & quant == has, q
+    f32 = set(families_for(KernelConfig("float32", 64, 9, 3, "gguf")))
+    assert "wo_dequant" in f32 and "gemv_wo" not in f32  # float32: dequantize-then-matmul
