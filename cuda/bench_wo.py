@@ -12,9 +12,10 @@ storage, g16, f32 scales).
   layer sums, and ``8B decode projection``: 32 such layers plus a bf16 lm_head GEMV
   (1.05 GB) as tokens/s (attention, norms and host time excluded: an upper bound);
 - ``wo lm_head T=1 q6_k``: linear on the 128256 x 4096 GGUF lm_head;
-- ``wo linear M=<M> <layout> <op>``: linear for M = 16, 128, 1024, 8192 (dequantize-then-
-  cuBLAS: wo_dequant.cu in row chunks + torch.mm) in TFLOP/s against the bf16 matmul
-  ceiling, beside torch.mm on the bf16 weight (``bf16 cuBLAS``).
+- ``wo linear M=<M> <layout> <op>``: linear for M = 16 .. 8192 (gemv passes of 8 rows up to
+  ``WoOps.wo_gemv_passes``, else dequantize-then-cuBLAS: wo_dequant.cu in row chunks +
+  torch.mm; where passes run, also the dequantize-then-cuBLAS time beside them) in TFLOP/s
+  against the bf16 matmul ceiling, beside torch.mm on the bf16 weight (``bf16 cuBLAS``).
 
 CUDA-graph replays cycling over enough weight copies (>= 256 MB per op) that L2 serves none.
 """
@@ -44,7 +45,7 @@ LAYOUTS = {  # name -> (bits, group_size (0 = K), offsets, scale dtype, code_zer
     "q4_k": (4, 32, True, torch.float32, 0),
 }
 TOKENS = (1, 8)
-GEMM_TOKENS = (16, 128, 1024, 8192)
+GEMM_TOKENS = (16, 32, 64, 128, 1024, 8192)
 COPY_BYTES = 256 << 20  # weight bytes cycled per op, so that L2 (50 MB) serves none
 LAYERS, LM_HEAD = 32, (128256, 4096)  # lm_head rows, K
 
@@ -151,5 +152,12 @@ def wo_rows(
             ms = time_ms(lambda x=x, out=out, d=dense: torch.mm(x, d.t(), out=out), repeats=10)
             flops_row(f"wo linear M={m} bf16 cuBLAS {op}", f"{m}x{k}->{r}", flops, ms, None)
             for name, w in packs.items():
-                ms = time_ms(lambda x=x, out=out, w=w: be.linear(x, w, out=out), repeats=10)
-                flops_row(f"wo linear M={m} {name} {op}", f"{m}x{k}->{r}", flops, ms, None)
+                fn = lambda x=x, out=out, w=w: be.linear(x, w, out=out)  # noqa: E731
+                flops_row(f"wo linear M={m} {name} {op}", f"{m}x{k}->{r}", flops,
+                          time_ms(fn, repeats=10), None)  # fmt: skip
+                passes = getattr(be, "wo_gemv_passes", None)  # CudaBackend's (WoOps)
+                if passes and m <= 8 * max(passes):  # the other plan: dequantize-then-cuBLAS
+                    be.wo_gemv_passes = (1, 1)
+                    flops_row(f"wo linear M={m} {name} {op} (dequant+cuBLAS)", f"{m}x{k}->{r}",
+                              flops, time_ms(fn, repeats=10), None)  # fmt: skip
+                    del be.wo_gemv_passes  # back to the class default

@@ -109,7 +109,16 @@ def _scale_flags(w: PackedWeight) -> int:
 
 
 class WoOps:
-    """The weight-only ops (mixin; see the module docstring for what it needs)."""
+    """The weight-only ops (mixin; see the module docstring for what it needs).
+
+    ``wo_gemv_passes`` (most passes for 4-bit, 8-bit codes): ``linear`` with T > 8 rows runs
+    the gemv kernel once per 8 rows while that reads fewer bytes than dequantize-then-cuBLAS (which
+    reads the codes, writes and reads a 16-bit weight: ~4.5 bytes per int4 weight): up to
+    4 passes (T <= 32) for 4-bit codes, 2 (T <= 16) for 8-bit. Not yet measured: the bench's
+    ``wo linear`` rows at M = 16 / 32 / 64 say where it should be.
+    """
+
+    wo_gemv_passes: tuple[int, int] = (4, 2)
 
     device: torch.device
     _sm_count: int
@@ -208,8 +217,12 @@ class WoOps:
         _need(out, "out")
         if t == 0:
             return out
-        if self._wo_fused(x, weight):
-            self._wo_gemv(3, x, None, 0.0, weight, bias, out, n)
+        passes = math.ceil(t / GEMV_MAX_TOKENS)
+        most = self.wo_gemv_passes[weight.bits == 8]
+        if passes <= most and self._wo_fused(x[:GEMV_MAX_TOKENS], weight):
+            for r0 in range(0, t, GEMV_MAX_TOKENS):  # the weight read once per 8 rows
+                r1 = min(t, r0 + GEMV_MAX_TOKENS)
+                self._wo_gemv(3, x[r0:r1], None, 0.0, weight, bias, out[r0:r1], n)
             return out
         rows = max(16, WO_CHUNK_BYTES // (k * x.element_size()))
         for n0 in range(0, n, rows):

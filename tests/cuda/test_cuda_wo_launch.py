@@ -104,8 +104,9 @@ def test_scalar_kernels(be):
 
 
 def test_fallbacks_dequantize_then_mm(be):
-    """Past the staging budget (down at M = 8: 8 x 28736 bytes), float32 activations, T > 8,
-    a group size no kernel serves: wo_rows_kernel into a temporary, then torch.mm."""
+    """Past the staging budget (down at M = 8: 8 x 28736 bytes), float32 activations, more
+    rows than the gemv passes take (int4: 32, int8: 16), a group size no kernel serves:
+    wo_rows_kernel into a temporary, then torch.mm."""
     k, n = 14336, 64
     w = random_packed(n, k, 4, 128, offsets=True)
     assert wo.wo_smem_bytes(4, k, 128, 8, True) > be._gemv_smem - wo.WO_SMEM_MARGIN
@@ -117,7 +118,8 @@ def test_fallbacks_dequantize_then_mm(be):
     assert block == (wo.WO_ROWS_THREADS,) and args[-1] == 1  # vector path
     for xx, ww in (
         (torch.zeros(2, 256), random_packed(n, 256, 8, 256, offsets=False)),  # float32
-        (torch.zeros(9, 256, dtype=torch.bfloat16), random_packed(n, 256, 4, 128, offsets=True)),
+        (torch.zeros(33, 256, dtype=torch.bfloat16), random_packed(n, 256, 4, 128, offsets=True)),
+        (torch.zeros(17, 256, dtype=torch.bfloat16), random_packed(n, 256, 8, 256, offsets=False)),
         (torch.zeros(2, 256, dtype=torch.bfloat16), random_packed(n, 256, 4, 8, offsets=True)),
     ):
         before = len(be.launches)
@@ -130,11 +132,23 @@ def test_linear_chunks_large_weights(be, monkeypatch):
     monkeypatch.setattr(wo, "WO_CHUNK_BYTES", 64 * 256 * 2)  # 64 rows of K 256 per chunk
     w = random_packed(150, 256, 4, 128, offsets=True)
     out = be.linear(
-        torch.zeros(20, 256, dtype=torch.bfloat16), w, torch.zeros(150, dtype=torch.bfloat16)
+        torch.zeros(40, 256, dtype=torch.bfloat16), w, torch.zeros(150, dtype=torch.bfloat16)
     )
     rows = [lk for lk in be.launches if lk[0].family == "wo_dequant"]
-    assert [lk[3][5] for lk in rows] == [64, 64, 22] and out.shape == (20, 150)
+    assert [lk[3][5] for lk in rows] == [64, 64, 22] and out.shape == (40, 150)
     assert [int(lk[3][1]) - int(rows[0][3][1]) for lk in rows] == [0, 64 * 128, 128 * 128]
+
+
+def test_linear_gemv_passes_of_eight_rows(be):
+    """T = 20 rows of an int4 weight: three passes of the gemv kernel (8, 8, 4 rows) on row
+    slices of x and out, no dequantized weight."""
+    w = random_packed(64, 256, 4, 128, offsets=True)
+    x, out = aligned(20, 256), aligned(20, 64)
+    be.linear(x, w, out=out)
+    assert [lk[0].name for lk in be.launches] == ["gemv_wo4_kstep_linear"] * 3
+    assert [int(lk[3][10]) for lk in be.launches] == [8, 8, 4]  # M
+    assert [int(lk[3][0]) - x.data_ptr() for lk in be.launches] == [0, 8 * 512, 16 * 512]
+    assert [int(lk[3][7]) - out.data_ptr() for lk in be.launches] == [0, 8 * 128, 16 * 128]
 
 
 def test_embedding_launch(be):
