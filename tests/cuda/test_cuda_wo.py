@@ -154,11 +154,12 @@ def test_misaligned_input_takes_the_scalar_kernels(be):
     assert rel_err(out, ref.norm_linear(x, nw, EPS, w)) < 1e-2
 
 
-@pytest.mark.parametrize("t", [1, 8, 9, 64, 300])
+@pytest.mark.parametrize("t", [1, 8, 9, 17, 20, 33, 300])
 @pytest.mark.parametrize("layout", ["int4_g128_asym", "q6_k", "int8_perchannel"])
 def test_linear_any_tokens_and_float32_logits(be, layout, t):
-    """T <= 8: the gemv kernel; T > 8: dequantize-then-cuBLAS (in row chunks for N = 20000
-    of K 4096: 64 MB chunks of 8192 rows), with bias; float32 logits out."""
+    """T <= 8: the gemv kernel; up to 32 (int4) / 16 (int8) rows: gemv passes of 8 rows;
+    beyond: dequantize-then-cuBLAS (in row chunks for N = 20000 of K 4096: 24 MB chunks
+    of 3072 rows), with bias; float32 logits out."""
     k, n = 4096, 20000
     w = packed(layout, n, k, seed=t)
     g = torch.Generator(device=DEV).manual_seed(t)
