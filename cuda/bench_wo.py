@@ -28,17 +28,11 @@ from typing import Any
 
 import torch
 
+from llmc.cuda.bench_gemv8 import SHAPES  # op -> (weight rows, K) of Llama-3-8B
 from llmc.cuda.reference_wo import PackedWeight
 
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16
-SHAPES = {
-    "qkv": (6144, 4096),
-    "o_proj": (4096, 4096),
-    "gate_up": (28672, 4096),
-    "down": (4096, 14336),
-}
-"""op -> (weight rows, K) of Llama-3-8B."""
 LAYOUTS = {  # name -> (bits, group_size (0 = K), offsets, scale dtype, code_zero)
     "int4_g128": (4, 128, True, torch.float16, 0),
     "int8": (8, 0, False, torch.float16, 128),

@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers.attention import rel_err
 from helpers.packed_weights import random_packed
 from llmc.base.errors import UnsupportedError
 from llmc.cuda import reference as ref
@@ -63,12 +64,6 @@ def packed(name: str, rows: int, k: int, seed: int = 0):
         rows, k, bits, gs or k, offsets=offs, scale_dtype=sdt, code_zero=cz, seed=seed,
         device=DEV,
     )  # fmt: skip
-
-
-def rel_err(out: torch.Tensor, want: torch.Tensor) -> float:
-    assert not torch.isnan(out).any(), "NaN in kernel output"
-    o, w = out.double(), want.double()
-    return ((o - w).norm() / w.norm().clamp_min(1e-30)).item()
 
 
 def poisoned(*shape, dtype) -> torch.Tensor:
