@@ -8,7 +8,8 @@ storage, g16, f32 scales).
 
 - ``wo T=<M> <layout> <op>``: the fused small-step ops, T = 1 and 8 token rows; GB/s of
   weight bytes (codes + scales + offsets; activations are < 0.3 MB) against the copy rate
-  of the same run (target 85 % at T = 1 for int4 g128 and int8), then per (T, layout) the
+  of the same run (target 85 % at T = 1 for int4 g128 and int8; those also without the
+  kernels' L2 prefetch ahead, ``WoOps.wo_prefetch``), then per (T, layout) the
   layer sums, and ``8B decode projection``: 32 such layers plus a bf16 lm_head GEMV
   (1.05 GB) as tokens/s (attention, norms and host time excluded: an upper bound);
 - ``wo lm_head T=1 q6_k``: linear on the 128256 x 4096 GGUF lm_head;
@@ -119,6 +120,12 @@ def wo_rows(
                 target = 0.85 if m == 1 and label in ("int4_g128", "int8") else None
                 mem_row(f"wo T={m} {label} {op}", f"{k}->{r}", nbytes, ms, target)
                 rows[-1]["us"] = ms * 1000
+                if target is not None and hasattr(be, "wo_prefetch"):  # the other choice
+                    be.wo_prefetch = False
+                    ms2 = graph_ms(cycle([lambda w=w, fn=fn: fn(w) for w in copies]), len(copies))
+                    del be.wo_prefetch  # back to the class default
+                    mem_row(f"wo T={m} {label} {op} (no L2 prefetch)", f"{k}->{r}", nbytes, ms2,
+                            None)  # fmt: skip
                 total_ms += ms
                 total_bytes += nbytes
             mem_row(f"wo T={m} {label} layer (sum of rows)", "4 GEMVs", total_bytes, total_ms, None)

@@ -43,8 +43,10 @@
 // SM), 16 tiles per round; with c < 16 tiles in a round, 16 / c warps share each tile over
 // contiguous shares of the k-steps and add their sums through shared memory (split-K for
 // small N). A warp streams its share in batches of WO_U k-steps double-buffered in
-// registers. The first batch is loaded, and the next two prefetched into L2, before the
-// prologue (rms scale, staging), so the weight stream starts at once.
+// registers; with flags & WO_PREFETCH each batch's loads also prefetch (L2) the batch two
+// after the next, so more bytes are in flight than the registers hold. The first batch is
+// loaded, and the next two prefetched into L2, before the prologue (rms scale, staging), so
+// the weight stream starts at once.
 //
 // The *_scalar kernels (row bytes not a multiple of 16, or a misaligned base) load codes
 // by bytes and x by elements: correct, slow. Launch: grid min(SMs, tiles), block 512,
@@ -110,11 +112,13 @@ __device__ __forceinline__ void wo_stream(float (&tot)[4], WoBatch<BITS, SMODE>&
     while (true) {  // two batches per trip: A and B swap roles without register moves
         int next = min(WO_U, s1 - kb - WO_U);
         if (next > 0) wo_load_batch<BITS, SMODE, VECTOR>(B, L, kb + WO_U, next);
+        wo_prefetch_batch(L, kb + 3 * WO_U, s1);
         wo_mma_batch<BITS, SMODE>(tot, A, L, xrow, has_row, kb, min(WO_U, s1 - kb), xs, t4);
         kb += WO_U;
         if (kb >= s1) break;
         next = min(WO_U, s1 - kb - WO_U);
         if (next > 0) wo_load_batch<BITS, SMODE, VECTOR>(A, L, kb + WO_U, next);
+        wo_prefetch_batch(L, kb + 3 * WO_U, s1);
         wo_mma_batch<BITS, SMODE>(tot, B, L, xrow, has_row, kb, min(WO_U, s1 - kb), xs, t4);
         kb += WO_U;
         if (kb >= s1) break;

@@ -122,6 +122,9 @@ class WoOps:
     """
 
     wo_gemv_passes: tuple[int, int] = (4, 2)
+    # gemv_wo.cu's L2 prefetch two batches ahead (flags & 4; not yet measured: the bench's
+    # "no L2 prefetch" rows)
+    wo_prefetch: bool = True
 
     device: torch.device
     _sm_count: int
@@ -162,6 +165,7 @@ class WoOps:
             kern.max_dynamic_shared_size_bytes = self._wo_budget()
             self._gemv_kernels[(x.dtype, name)] = kern
         flags = _scale_flags(w) | (2 if out.dtype == torch.float32 else 0)
+        flags |= 4 if self.wo_prefetch else 0
         args = (
             _p(x), _p(norm_w) if norm_w is not None else _NULL, np.float32(eps), _p(w.codes),
             _p(w.scales), _p(w.offsets) if w.offsets is not None else _NULL,

@@ -15,6 +15,7 @@
 #define WO_DEQ 2
 #define WO_SCALE_F32 1  // flags
 #define WO_OUT_F32 2
+#define WO_PREFETCH 4  // L2 prefetch of the code vectors two batches ahead of the loads
 
 #if LLMC_DTYPE == 0
 #error "gemv_wo.cu: 16-bit activations only (float32 engines dequantize, llmc.cuda.gemv_wo_ops)"
@@ -227,7 +228,7 @@ struct WoLane {
     const unsigned char* s[2];  // scale rows (bytes)
     const unsigned char* o[2];  // offset rows (nullptr: none)
     int t, K, rowbytes, gs, G;
-    bool f32;
+    bool f32, prefetch;
     WoConst k;
 };
 
@@ -245,6 +246,7 @@ __device__ __forceinline__ WoLane wo_lane(const WoArgs& a, int tile, int g, int 
         L.o[h] = a.offsets ? static_cast<const unsigned char*>(a.offsets) + row * gbytes : nullptr;
     }
     L.t = t, L.K = a.K, L.gs = a.gs, L.G = a.G, L.k = k;
+    L.prefetch = (a.flags & WO_PREFETCH) != 0;
     return L;
 }
 
@@ -307,6 +309,20 @@ __device__ __forceinline__ void wo_load_batch(WoBatch<BITS, SMODE>& B, const WoL
                     }
                 }
             }
+        }
+    }
+}
+
+// L2 prefetch of the lane's code vectors of k-steps [kb, min(kb + WO_U, s1)) (no registers
+// held: more bytes in flight than the double-buffered loads alone).
+__device__ __forceinline__ void wo_prefetch_batch(const WoLane& L, int kb, int s1) {
+    if (!L.prefetch) return;
+#pragma unroll
+    for (int u = 0; u < WO_U; ++u) {
+        const int ks = kb + u;
+        if (ks < s1 && ks * 64 + 16 * L.t < L.rowbytes) {
+            wo_prefetch(L.c[0] + ks * 64);
+            wo_prefetch(L.c[1] + ks * 64);
         }
     }
 }

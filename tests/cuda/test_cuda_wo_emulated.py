@@ -92,7 +92,7 @@ def test_emulated_gemv_wo_matches_reference(families, dtype, case):
     out = torch.randn(m, n, generator=g).to(dt) if mode == 2 else torch.full((m, n), float("nan"))
     out = out.to(out_dt)
     before = out.clone()
-    flags = (1 if sdt == torch.float32 else 0) | (2 if out_dt == torch.float32 else 0)
+    flags = (1 if sdt == torch.float32 else 0) | (2 if out_dt == torch.float32 else 0) | 4
     kern = families[0][dtype][wo_kernel_name(bits, smode, mode, vector)]
     grid = max(1, min(sms, wo_tiles(mode, n)))
     assert wo_smem_bytes(bits, k, gs, m, offs) <= 256 * 1024

@@ -72,13 +72,13 @@ def test_fused_launches_match_the_signature(be, m):
     kern, grid, block, args, smem = check(be.launches[-1], GEMV_SIG)
     assert kern.family == "gemv_wo" and kern.name == "gemv_wo4_kstep_norm"
     assert block == (GEMV_THREADS,) and grid == (38,)
-    assert args[8:] == (n, k, m, 32 * 256 + 64, 128, 32, 0, 0)  # N K M S gs G code_zero flags
+    assert args[8:] == (n, k, m, 32 * 256 + 64, 128, 32, 0, 4)  # N K M S gs G code_zero flags
     assert smem == m * (32 * 256 + 64) + m * 32 * 4  # staged rows + per-k-step sums
     assert kern.max_dynamic_shared_size_bytes == be._gemv_smem - wo.WO_SMEM_MARGIN
     gu = random_packed(2 * i, k, 4, 32, offsets=True, scale_dtype=torch.float32)
     be.norm_gate_up_silu(x, nw, 1e-5, gu, out=aligned(m, i))
     kern, grid, _, args, smem = check(be.launches[-1], GEMV_SIG)
-    assert kern.name == "gemv_wo4_deq_norm_silu" and args[8] == i and args[-1] == 1
+    assert kern.name == "gemv_wo4_deq_norm_silu" and args[8] == i and args[-1] == 1 | 4
     assert smem == m * (32 * 256 + 64)  # deq: the offsets are in the weights, no sums
     down = random_packed(k, i, 8, i, offsets=False, code_zero=128)
     res = aligned(m, k)
@@ -90,7 +90,10 @@ def test_fused_launches_match_the_signature(be, m):
     logits = aligned(m, 40, dtype=torch.float32)
     be.linear(aligned(m, 256), small, out=logits)
     kern, grid, _, args, _ = check(be.launches[-1], GEMV_SIG)
-    assert kern.name == "gemv_wo8_deq_linear" and grid == (3,) and args[-1] == 1 | 2
+    assert kern.name == "gemv_wo8_deq_linear" and grid == (3,) and args[-1] == 1 | 2 | 4
+    be.wo_prefetch = False
+    be.linear(aligned(m, 256), small, out=logits)
+    assert be.launches[-1][3][-1] == 1 | 2
 
 
 def test_scalar_kernels(be):
