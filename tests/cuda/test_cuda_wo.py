@@ -58,12 +58,21 @@ def be():
     return CudaBackend(DEV)
 
 
+_PACKED: dict[tuple, object] = {}
+
+
 def packed(name: str, rows: int, k: int, seed: int = 0):
-    bits, gs, offs, sdt, cz = LAYOUTS[name]
-    return random_packed(
-        rows, k, bits, gs or k, offsets=offs, scale_dtype=sdt, code_zero=cz, seed=seed,
-        device=DEV,
-    )  # fmt: skip
+    """A random PackedWeight of layout ``name`` (the last one cached: the tests' innermost
+    parameter is M, so the 8B weights are drawn once per shape)."""
+    key = (name, rows, k, seed)
+    if key not in _PACKED:
+        _PACKED.clear()
+        bits, gs, offs, sdt, cz = LAYOUTS[name]
+        _PACKED[key] = random_packed(
+            rows, k, bits, gs or k, offsets=offs, scale_dtype=sdt, code_zero=cz, seed=seed,
+            device=DEV,
+        )  # fmt: skip
+    return _PACKED[key]
 
 
 def poisoned(*shape, dtype) -> torch.Tensor:
@@ -156,7 +165,7 @@ def test_linear_any_tokens_and_float32_logits(be, layout, t):
     beyond: dequantize-then-cuBLAS (in row chunks for N = 20000 of K 4096: 24 MB chunks
     of 3072 rows), with bias; float32 logits out."""
     k, n = 4096, 20000
-    w = packed(layout, n, k, seed=t)
+    w = packed(layout, n, k)
     g = torch.Generator(device=DEV).manual_seed(t)
     x = torch.randn(t, k, device=DEV, generator=g).to(torch.bfloat16)
     b = torch.randn(n, device=DEV, generator=g).to(torch.bfloat16)

@@ -23,18 +23,18 @@ def random_packed(
 ) -> PackedWeight:
     """A [n, k] PackedWeight; code_zero defaults to 0 with offsets (asymmetric, the offset
     is the group minimum) and to the middle code without (symmetric)."""
-    g = torch.Generator().manual_seed(seed)
+    device = torch.device(device)
+    g = torch.Generator(device=device).manual_seed(seed)  # drawn where they live (8B shapes)
     levels = 1 << bits
     if code_zero is None:
         code_zero = 0 if offsets else levels // 2
-    codes = torch.randint(0, levels, (n, k), generator=g)
+    codes = torch.randint(0, levels, (n, k), generator=g, device=device, dtype=torch.uint8)
     groups = (n, k // group_size)
-    scales = (0.5 + torch.rand(groups, generator=g)) * (2.0 / levels) / k**0.5
+    scales = (0.5 + torch.rand(groups, generator=g, device=device)) * (2.0 / levels) / k**0.5
     offs = None
     if offsets:
-        offs = -(scales * levels / 2) * (0.8 + 0.4 * torch.rand(groups, generator=g))
-        offs = offs.to(scale_dtype).to(device)
+        spread = 0.8 + 0.4 * torch.rand(groups, generator=g, device=device)
+        offs = (-(scales * levels / 2) * spread).to(scale_dtype)
     return PackedWeight(
-        pack_codes(codes, bits).to(device), scales.to(scale_dtype).to(device), offs, bits,
-        code_zero, group_size,
-    )  # fmt: skip
+        pack_codes(codes, bits), scales.to(scale_dtype), offs, bits, code_zero, group_size
+    )
