@@ -42,7 +42,7 @@
 // Work: tiles round-robin over the CTAs (grid <= SMs, <= tiles; 512 threads, one CTA per
 // SM), 16 tiles per round; with c < 16 tiles in a round, 16 / c warps share each tile over
 // contiguous shares of the k-steps and add their sums through shared memory (split-K for
-// small N). A warp streams its share in batches of WO_U k-steps double-buffered in
+// small N). A warp streams its share in batches of wo_u<SMODE>() k-steps (4 in row mode, else 2) double-buffered in
 // registers; with flags & WO_PREFETCH each batch's loads also prefetch (L2) the batch two
 // after the next, so more bytes are in flight than the registers hold. The first batch is
 // loaded, and the next two prefetched into L2, before the prologue (rms scale, staging), so
@@ -71,8 +71,9 @@ __device__ __forceinline__ void wo_mma_batch(float (&tot)[4], const WoBatch<BITS
                                              bool has_row, int kb, int n, const WoSums& xs,
                                              int t4) {
     constexpr int XB = wo_ks<BITS>() * 2;  // staged bytes per k-step
+    constexpr int U = wo_u<SMODE>();
 #pragma unroll
-    for (int u = 0; u < WO_U; ++u) {
+    for (int u = 0; u < U; ++u) {
         if (u < n) {  // warp-uniform
             const unsigned char* xk = xrow + (kb + u) * XB;
             if constexpr (SMODE == WO_KSTEP) {
@@ -107,20 +108,21 @@ __device__ __forceinline__ void wo_stream(float (&tot)[4], WoBatch<BITS, SMODE>&
                                           WoBatch<BITS, SMODE>& B, const WoLane& L,
                                           const unsigned char* xrow, bool has_row, int s0, int s1,
                                           bool preloaded, const WoSums& xs, int t4) {
+    constexpr int U = wo_u<SMODE>();
     int kb = s0;
-    if (!preloaded) wo_load_batch<BITS, SMODE, VECTOR>(A, L, kb, min(WO_U, s1 - kb));
+    if (!preloaded) wo_load_batch<BITS, SMODE, VECTOR>(A, L, kb, min(U, s1 - kb));
     while (true) {  // two batches per trip: A and B swap roles without register moves
-        int next = min(WO_U, s1 - kb - WO_U);
-        if (next > 0) wo_load_batch<BITS, SMODE, VECTOR>(B, L, kb + WO_U, next);
-        wo_prefetch_batch(L, kb + 3 * WO_U, s1);
-        wo_mma_batch<BITS, SMODE>(tot, A, L, xrow, has_row, kb, min(WO_U, s1 - kb), xs, t4);
-        kb += WO_U;
+        int next = min(U, s1 - kb - U);
+        if (next > 0) wo_load_batch<BITS, SMODE, VECTOR>(B, L, kb + U, next);
+        wo_prefetch_batch<SMODE>(L, kb + 3 * U, s1);
+        wo_mma_batch<BITS, SMODE>(tot, A, L, xrow, has_row, kb, min(U, s1 - kb), xs, t4);
+        kb += U;
         if (kb >= s1) break;
-        next = min(WO_U, s1 - kb - WO_U);
-        if (next > 0) wo_load_batch<BITS, SMODE, VECTOR>(A, L, kb + WO_U, next);
-        wo_prefetch_batch(L, kb + 3 * WO_U, s1);
-        wo_mma_batch<BITS, SMODE>(tot, B, L, xrow, has_row, kb, min(WO_U, s1 - kb), xs, t4);
-        kb += WO_U;
+        next = min(U, s1 - kb - U);
+        if (next > 0) wo_load_batch<BITS, SMODE, VECTOR>(A, L, kb + U, next);
+        wo_prefetch_batch<SMODE>(L, kb + 3 * U, s1);
+        wo_mma_batch<BITS, SMODE>(tot, B, L, xrow, has_row, kb, min(U, s1 - kb), xs, t4);
+        kb += U;
         if (kb >= s1) break;
     }
 }
@@ -289,7 +291,7 @@ __device__ __forceinline__ void wo_row_scale(float (&v)[4], const WoLane& L, con
 template <int MODE, int BITS, int SMODE, bool VECTOR>
 __device__ __forceinline__ void gemv_wo_body(const WoArgs& a) {
     constexpr int VW = VECTOR ? 8 : 1;  // activation elements per prologue load
-    constexpr int KS = wo_ks<BITS>();
+    constexpr int KS = wo_ks<BITS>(), U = wo_u<SMODE>();
 #ifdef LLMC_HOST_EMULATION
     v4u* wo_smem = reinterpret_cast<v4u*>(emu_dyn_smem);
 #else
@@ -318,11 +320,11 @@ __device__ __forceinline__ void gemv_wo_body(const WoArgs& a) {
     WoWork w = wo_work(0, c, ksteps, warp);
     WoLane L = wo_lane<BITS, MODE>(a, w.tile, g, t4, kc);
     if (w.active && w.s0 < w.s1) {  // start the weight stream before the prologue
-        wo_load_batch<BITS, SMODE, VECTOR>(A, L, w.s0, min(WO_U, w.s1 - w.s0));
+        wo_load_batch<BITS, SMODE, VECTOR>(A, L, w.s0, min(U, w.s1 - w.s0));
         const unsigned char* rp =
             a.w + (long long)wo_tile_row<MODE>(w.tile, lane & 15, n_out) * L.rowbytes;
-        const int beg = 64 * (w.s0 + WO_U);
-        const int end = min(min(64 * w.s1, L.rowbytes), beg + 64 * 2 * WO_U);
+        const int beg = 64 * (w.s0 + U);
+        const int end = min(min(64 * w.s1, L.rowbytes), beg + 64 * 2 * U);
         for (int off = beg + 128 * (lane >> 4); off < end; off += 256) wo_prefetch(rp + off);
     }
     wo_prologue<MODE, BITS, SMODE, VW>(a, xs, xsum, nsum, red, tot);

@@ -8,7 +8,6 @@
 
 #define WO_THREADS 512
 #define WO_WARPS 16
-#define WO_U 2  // k-steps per batch: 2 rows x 2 = 4 16-byte code loads per lane, two batches
 
 #define WO_ROW 0
 #define WO_KSTEP 1
@@ -20,6 +19,13 @@
 #if LLMC_DTYPE == 0
 #error "gemv_wo.cu: 16-bit activations only (float32 engines dequantize, llmc.cuda.gemv_wo_ops)"
 #endif
+
+// k-steps per batch (two batches in registers): 4 in row mode (2 rows x 4 = 8 16-byte code
+// loads per lane, no scales to hold), 2 where each k-step carries its scales.
+template <int SMODE>
+__host__ __device__ constexpr int wo_u() {
+    return SMODE == WO_ROW ? 4 : 2;
+}
 
 struct WoArgs {
     const scalar_t* x;        // [M, K]: residual (norm kernels) or activation
@@ -276,8 +282,8 @@ struct WoScales {
 
 template <int BITS, int SMODE>
 struct WoBatch {
-    v4u c[WO_U][2];
-    WoScales<SMODE> sc[WO_U];
+    v4u c[wo_u<SMODE>()][2];
+    WoScales<SMODE> sc[wo_u<SMODE>()];
 };
 
 template <int BITS, int SMODE, bool VECTOR>
@@ -285,7 +291,7 @@ __device__ __forceinline__ void wo_load_batch(WoBatch<BITS, SMODE>& B, const WoL
                                               int n) {
     constexpr int KS = wo_ks<BITS>(), VB = wo_vb<BITS>();
 #pragma unroll
-    for (int u = 0; u < WO_U; ++u) {
+    for (int u = 0; u < wo_u<SMODE>(); ++u) {
         if (u < n) {
             const int ks = kb + u;
 #pragma unroll
@@ -313,12 +319,13 @@ __device__ __forceinline__ void wo_load_batch(WoBatch<BITS, SMODE>& B, const WoL
     }
 }
 
-// L2 prefetch of the lane's code vectors of k-steps [kb, min(kb + WO_U, s1)) (no registers
+// L2 prefetch of the lane's code vectors of k-steps [kb, min(kb + wo_u<SMODE>(), s1)) (no registers
 // held: more bytes in flight than the double-buffered loads alone).
+template <int SMODE>
 __device__ __forceinline__ void wo_prefetch_batch(const WoLane& L, int kb, int s1) {
     if (!L.prefetch) return;
 #pragma unroll
-    for (int u = 0; u < WO_U; ++u) {
+    for (int u = 0; u < wo_u<SMODE>(); ++u) {
         const int ks = kb + u;
         if (ks < s1 && ks * 64 + 16 * L.t < L.rowbytes) {
             wo_prefetch(L.c[0] + ks * 64);

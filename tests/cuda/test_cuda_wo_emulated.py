@@ -48,6 +48,8 @@ CASES = [
     ("add", 4, None, True, torch.float16, 0, 7, 96, 9, 1, "row + sums, split-K, tail"),
     ("norm", 4, None, False, torch.float16, 8, 2, 100, 12, 1, "row, scalar (K / 2 = 50)"),
     ("norm", 4, 128, False, torch.float16, 8, 2, 128, 600, 1, "38 tiles: 3 rounds"),
+    ("linear", 8, None, False, torch.float16, 128, 2, 1088, 256, 1, "row: 17 k-steps a warp"),
+    ("silu", 4, None, True, torch.float32, 0, 3, 1152, 128, 1, "row + sums: 9 k-steps a warp"),
 ]
 
 
