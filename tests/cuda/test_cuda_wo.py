@@ -91,6 +91,10 @@ def check_op(be, op: str, w, m: int, n: int, dtype: torch.dtype, bias: bool = Fa
         assert rel_err(out, ref.norm_linear(x, norm_w, EPS, w, b)) < tol
     elif op == "silu":
         out = be.norm_gate_up_silu(x, norm_w, EPS, w, out=poisoned(m, n, dtype=dtype))
+        # the reference rounds gate and up to the dtype before silu·mul, the kernel once
+        # (and small-group layouts round each weight to 16 bits): in bfloat16 over a short
+        # K that reached 1.8 % on the H200 (q4_1, K = 96, 21 outputs)
+        tol = 2.5e-2 if dtype == torch.bfloat16 else tol
         assert rel_err(out, ref.norm_gate_up_silu(x, norm_w, EPS, w)) < tol
     elif op == "add":
         res = torch.randn(m, n, device=DEV, generator=g).to(dtype)
@@ -188,7 +192,7 @@ def test_float32_activations(be, layout):
 @pytest.mark.parametrize("layout", ["q4_k", "q6_k", "q8_0", "int4_g128_asym"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_embedding_is_exact(be, layout, dtype):
-    v, h = 1000, 576
+    v, h = 1000, 640  # every layout's group divides 640 (576 = SmolLM2's H does not take g128)
     table = packed(layout, v, h)
     ids = torch.tensor([5, 0, 999, -1, 1000, 5, 77], device=DEV)
     out = be.embedding(ids, table, out=poisoned(7, h, dtype=dtype))
