@@ -1,0 +1,259 @@
+"""CPU proxy of issue 15's concurrency-1 TTFT gap: the same engine and prompts in-process and
+through ``llmc serve``, the difference, and where the served first token's time went.
+
+HTTP work is host work, so its cost on this CPU stands in for the H200 host's. The script:
+
+1. builds a tiny float32 CPU engine (2 layers, hidden 64, dummy weights: a step is a few
+   ms of host work) unless ``--engine_dir`` is given;
+2. alternates ``--rounds`` times: in-process (``llmc.LLM`` + ``run_workload``, the path of
+   ``llmc bench``), then HTTP (``run_http_workload`` against one ``llmc serve`` process
+   started on a free 127.0.0.1 port with the same runtime flags), each ``--requests``
+   streamed requests of ``--isl`` / ``--osl`` tokens at concurrency 1;
+3. prints TTFT p50 / mean of both (the median over rounds), their difference, the server's
+   first-token stages (``llmc_first_token_stage_seconds``: admit / queue / compute /
+   deliver, means and bucket-interpolated medians of the HTTP requests) and what is left:
+   the client's share (its TTFT minus the server's arrival → first chunk).
+
+    PYTHONSAFEPATH=1 .venv/bin/python scripts/serve_latency.py --rounds 3 --requests 100
+
+``--json FILE`` writes every number. The box is shared: compare medians of several rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from llmc.runtime.bench.benchmark import run_workload
+from llmc.runtime.bench.http_driver import Endpoint, run_http_workload
+from llmc.runtime.bench.workload import ArrivalSpec, SyntheticSpec, synthetic_workload
+
+STAGES = ("admit", "queue", "compute", "deliver")
+TINY_PROFILE = """\
+description: serve_latency.py's tiny engine (dummy weights)
+model:
+  architectures: [LlamaForCausalLM]
+  model_type: llama
+  vocab_size: 256
+  hidden_size: 64
+  intermediate_size: 160
+  num_hidden_layers: 2
+  num_attention_heads: 4
+  num_key_value_heads: 2
+  max_position_embeddings: 512
+  rms_norm_eps: 1.0e-5
+  rope_theta: 10000.0
+  tie_word_embeddings: false
+  bos_token_id: 1
+  eos_token_id: 2
+build:
+  load_format: dummy
+  dummy_seed: 0
+  dtype: float32
+  target: cpu
+  max_batch_size: 8
+  max_input_len: 256
+  max_seq_len: 512
+  max_num_tokens: 512
+  tokens_per_block: 16
+"""
+
+
+def _llmc(*args: str) -> list[str]:
+    return [sys.executable, "-m", "llmc.cli.main", *args]
+
+
+def build_tiny(directory: Path) -> Path:
+    profile = directory / "tiny.yaml"
+    profile.write_text(TINY_PROFILE)
+    out = directory / "engine"
+    cmd = _llmc("build", "--profile", str(profile), "--output_dir", str(out), "--force")
+    done = subprocess.run(cmd, capture_output=True, text=True, env=_env())
+    if done.returncode:
+        raise RuntimeError(f"llmc build failed:\n{done.stderr[-2000:]}")
+    return out
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONSAFEPATH": "1", "OMP_NUM_THREADS": "1"}
+
+
+class Server:
+    """One ``llmc serve`` process on a free 127.0.0.1 port."""
+
+    def __init__(self, engine_dir: Path, flags: list[str]) -> None:
+        cmd = _llmc("serve", "--engine", f"tiny={engine_dir}", "--port", "0", *flags)
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=_env())
+        self.port = 0
+        deadline = time.monotonic() + 120
+        assert self.proc.stderr is not None
+        while not self.port and time.monotonic() < deadline:
+            line = self.proc.stderr.readline()
+            if not line:
+                raise RuntimeError(f"llmc serve exited with {self.proc.wait()}")
+            if "listening on http://" in line:
+                self.port = int(line.rsplit(":", 1)[1])
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(self.url("/health"), timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.1)
+        raise TimeoutError("llmc serve did not get ready")
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(self.url("/metrics"), timeout=10) as r:
+            return r.read().decode()
+
+    def stop(self) -> int:
+        self.proc.terminate()
+        return self.proc.wait(60)
+
+
+def histograms(text: str, name: str) -> dict[str, dict[str, Any]]:
+    """{stage or '': {'sum', 'count', 'buckets': [(le, cumulative)]}} of one histogram."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, dict[str, Any]] = {}
+    for fam in text_string_to_metric_families(text):
+        if fam.name != name:
+            continue
+        for s in fam.samples:
+            h = out.setdefault(s.labels.get("stage", ""), {"sum": 0.0, "count": 0, "buckets": []})
+            if s.name.endswith("_sum"):
+                h["sum"] = s.value
+            elif s.name.endswith("_count"):
+                h["count"] = int(s.value)
+            elif s.name.endswith("_bucket"):
+                h["buckets"].append((float(s.labels["le"]), s.value))
+    return out
+
+
+def minus(a: dict[str, Any], b: dict[str, Any] | None) -> dict[str, Any]:
+    """Histogram ``a`` minus an earlier scrape ``b`` (the requests in between)."""
+    if b is None:
+        return a
+    prev = dict(b["buckets"])
+    return {
+        "sum": a["sum"] - b["sum"],
+        "count": a["count"] - b["count"],
+        "buckets": [(le, c - prev.get(le, 0.0)) for le, c in a["buckets"]],
+    }
+
+
+def median_of(h: dict[str, Any]) -> float | None:
+    """The median of a histogram, linear inside its bucket."""
+    n = h["count"]
+    if not n:
+        return None
+    lo, below = 0.0, 0.0
+    for le, cum in sorted(h["buckets"]):
+        if cum >= n / 2:
+            if le == float("inf"):
+                return lo
+            return lo + (le - lo) * (n / 2 - below) / max(cum - below, 1e-9)
+        lo, below = le, cum
+    return lo
+
+
+def _ttfts(records: list[Any]) -> list[float]:
+    return [r.first_token_time - r.arrival_time for r in records if r.first_token_time]
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from llmc.api import LLM
+    from llmc.compiler.engine_format import load_engine
+    from llmc.runtime.engine_runtime import RuntimeConfig
+
+    torch.set_num_threads(1)
+    engine = Path(args.engine_dir) if args.engine_dir else build_tiny(Path(tempfile.mkdtemp()))
+    spec = SyntheticSpec(num_requests=args.requests + 4, isl=args.isl, osl=args.osl, seed=1)
+    vocab = load_engine(str(engine), verify_checksums=False).spec.vocab_size
+    reqs = synthetic_workload(spec, vocab)
+    warm, reqs = reqs[:4], reqs[4:]
+    c1 = ArrivalSpec(mode="concurrency", concurrency=1)
+    llm = LLM(str(engine), runtime_config=RuntimeConfig(device="cpu"))
+    server = Server(engine, ["--device", "cpu"])
+    endpoint = Endpoint(server.url("/v1"), "tiny")
+    rounds: list[dict[str, Any]] = []
+    try:
+        for i in range(args.rounds):
+            inproc = run_workload(llm, reqs, c1, warmup=warm)
+            before = histograms(server.metrics(), "llmc_first_token_stage_seconds")
+            served_before = histograms(server.metrics(), "llmc_time_to_first_token_seconds")
+            http = run_http_workload(endpoint, reqs, c1, warmup=warm)
+            text = server.metrics()
+            stages = histograms(text, "llmc_first_token_stage_seconds")
+            served = minus(
+                histograms(text, "llmc_time_to_first_token_seconds")[""], served_before.get("")
+            )
+            t_in, t_http = _ttfts(inproc.requests), _ttfts(http.requests)
+            row = {
+                "inproc_p50_ms": statistics.median(t_in) * 1e3,
+                "inproc_mean_ms": statistics.mean(t_in) * 1e3,
+                "http_p50_ms": statistics.median(t_http) * 1e3,
+                "http_mean_ms": statistics.mean(t_http) * 1e3,
+                "server_ttft_mean_ms": served["sum"] / max(1, served["count"]) * 1e3,
+                "server_ttft_p50_ms": (median_of(served) or 0.0) * 1e3,
+            }
+            for s in STAGES:
+                h = minus(stages[s], before.get(s))
+                row[f"{s}_mean_ms"] = h["sum"] / max(1, h["count"]) * 1e3
+                row[f"{s}_p50_ms"] = (median_of(h) or 0.0) * 1e3
+            row["gap_p50_ms"] = row["http_p50_ms"] - row["inproc_p50_ms"]
+            row["client_mean_ms"] = row["http_mean_ms"] - row["server_ttft_mean_ms"]
+            rounds.append(row)
+            print(f"round {i + 1}: " + ", ".join(f"{k} {v:.3f}" for k, v in row.items()))
+    finally:
+        llm.shutdown()
+        rc = server.stop()
+    med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+    return {"engine_dir": str(engine), "server_exit": rc, "rounds": rounds, "median": med}
+
+
+def report(result: dict[str, Any]) -> None:
+    m = result["median"]
+    print("\nmedian over rounds (ms)")
+    print(f"  TTFT p50  in-process {m['inproc_p50_ms']:.3f}   HTTP {m['http_p50_ms']:.3f}   "
+          f"difference {m['gap_p50_ms']:+.3f}")  # fmt: skip
+    print(f"  TTFT mean in-process {m['inproc_mean_ms']:.3f}   HTTP {m['http_mean_ms']:.3f}   "
+          f"server arrival -> first chunk {m['server_ttft_mean_ms']:.3f}")  # fmt: skip
+    print("  server stages (mean / p50): " + "  ".join(
+        f"{s} {m[f'{s}_mean_ms']:.3f} / {m[f'{s}_p50_ms']:.3f}" for s in STAGES
+    ))  # fmt: skip
+    print(f"  client + wire (HTTP TTFT mean - server's): {m['client_mean_ms']:.3f}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--engine_dir", help="an engine to use (default: build a tiny one)")
+    ap.add_argument("--requests", type=int, default=100)
+    ap.add_argument("--isl", type=int, default=128)
+    ap.add_argument("--osl", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", help="write every number to this file")
+    args = ap.parse_args()
+    result = run(args)
+    report(result)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
