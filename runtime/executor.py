@@ -24,6 +24,8 @@ Invariants:
   the lock while it schedules and updates, never while the model runs. Cancellations are
   applied at the start of the next step, so a running step never loses its blocks.
 - One RequestRecord per request and one StepRecord per step (runtime/records.py).
+- With a response sink (``set_response_sink``), the loop thread hands a step's Responses to
+  it in one call before it schedules the next step; ``await_responses`` then gets none.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import Any, Protocol
 
@@ -96,6 +99,7 @@ class Executor:
         self._thread: threading.Thread | None = None
         self._stop_loop = False
         self._fatal: BaseException | None = None
+        self._sink: Callable[[list[Response]], None] | None = None
 
     # ------------------------------------------------------------------ requests
     def enqueue_request(self, request: Request) -> int:
@@ -206,6 +210,24 @@ class Executor:
         if state is not None and not state.final:
             self._fail(state, fault)
 
+    def set_response_sink(self, sink: Callable[[list[Response]], None] | None) -> None:
+        """Background loop: hand each step's Responses (and any made outside a step, e.g. an
+        enqueue refusal) to ``sink`` (quick, never raising) from the loop thread; None: keep
+        them for ``await_responses``."""
+        with self._cv:
+            self._sink = sink
+            self._cv.notify_all()
+
+    def _flush(self) -> None:
+        """The ready Responses to the sink (the loop thread, outside the lock)."""
+        sink = self._sink
+        if sink is None:
+            return
+        with self._cv:
+            got = self._take(None)
+        if got:
+            sink(got)
+
     def _take(self, request_ids: set[int] | None) -> list[Response]:
         if request_ids is None:
             taken, self._ready = self._ready, []
@@ -300,9 +322,12 @@ class Executor:
         return self._fatal is not None
 
     def has_work(self) -> bool:
-        with self._cv:
+        with self._cv:  # (Responses waiting for the sink are work of the loop thread too)
             return (
-                bool(self._cancels) or self.scheduler.has_unfinished() or self._inflight is not None
+                bool(self._cancels)
+                or self.scheduler.has_unfinished()
+                or self._inflight is not None
+                or (self._sink is not None and bool(self._ready))
             )
 
     def step(self) -> bool:
@@ -426,9 +451,7 @@ class Executor:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._stop_loop and not (
-                    self._cancels or self.scheduler.has_unfinished() or self._inflight is not None
-                ):
+                while not self._stop_loop and not self.has_work():
                     self._cv.wait()
                 if self._stop_loop:
                     return
@@ -440,7 +463,9 @@ class Executor:
                     for state in self._states.values():
                         if not state.final:
                             self._fail(state, EngineError(f"engine failure: {e!r}"))
+                self._flush()
                 return
+            self._flush()
 
     def shutdown(self) -> None:
         """Stop the background loop (requests in flight stay queued; step() can resume)."""

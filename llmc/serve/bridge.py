@@ -1,11 +1,12 @@
 """``ResponseBridge``: one replica's Responses carried from its Executor to the event loop.
 
-The Executor's loop thread emits Responses under its condition variable. Instead of one
-waiting thread per HTTP request (``asyncio.to_thread(await_responses, id)``, which at a
-few hundred streams costs a thread wake per request per step and exhausts the default
-thread pool), one dispatcher thread per replica calls ``LLM.await_responses()`` for every
-request at once and hands each batch to the event loop with one ``call_soon_threadsafe``.
-On the loop, each Response goes to the ``Channel`` of the HTTP request that owns its id.
+The Executor's loop thread makes each step's Responses. Instead of one waiting thread per
+HTTP request (``asyncio.to_thread(await_responses, id)``, a thread wake per request per
+step) or a dispatcher thread per replica (one more thread to wake and to win the GIL from
+the engine thread, per step), the bridge is the Executor's response sink
+(``Executor.set_response_sink``): the engine thread itself posts each step's batch to the
+event loop with one ``call_soon_threadsafe``, before it schedules the next step. On the
+loop, each Response goes to the ``Channel`` of the HTTP request that owns its id.
 
 Invariants:
 - ``submit`` enqueues and registers in one event-loop callback (no await between), and
@@ -20,9 +21,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 from llmc.runtime.responses import Response
@@ -70,17 +69,13 @@ class Channel:
 
 
 class ResponseBridge:
-    """The dispatcher of one ``llmc.LLM`` (see the module docstring)."""
+    """The response sink of one ``llmc.LLM``'s Executor (see the module docstring)."""
 
     def __init__(self, llm: Any, loop: asyncio.AbstractEventLoop, name: str = "") -> None:
-        self.llm = llm
-        self.loop = loop
+        self.llm, self.loop, self.name = llm, loop, name
         self._channels: dict[int, Channel] = {}
-        self._wake = threading.Event()
-        self._stop = False
-        self._on_final: Callable[[int], None] | None = None
-        self._thread = threading.Thread(target=self._run, name=f"llmc-serve-{name}", daemon=True)
-        self._thread.start()
+        self._executor = llm.executor
+        self._executor.set_response_sink(self._post)
 
     @property
     def open(self) -> int:
@@ -100,7 +95,6 @@ class ResponseBridge:
         except BaseException:
             self.cancel(ids)
             raise
-        self._wake.set()
         return ids
 
     def cancel(self, request_ids: list[int]) -> None:
@@ -127,25 +121,13 @@ class ResponseBridge:
             if not channel.closed:
                 channel.push(when, r)
 
-    def _run(self) -> None:
-        llm, wake = self.llm, self._wake
-        while not self._stop:
-            if not self._channels:
-                wake.wait(0.5)
-                wake.clear()
-                continue
-            try:
-                got = llm.await_responses(None, timeout=0.25)
-            except Exception:  # the LLM was shut down under us: stop dispatching
-                return
-            if got:
-                self.loop.call_soon_threadsafe(self._deliver, time.perf_counter(), got)
-            else:  # finals already handed over, not yet applied on the loop: no spin
-                wake.wait(0.002)
-                wake.clear()
+    def _post(self, batch: list[Response]) -> None:
+        """The Executor's sink (its loop thread): one loop callback per step's batch."""
+        try:
+            self.loop.call_soon_threadsafe(self._deliver, time.perf_counter(), batch)
+        except RuntimeError:  # the event loop is closed: the server is gone
+            pass
 
     def close(self) -> None:
-        """Stop the dispatcher thread (the LLM is the caller's to shut down)."""
-        self._stop = True
-        self._wake.set()
-        self._thread.join(timeout=5.0)
+        """Stop handing Responses to the loop (the LLM is the caller's to shut down)."""
+        self._executor.set_response_sink(None)

@@ -4,8 +4,8 @@ A ``Replica`` is one ``llmc.LLM`` (its own Executor loop thread) with its ``Resp
 the pool loads every replica (in a thread, so the server answers ``/health`` with 503 while
 it loads), picks a replica of the request's ``model`` by the routing policy (``pick``), and
 refuses with 503 + Retry-After when the chosen replica already holds ``max_batch_size +
-max_queue`` unfinished requests (``admit``). Shutdown stops each dispatcher, then each LLM (which
-cancels what is left and frees the device memory).
+max_queue`` unfinished requests (``admit``). Shutdown detaches each bridge, then stops each
+LLM (which cancels what is left and frees the device memory).
 
 Invariant: ``pick``, ``admit`` and ``Replica.load`` run on the event loop only; loading runs in one
 thread and publishes a replica by setting its ``llm`` last.

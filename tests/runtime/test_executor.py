@@ -286,3 +286,39 @@ def test_background_loop_failure_fails_open_requests_and_refuses_new_ones(tiny_t
     with pytest.raises(EngineError, match="the engine loop failed and stopped"):
         ex.enqueue_request(ids_request([3], n=1))
     ex.shutdown()
+
+
+def test_response_sink_gets_each_steps_responses_from_the_loop_thread(tiny_tok):
+    """With a sink, the loop thread hands over every Response (a step's in one call, an
+    enqueue refusal too) before the next step; await_responses sees none; unset, it does."""
+    ex = Executor(fake_parts(tokenizer=tiny_tok)).start()
+    calls: list[tuple[str, list]] = []
+    done = threading.Event()
+
+    def sink(batch) -> None:
+        calls.append((threading.current_thread().name, batch))
+        if sum(r.is_final for _, b in calls for r in b) == 3:
+            done.set()
+
+    try:
+        ex.set_response_sink(sink)
+        ids = [ex.enqueue_request(ids_request([3, 4, 5], n=4)) for _ in range(2)]
+        bad = ex.enqueue_request(ids_request([999_999], n=4))  # outside the vocabulary
+        assert done.wait(10.0)
+        assert {name for name, _ in calls} == {"llmc-executor"}
+        got: dict[int, list] = {}
+        for _, batch in calls:
+            assert len({r.request_id for r in batch}) == len(batch)  # one step: one each
+            for r in batch:
+                got.setdefault(r.request_id, []).append(r)
+        assert sorted(got) == sorted([*ids, bad])
+        for rid in ids:
+            assert_stream_consistent(got[rid])
+            assert len(got[rid][-1].token_ids) == 4
+        assert got[bad][0].error is not None
+        assert ex.await_responses(timeout=0.05) == []
+        ex.set_response_sink(None)
+        rid = ex.enqueue_request(ids_request([3], n=2))
+        assert_stream_consistent(drain(ex, [rid])[rid])
+    finally:
+        ex.shutdown()

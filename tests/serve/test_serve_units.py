@@ -166,44 +166,32 @@ def test_serve_command_line_refusals(tmp_path) -> None:
 
 
 class _FakeEngine:
-    """What ResponseBridge needs of an LLM: Responses emitted from another thread under a
-    condition variable, as the Executor does."""
+    """What ResponseBridge needs of an LLM: an Executor whose loop thread hands each
+    step's Responses to the response sink, as ``Executor.set_response_sink`` does."""
 
     def __init__(self) -> None:
-        self.cv = threading.Condition()
-        self.ready: list[Response] = []
-        self.open: set[int] = set()
+        self.executor = self
+        self.sink = None
         self.next_id = 0
 
+    def set_response_sink(self, sink) -> None:
+        self.sink = sink
+
     def enqueue_request(self, request) -> int:
-        with self.cv:
-            rid, self.next_id = self.next_id, self.next_id + 1
-            self.open.add(rid)
-            return rid
+        rid, self.next_id = self.next_id, self.next_id + 1
+        return rid
 
     def emit(self, rid: int, final: bool) -> None:
-        with self.cv:
-            self.ready.append(Response(rid, [1], "a", is_final=final))
-            if final:
-                self.open.discard(rid)
-            self.cv.notify_all()
-
-    def await_responses(self, ids, timeout):
-        deadline = time.perf_counter() + timeout
-        with self.cv:
-            while not self.ready and self.open and (left := deadline - time.perf_counter()) > 0:
-                self.cv.wait(left)
-            got, self.ready = self.ready, []
-            return got
+        self.sink([Response(rid, [1], "a", is_final=final)])
 
     def cancel_request(self, rid: int) -> bool:
         return False
 
 
 def test_the_bridge_wakes_at_once_for_an_idle_server_and_each_token() -> None:
-    """A request to an idle bridge (its dispatcher waiting for work) and each later token
-    reach the event loop without waiting out a poll interval (the idle wait is 0.5 s, the
-    response wait 0.25 s: a poll-driven bridge would show a median of 100s of ms)."""
+    """A request to an idle bridge and each later token reach the event loop as soon as the
+    engine thread posts them (no poll interval, no dispatcher thread in between); after
+    ``close`` the Executor keeps its Responses again."""
     engine = _FakeEngine()
 
     async def main() -> list[float]:
@@ -223,6 +211,7 @@ def test_the_bridge_wakes_at_once_for_an_idle_server_and_each_token() -> None:
             assert bridge.open == 0
         finally:
             bridge.close()
+        assert engine.sink is None
         return lags
 
     lags = sorted(asyncio.run(main()))
