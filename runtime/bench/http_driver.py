@@ -4,7 +4,9 @@
 requests and arrival modes (offline: all at once; concurrency N: N in flight; request_rate:
 gamma arrivals), the warm-up first and excluded, and the result as ``RequestRecord``s so
 that ``metrics.aggregate`` computes every number the in-process run has. Each request is a
-streamed ``POST {url}/completions`` (aiohttp, keep-alive connections): the prompt's token ids
+streamed ``POST {url}/completions`` (http://: ``sse_client``'s kept-alive plain TCP
+connections, one pre-encoded write per request, so that the client's own cost stays small
+inside what it times; https://: aiohttp): the prompt's token ids
 (text when the workload has no ids), ``max_tokens`` = the request's output length,
 ``temperature`` 0, ``ignore_eos`` (vLLM's, TensorRT-LLM's and llmc's extension, so outputs
 have exactly that length) and ``stream_options.include_usage``.
@@ -22,19 +24,24 @@ message.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from llmc.base.errors import ConfigError, UsageError
 from llmc.runtime.bench.benchmark import ProgressFn, WorkloadRun
+from llmc.runtime.bench.sse_client import SSEError, SSEPool
 from llmc.runtime.bench.workload import ArrivalSpec, WorkloadRequest, arrival_offsets
 from llmc.runtime.records import RequestRecord
 
 MAX_ERROR_CHARS = 300
+PLAIN_HTTP_CLIENT = True
+"""http:// through ``sse_client`` (False: aiohttp, as for https://; the overhead script
+``scripts/serve_client_overhead.py --client aiohttp`` compares the two)."""
 
 
 @dataclass(frozen=True)
@@ -83,46 +90,32 @@ def _carries_output(choice: dict[str, Any]) -> bool:
     return choice.get("finish_reason") is None or bool(choice.get("text"))
 
 
-async def _one(session: Any, endpoint: Endpoint, w: WorkloadRequest, rec: RequestRecord) -> None:
-    """Send one request and fill its record (errors included: never raises)."""
-    import aiohttp
-
-    rec.arrival_time = time.perf_counter()
+async def _fill(rec: RequestRecord, events: AsyncIterator[tuple[float, bytes]]) -> None:
+    """Fill ``rec`` from a stream's ``data:`` payloads (each with the time it was read),
+    read to the stream's end (so that its connection can be reused)."""
     chunks = 0
     usage: dict[str, Any] | None = None
-    try:
-        async with session.post(
-            endpoint.completions_url, data=request_body(endpoint, w), headers=endpoint.headers()
-        ) as resp:
-            if resp.status != 200:
-                text = (await resp.text())[:MAX_ERROR_CHARS]
-                rec.error = f"HTTP {resp.status}: {text}"
-                return
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                now = time.perf_counter()
-                if data == b"[DONE]":
-                    rec.finish_time = now
-                    break
-                obj = json.loads(data)
-                if "error" in obj:
-                    rec.error = f"error event: {json.dumps(obj['error'])[:MAX_ERROR_CHARS]}"
-                    return
-                for choice in obj.get("choices") or ():
-                    if _carries_output(choice):
-                        if rec.first_token_time is None:
-                            rec.first_token_time = now
-                        rec.token_times.append(now)
-                        chunks += 1
-                    if choice.get("finish_reason") is not None:
-                        rec.finish_reason = str(choice["finish_reason"])
-                if obj.get("usage"):
-                    usage = obj["usage"]
-    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError, OSError) as e:
-        rec.error = f"{type(e).__name__}: {e}"[:MAX_ERROR_CHARS]
+    async for now, data in events:
+        if rec.finish_time is not None or rec.error is not None:
+            continue  # after [DONE] or an error event: read on to the end
+        if data == b"[DONE]":
+            rec.finish_time = now
+            continue
+        obj = json.loads(data)
+        if "error" in obj:
+            rec.error = f"error event: {json.dumps(obj['error'])[:MAX_ERROR_CHARS]}"
+            continue
+        for choice in obj.get("choices") or ():
+            if _carries_output(choice):
+                if rec.first_token_time is None:
+                    rec.first_token_time = now
+                rec.token_times.append(now)
+                chunks += 1
+            if choice.get("finish_reason") is not None:
+                rec.finish_reason = str(choice["finish_reason"])
+        if obj.get("usage"):
+            usage = obj["usage"]
+    if rec.error is not None:
         return
     if rec.finish_time is None:
         rec.error = "the stream ended without data: [DONE]"
@@ -134,6 +127,77 @@ async def _one(session: Any, endpoint: Endpoint, w: WorkloadRequest, rec: Reques
         rec.num_output_tokens = chunks
 
 
+async def _aiohttp_events(resp: Any) -> AsyncIterator[tuple[float, bytes]]:
+    async for raw in resp.content:
+        line = raw.strip()
+        if line.startswith(b"data:"):
+            yield time.perf_counter(), line[5:].strip()
+
+
+ERRORS: tuple[type[BaseException], ...] = (
+    SSEError,
+    asyncio.TimeoutError,
+    json.JSONDecodeError,
+    OSError,
+    ValueError,
+    asyncio.IncompleteReadError,
+    asyncio.LimitOverrunError,
+)
+
+
+def _failed(rec: RequestRecord, e: BaseException) -> None:
+    rec.error = f"{type(e).__name__}: {e}"[:MAX_ERROR_CHARS]
+
+
+async def _one_aiohttp(
+    session: Any, endpoint: Endpoint, w: WorkloadRequest, rec: RequestRecord
+) -> None:
+    """Send one request with aiohttp (https) and fill its record (never raises)."""
+    import aiohttp
+
+    rec.arrival_time = time.perf_counter()
+    try:
+        async with session.post(
+            endpoint.completions_url, data=request_body(endpoint, w), headers=endpoint.headers()
+        ) as resp:
+            if resp.status != 200:
+                text = (await resp.text())[:MAX_ERROR_CHARS]
+                rec.error = f"HTTP {resp.status}: {text}"
+                return
+            await _fill(rec, _aiohttp_events(resp))
+    except (aiohttp.ClientError, *ERRORS) as e:
+        _failed(rec, e)
+
+
+async def _one_plain(
+    pool: SSEPool, endpoint: Endpoint, w: WorkloadRequest, rec: RequestRecord
+) -> None:
+    """Send one request over a kept-alive plain-TCP connection (``sse_client``) and fill
+    its record (never raises). Arrival is taken before the connection is acquired, as
+    aiohttp's is."""
+    request = pool.request_bytes("/completions", request_body(endpoint, w), endpoint.headers())
+    rec.arrival_time = time.perf_counter()
+    conn = None
+
+    async def exchange() -> None:
+        nonlocal conn
+        conn = await pool.acquire()
+        status, _ = await conn.post(request)
+        if status != 200:
+            text = (await conn.read_all()).decode("utf-8", "replace")[:MAX_ERROR_CHARS]
+            rec.error = f"HTTP {status}: {text}"
+            return
+        await _fill(rec, conn.events())
+
+    try:
+        await asyncio.wait_for(exchange(), endpoint.timeout_s)
+    except ERRORS as e:
+        _failed(rec, e)
+    finally:
+        if conn is not None:
+            pool.release(conn)
+
+
 async def _drive(
     endpoint: Endpoint,
     reqs: Sequence[WorkloadRequest],
@@ -141,21 +205,18 @@ async def _drive(
     progress: ProgressFn | None,
     first_id: int,
 ) -> tuple[list[RequestRecord], float, float]:
-    import aiohttp
-
     limit = arrival.concurrency if arrival.mode == "concurrency" else len(reqs)
+    limit = max(1, int(limit or 1))
     records = [
         RequestRecord(request_id=first_id + i, arrival_time=0.0, num_prompt_tokens=w.input_len or 0)
         for i, w in enumerate(reqs)
     ]
-    timeout = aiohttp.ClientTimeout(total=endpoint.timeout_s)
-    connector = aiohttp.TCPConnector(limit=max(1, int(limit or 1)), ttl_dns_cache=300)
-    done = 0
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+    async with _client(endpoint, limit) as send:
+        done = 0
 
         async def run(i: int) -> None:
             nonlocal done
-            await _one(session, endpoint, reqs[i], records[i])
+            await send(reqs[i], records[i])
             done += 1
             if progress is not None:
                 progress(done, len(reqs))
@@ -177,9 +238,28 @@ async def _drive(
                 for i in queue:
                     await run(i)
 
-            await asyncio.gather(*(worker() for _ in range(max(1, int(limit or 1)))))
+            await asyncio.gather(*(worker() for _ in range(limit)))
         end = time.perf_counter()
     return records, start, end
+
+
+@contextlib.asynccontextmanager
+async def _client(endpoint: Endpoint, limit: int) -> AsyncIterator[Any]:
+    """``send(workload request, record)`` over plain TCP (``sse_client``) for http://, or
+    aiohttp for https:// (TLS), with at most ``limit`` connections."""
+    if PLAIN_HTTP_CLIENT and endpoint.url.startswith("http://"):
+        pool = SSEPool(endpoint.url)
+        try:
+            yield lambda w, rec: _one_plain(pool, endpoint, w, rec)
+        finally:
+            pool.close()
+        return
+    import aiohttp
+
+    timeout = aiohttp.ClientTimeout(total=endpoint.timeout_s)
+    connector = aiohttp.TCPConnector(limit=limit, ttl_dns_cache=300)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        yield lambda w, rec: _one_aiohttp(session, endpoint, w, rec)
 
 
 def run_http_workload(

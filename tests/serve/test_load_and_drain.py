@@ -18,7 +18,9 @@ PROMPTS = ["ab", "cd", "ef", "gh"]
 
 
 async def _stream(session, url: str, prompt: str, max_tokens: int, leave: bool) -> str | None:
-    """The streamed text, or None for a client that leaves after its first chunk."""
+    """The streamed text; for a client that leaves after its first chunk, None, or "served"
+    when that chunk already finished the request (a server that fell behind the engine
+    merges a choice's deltas: on a loaded machine a whole answer can be one chunk)."""
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "stream": True}  # fmt: skip
     text = ""
@@ -30,10 +32,11 @@ async def _stream(session, url: str, prompt: str, max_tokens: int, leave: bool) 
                 continue
             if line == "data: [DONE]":
                 return text
-            text += json.loads(line[6:])["choices"][0]["text"]
+            choice = json.loads(line[6:])["choices"][0]
+            text += choice["text"]
             if leave:
                 resp.close()  # the connection drops mid-stream
-                return None
+                return None if choice["finish_reason"] is None else "served"
     raise AssertionError("stream ended without [DONE]")
 
 
@@ -71,25 +74,27 @@ def test_200_streams_with_10_percent_leaving(start_server, serve_engine) -> None
         timeout = aiohttp.ClientTimeout(total=120)
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-            jobs = [
-                _stream(session, url, PROMPTS[i % 4], max_tokens, leave=i % 10 == 3)
+            jobs = [  # a leaving client asks for more tokens: its request runs on after it left
+                _stream(session, url, PROMPTS[i % 4], 100 if i % 10 == 3 else max_tokens,
+                        leave=i % 10 == 3)
                 for i in range(200)
-            ]
+            ]  # fmt: skip
             return await asyncio.wait_for(asyncio.gather(*jobs), 150)
 
     t0 = time.monotonic()
     texts = asyncio.run(main())
     assert time.monotonic() - t0 < 150
-    assert sum(t is None for t in texts) == 20
+    left = sum(t is None for t in texts)
+    assert left >= 1 and left + sum(t == "served" for t in texts) == 20
     for i, text in enumerate(texts):
-        if text is not None:
+        if i % 10 != 3:
             assert text == expected[PROMPTS[i % 4]], i
     m = _wait_idle(server.port)
     assert metric(m, "llmc_requests_running") == 0
     assert metric(m, "llmc_kv_cache_blocks_used") == 0
     assert metric(m, "llmc_server_requests_unfinished") == 0
-    assert metric(m, "llmc_requests_total", outcome="cancelled") == 20
-    assert metric(m, "llmc_requests_total", outcome="success") == 180 + len(PROMPTS)
+    assert metric(m, "llmc_requests_total", outcome="cancelled") == left
+    assert metric(m, "llmc_requests_total", outcome="success") == 200 - left + len(PROMPTS)
 
 
 def _open_stream(port: int, body: dict):
