@@ -8,10 +8,13 @@
 # 3. in-process: 128/128, N requests at concurrency C (3,000 at 256), then concurrency 1;
 # 4. starts `llmc serve` on 127.0.0.1, runs the same two workloads through
 #    `llmc bench --url`, then stops the server with SIGTERM (it must drain and exit 0);
-# 5. prints ONE summary (scripts/serve_summary.py) and packs every result into $OUT.
+# 5. prints ONE summary (scripts/serve_summary.py: the two targets, and where the served
+#    first token's time went: the server's admit/queue/compute/deliver stages of each HTTP
+#    run, from /metrics scraped after each) and packs every result into $OUT.
 # Env: N (3000), CONC (256), N_C1 (32 requests, 128/32), PORT (8000), LLMC_COMMIT (the commit
 # to name: the device copy of the tree keeps a stale .git); for a CPU dry run of the script:
-# ENGINE=DIR (skip the build), ISL/OSL, SKIP_WHEELS=1, EXTRA="--device cpu".
+# ENGINE=DIR (skip the build), ISL/OSL, SKIP_WHEELS=1, EXTRA="--device cpu". EXTRA goes to
+# the in-process runs and to the server alike (e.g. EXTRA="--max_num_tokens 2048").
 set -u
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$REPO/serve-out}
@@ -94,10 +97,14 @@ EOF
 }
 if ready 180; then
     log "server ready"
+    scrape() {  # the server's /metrics into $RES/$1 (the summary subtracts one from the next)
+        $PY -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:$PORT/metrics').read().decode())" \
+            > "$RES/$1" 2>&1
+    }
     run http_256 150 --url "$URL" --model llama3-8b --engine_dir "$ENG" "${W256[@]}"
+    scrape metrics_256.txt
     run http_c1 90 --url "$URL" --model llama3-8b --engine_dir "$ENG" "${WC1[@]}"
-    $PY -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:$PORT/metrics').read().decode())" \
-        > "$RES/metrics.txt" 2>&1
+    scrape metrics.txt
 else
     log "server did not get ready"; tail -20 "$RES/serve.log"; status=1
 fi

@@ -6,7 +6,7 @@ engines only through ``llmc.LLM``'s request verbs (``enqueue_request``, ``await_
 ``cancel_request``, ``kv_stats``, ``scheduler_stats``); there is no second scheduling path.
 
 Files, one job each: ``config`` (ServeConfig, engine specs), ``routing`` (replica policies),
-``bridge`` (one dispatcher thread per replica: Responses → asyncio), ``engines`` (the pool of
+``bridge`` (the Executor's response sink: each step's Responses → asyncio), ``engines`` (the pool of
 replicas by model name, loading and shutdown), ``schema`` (OpenAI request bodies),
 ``translate`` (OpenAI request → llmc Requests), ``formatting`` (llmc Responses → OpenAI JSON
 and SSE chunks), ``generation`` (one HTTP request's generations: submit, stream, collect,

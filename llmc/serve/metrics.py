@@ -10,7 +10,7 @@ and where a streamed request's time to first token went (``llmc_first_token_stag
 label ``stage``: ``admit`` = HTTP arrival → the engine's enqueue (body, validation, plan),
 ``queue`` = enqueue → first scheduled step, ``compute`` = that step → the first token on the
 host (the engine's own records), ``deliver`` = that token → its chunk written by the event
-loop (dispatcher thread and loop hop); the four add up to arrival → first chunk sent).
+loop (the engine thread's post and the loop hop); the four add up to arrival → first chunk sent).
 
 Read from each replica at scrape time (``ReplicaCollector``, through ``llmc.LLM``'s
 ``scheduler_stats`` and ``kv_stats``): running and waiting requests, KV blocks used and

@@ -8,9 +8,9 @@ clients get an answer, not a refused connection), in-flight generations get up t
 ``drain_timeout`` seconds to finish, what is left is then cancelled, and the process exits
 0. A second Ctrl-C exits at once.
 
-The event loop is uvloop when installed and HTTP parsing httptools (uvicorn's ``auto``);
-the interpreter's GIL switch interval is lowered while serving, so the Executor's loop
-thread gets the GIL back promptly from the event loop at every step.
+The event loop is uvloop when installed and HTTP parsing httptools (uvicorn's ``auto``; the
+``ready`` line names both); the interpreter's GIL switch interval is lowered while serving,
+so the Executor's loop thread gets the GIL back promptly from the event loop at every step.
 """
 
 from __future__ import annotations
@@ -69,7 +69,10 @@ class _Server(uvicorn.Server):
             self.should_exit = True
         elif self.state.phase == "loading":
             self.state.phase = "ready"
-            self.say("llmc serve: ready")
+            loop = type(asyncio.get_running_loop()).__module__.split(".")[0]
+            proto = getattr(self.config, "http_protocol_class", None)
+            http = getattr(proto, "__name__", "?").removesuffix("Protocol").lower()
+            self.say(f"llmc serve: ready (event loop {loop}, HTTP {http})")
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         if self.should_exit or self._loop is None or self.state.phase != "ready":
