@@ -11,6 +11,8 @@
 # 5. prints ONE summary (scripts/serve_summary.py: the two targets, and where the served
 #    first token's time went: the server's admit/queue/compute/deliver stages of each HTTP
 #    run, from /metrics scraped after each) and packs every result into $OUT.
+# 6. with MNT2=T (e.g. 2048): the concurrency-256 pair once more with --max_num_tokens T on
+#    both sides (shorter mixed steps: docs/SERVE.md "Where the served time goes"), ~80 s more.
 # Env: N (3000), CONC (256), N_C1 (32 requests, 128/32), PORT (8000), LLMC_COMMIT (the commit
 # to name: the device copy of the tree keeps a stale .git); for a CPU dry run of the script:
 # ENGINE=DIR (skip the build), ISL/OSL, SKIP_WHEELS=1, EXTRA="--device cpu". EXTRA goes to
@@ -73,10 +75,6 @@ run() {  # name, timeout, bench flags...
 run inproc_256 150 --engine_dir "$ENG" "${W256[@]}" ${EXTRA:-}
 run inproc_c1 90 --engine_dir "$ENG" "${WC1[@]}" ${EXTRA:-}
 
-log "llmc serve on 127.0.0.1:$PORT"
-$LLMC serve --engine "llama3-8b=$ENG" --host 127.0.0.1 --port "$PORT" ${EXTRA:-} \
-    > "$RES/serve.log" 2>&1 &
-SERVER=$!
 ready() {  # wait up to $1 s for /health to say 200 while the server lives (no curl needed)
     $PY - "$1" "$PORT" "$SERVER" <<'EOF'
 import os, sys, time, urllib.request
@@ -95,24 +93,44 @@ while time.monotonic() < deadline:
 sys.exit(1)
 EOF
 }
-if ready 180; then
-    log "server ready"
-    scrape() {  # the server's /metrics into $RES/$1 (the summary subtracts one from the next)
-        $PY -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:$PORT/metrics').read().decode())" \
-            > "$RES/$1" 2>&1
-    }
+scrape() {  # the server's /metrics into $RES/$1 (the summary subtracts one from the next)
+    $PY -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:$PORT/metrics').read().decode())" \
+        > "$RES/$1" 2>&1
+}
+serve_start() {  # log file, extra serve flags...
+    local logf=$1; shift
+    log "llmc serve on 127.0.0.1:$PORT $*"
+    $LLMC serve --engine "llama3-8b=$ENG" --host 127.0.0.1 --port "$PORT" "$@" \
+        > "$RES/$logf" 2>&1 &
+    SERVER=$!
+    if ready 180; then
+        log "server ready: $(grep -m1 'ready' "$RES/$logf")"
+        return 0
+    fi
+    log "server did not get ready"; tail -20 "$RES/$logf"; status=1
+    return 1
+}
+serve_stop() {
+    kill -TERM $SERVER 2>/dev/null
+    timeout 60 tail --pid=$SERVER -f /dev/null
+    wait $SERVER; local rc=$?
+    log "server exited with $rc after SIGTERM (0 expected)"
+    [ "$rc" = 0 ] || status=1
+}
+if serve_start serve.log ${EXTRA:-}; then
     run http_256 150 --url "$URL" --model llama3-8b --engine_dir "$ENG" "${W256[@]}"
     scrape metrics_256.txt
     run http_c1 90 --url "$URL" --model llama3-8b --engine_dir "$ENG" "${WC1[@]}"
     scrape metrics.txt
-else
-    log "server did not get ready"; tail -20 "$RES/serve.log"; status=1
 fi
-kill -TERM $SERVER 2>/dev/null
-timeout 60 tail --pid=$SERVER -f /dev/null
-wait $SERVER; rc=$?
-log "server exited with $rc after SIGTERM (0 expected)"
-[ "$rc" = 0 ] || status=1
+serve_stop
+if [ -n "${MNT2:-}" ]; then  # the 256 pair again with a smaller step budget on both sides
+    run inproc_256_mnt 150 --engine_dir "$ENG" "${W256[@]}" ${EXTRA:-} --max_num_tokens "$MNT2"
+    if serve_start serve_mnt.log ${EXTRA:-} --max_num_tokens "$MNT2"; then
+        run http_256_mnt 150 --url "$URL" --model llama3-8b --engine_dir "$ENG" "${W256[@]}"
+    fi
+    serve_stop
+fi
 cp "$RES/serve.log" "$OUT/serve.log"
 pack
 $PY "$REPO/scripts/serve_summary.py" "$RES" | tee "$OUT/serve_summary.md"

@@ -35,6 +35,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from llmc.runtime.bench import http_driver
 from llmc.runtime.bench.benchmark import run_workload
 from llmc.runtime.bench.http_driver import Endpoint, run_http_workload
 from llmc.runtime.bench.workload import ArrivalSpec, SyntheticSpec, synthetic_workload
@@ -263,8 +264,15 @@ def main() -> int:
     ap.add_argument("--isl", type=int, default=128)
     ap.add_argument("--osl", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument(
+        "--client",
+        choices=("plain", "aiohttp"),
+        default="plain",
+        help="the bench driver's HTTP client (http_driver.PLAIN_HTTP_CLIENT)",
+    )
     ap.add_argument("--json", help="write every number to this file")
     args = ap.parse_args()
+    http_driver.PLAIN_HTTP_CLIENT = args.client == "plain"
     result = run(args)
     report(result)
     if args.json:

@@ -133,6 +133,9 @@ def stage_rows(d: Path, runs: dict[str, Any]) -> list[dict[str, Any]]:
 def main(directory: str) -> int:
     d = Path(directory)
     runs = {n: _load(d, n) for n in ("inproc_256", "http_256", "inproc_c1", "http_c1")}
+    extra = {n: _load(d, n) for n in ("inproc_256_mnt", "http_256_mnt")}  # MNT2 runs
+    if any(extra.values()):
+        runs.update(extra)
     rows = []
     for name, r in runs.items():
         a = _dig(r, "aggregates") or {}
@@ -167,6 +170,15 @@ def main(directory: str) -> int:
     met = "met" if summary["ttft_target_met"] else "NOT met"
     print(f"- TTFT p50 at concurrency 1, HTTP - in-process: {_f(gap_ms, 1, ',.2f')} ms "
           f"(target <= 2 ms: {met})")  # fmt: skip
+    if "http_256_mnt" in runs:
+        mnt_in = _dig(runs["inproc_256_mnt"], "aggregates", "output_tokens_per_s")
+        mnt_http = _dig(runs["http_256_mnt"], "aggregates", "output_tokens_per_s")
+        summary["throughput_share_mnt"] = mnt_share = (
+            mnt_http / mnt_in if mnt_in and mnt_http else None
+        )
+        vs_default = mnt_in / tput_in if mnt_in and tput_in else None
+        print(f"- the same with MNT2 (--max_num_tokens on both sides): {_f(mnt_share, 100)} %; "
+              f"in-process MNT2 / default: {_f(vs_default, 100)} %")  # fmt: skip
     stages = stage_rows(d, runs)
     summary["first_token_stages"] = stages
     if stages:

@@ -40,6 +40,8 @@ class SSEConnection:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader, self.writer = reader, writer
         self.reusable = False
+        self._headers: dict[str, str] = {}
+        self._status = 0
 
     def close(self) -> None:
         self.reusable = False
@@ -64,14 +66,16 @@ class SSEConnection:
             name, sep, value = line.partition(":")
             if sep:
                 headers[name.strip().lower()] = value.strip()
-        self._headers = headers
-        return int(parts[1]), headers
+        self._headers, self._status = headers, int(parts[1])
+        return self._status, headers
 
     async def body(self) -> AsyncIterator[tuple[float, bytes]]:
         """The body's bytes as they arrive: (read time, bytes). Marks the connection
         reusable once the body ended as its framing says."""
         h, reader = self._headers, self.reader
-        if "chunked" in h.get("transfer-encoding", "").lower():
+        if self._status in (204, 304) or 100 <= self._status < 200:
+            pass  # no body (RFC 9112 6.3)
+        elif "chunked" in h.get("transfer-encoding", "").lower():
             while True:
                 size_line = await reader.readuntil(b"\r\n")
                 size = int(size_line.split(b";", 1)[0], 16)
