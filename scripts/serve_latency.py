@@ -35,6 +35,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, for serve_summary
+
+from serve_summary import hist_median, hist_minus, parse_histograms  # noqa: E402
+
 from llmc.runtime.bench import http_driver
 from llmc.runtime.bench.benchmark import run_workload
 from llmc.runtime.bench.http_driver import Endpoint, run_http_workload
@@ -126,52 +130,6 @@ class Server:
         return self.proc.wait(60)
 
 
-def histograms(text: str, name: str) -> dict[str, dict[str, Any]]:
-    """{stage or '': {'sum', 'count', 'buckets': [(le, cumulative)]}} of one histogram."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out: dict[str, dict[str, Any]] = {}
-    for fam in text_string_to_metric_families(text):
-        if fam.name != name:
-            continue
-        for s in fam.samples:
-            h = out.setdefault(s.labels.get("stage", ""), {"sum": 0.0, "count": 0, "buckets": []})
-            if s.name.endswith("_sum"):
-                h["sum"] = s.value
-            elif s.name.endswith("_count"):
-                h["count"] = int(s.value)
-            elif s.name.endswith("_bucket"):
-                h["buckets"].append((float(s.labels["le"]), s.value))
-    return out
-
-
-def minus(a: dict[str, Any], b: dict[str, Any] | None) -> dict[str, Any]:
-    """Histogram ``a`` minus an earlier scrape ``b`` (the requests in between)."""
-    if b is None:
-        return a
-    prev = dict(b["buckets"])
-    return {
-        "sum": a["sum"] - b["sum"],
-        "count": a["count"] - b["count"],
-        "buckets": [(le, c - prev.get(le, 0.0)) for le, c in a["buckets"]],
-    }
-
-
-def median_of(h: dict[str, Any]) -> float | None:
-    """The median of a histogram, linear inside its bucket."""
-    n = h["count"]
-    if not n:
-        return None
-    lo, below = 0.0, 0.0
-    for le, cum in sorted(h["buckets"]):
-        if cum >= n / 2:
-            if le == float("inf"):
-                return lo
-            return lo + (le - lo) * (n / 2 - below) / max(cum - below, 1e-9)
-        lo, below = le, cum
-    return lo
-
-
 def _pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -207,14 +165,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for i in range(args.rounds):
             warm, reqs = workload(1000 + i)
             inproc = run_workload(llm, reqs, c1, warmup=warm)
-            before = histograms(server.metrics(), "llmc_first_token_stage_seconds")
-            served_before = histograms(server.metrics(), "llmc_time_to_first_token_seconds")
-            http = run_http_workload(endpoint, reqs, c1, warmup=warm)
+            run_http_workload(endpoint, warm, c1)  # warm-up apart: the scrapes see none of it
+            scrape = parse_histograms(server.metrics())
+            before = scrape.get("llmc_first_token_stage_seconds", {})
+            served_before = scrape.get("llmc_time_to_first_token_seconds", {})
+            http = run_http_workload(endpoint, reqs, c1)
             text = server.metrics()
-            stages = histograms(text, "llmc_first_token_stage_seconds")
-            served = minus(
-                histograms(text, "llmc_time_to_first_token_seconds")[""], served_before.get("")
-            )
+            now = parse_histograms(text)
+            stages = now["llmc_first_token_stage_seconds"]
+            served = hist_minus(now["llmc_time_to_first_token_seconds"][""], served_before.get(""))
             t_in, t_http = _ttfts(inproc.requests), _ttfts(http.requests)
             row = {
                 "inproc_p10_ms": _pct(t_in, 0.1) * 1e3,
@@ -224,12 +183,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "http_p50_ms": statistics.median(t_http) * 1e3,
                 "http_mean_ms": statistics.mean(t_http) * 1e3,
                 "server_ttft_mean_ms": served["sum"] / max(1, served["count"]) * 1e3,
-                "server_ttft_p50_ms": (median_of(served) or 0.0) * 1e3,
+                "server_ttft_p50_ms": (hist_median(served) or 0.0) * 1e3,
             }
             for s in STAGES:
-                h = minus(stages[s], before.get(s))
+                h = hist_minus(stages[s], before.get(s))
                 row[f"{s}_mean_ms"] = h["sum"] / max(1, h["count"]) * 1e3
-                row[f"{s}_p50_ms"] = (median_of(h) or 0.0) * 1e3
+                row[f"{s}_p50_ms"] = (hist_median(h) or 0.0) * 1e3
             row["gap_p50_ms"] = row["http_p50_ms"] - row["inproc_p50_ms"]
             row["gap_p10_ms"] = row["http_p10_ms"] - row["inproc_p10_ms"]
             row["client_mean_ms"] = row["http_mean_ms"] - row["server_ttft_mean_ms"]

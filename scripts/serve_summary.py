@@ -49,12 +49,16 @@ LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
 def _histograms(d: Path, name: str) -> dict[str, dict[str, Any]] | None:
-    """{histogram: {label 'stage' or '': {'sum', 'count', 'buckets': {le: n}}}} of a
-    Prometheus text file (every model summed), None when the file is missing."""
+    """``parse_histograms`` of a file; None when it is missing."""
     try:
-        text = (d / name).read_text()
+        return parse_histograms((d / name).read_text())
     except OSError:
         return None
+
+
+def parse_histograms(text: str) -> dict[str, dict[str, Any]]:
+    """{histogram: {label 'stage' or '': {'sum', 'count', 'buckets': {le: n}}}} of
+    Prometheus text (every model summed)."""
     out: dict[str, dict[str, Any]] = {}
     for line in text.splitlines():
         m = SAMPLE.match(line.strip())
@@ -75,7 +79,7 @@ def _histograms(d: Path, name: str) -> dict[str, dict[str, Any]] | None:
     return out
 
 
-def _minus(a: dict[str, Any], b: dict[str, Any] | None) -> dict[str, Any]:
+def hist_minus(a: dict[str, Any], b: dict[str, Any] | None) -> dict[str, Any]:
     if b is None:
         return a
     return {
@@ -85,7 +89,8 @@ def _minus(a: dict[str, Any], b: dict[str, Any] | None) -> dict[str, Any]:
     }
 
 
-def _median(h: dict[str, Any]) -> float | None:
+def hist_median(h: dict[str, Any]) -> float | None:
+    """The median of a histogram, linear inside its bucket; None when it is empty."""
     n, lo, below = h["count"], 0.0, 0.0
     if n <= 0:
         return None
@@ -115,13 +120,13 @@ def stage_rows(d: Path, runs: dict[str, Any]) -> list[dict[str, Any]]:
         fam = now.get("llmc_first_token_stage_seconds", {})
         base = (before or {}).get("llmc_first_token_stage_seconds", {})
         for s in STAGES:
-            h = _minus(fam[s], base.get(s)) if s in fam else None
+            h = hist_minus(fam[s], base.get(s)) if s in fam else None
             ok = h is not None and h["count"] > 0
             row[f"{s}_mean_ms"] = h["sum"] / h["count"] * 1e3 if ok else None
-            row[f"{s}_p50_ms"] = (_median(h) or 0.0) * 1e3 if ok else None
+            row[f"{s}_p50_ms"] = (hist_median(h) or 0.0) * 1e3 if ok else None
         ttft = now.get("llmc_time_to_first_token_seconds", {}).get("")
         if ttft is not None:
-            h = _minus(ttft, (before or {}).get("llmc_time_to_first_token_seconds", {}).get(""))
+            h = hist_minus(ttft, (before or {}).get("llmc_time_to_first_token_seconds", {}).get(""))
             row["server_ttft_mean_ms"] = h["sum"] / h["count"] * 1e3 if h["count"] else None
         row["client_ttft_mean_ms"] = _dig(runs.get(name), "aggregates", "ttft", "mean")
         if row["client_ttft_mean_ms"] is not None:
