@@ -16,14 +16,15 @@ from typing import Any
 from llmc.base.errors import ConfigError, UnsupportedError, did_you_mean
 from llmc.compiler.input_bounds import check_field_types
 from llmc.compiler.limits import (
+    BUILD_QUANTIZATIONS,
     DTYPES,
     KV_CACHE_DTYPES,
-    QUANTIZATIONS,
     check_chunked_prefill,
     check_input_len,
     check_positive_int,
 )
 from llmc.compiler.quantization import check_choice, check_fp8_target
+from llmc.compiler.wo_layout import DEFAULT_GROUP_SIZE, check_group_size
 
 LOAD_FORMATS = ("auto", "dummy")
 
@@ -48,9 +49,13 @@ class BuildConfig:
     """KV-cache page size in tokens."""
     dtype: str = "bfloat16"
     """Activation dtype (and the weights' where not quantized): float32, float16 or bfloat16."""
-    quantization: str = "none"
-    """Weights: 'none' (in dtype) or 'fp8' (W8A8: e4m3 projections with per-channel scales,
-    computed at build; a pre-quantized FP8 checkpoint keeps its codes)."""
+    quantization: str = "auto"
+    """Weights: 'auto' (a GGUF's quantized blocks kept as they are, else 'none'), 'none' (in
+    dtype; a GGUF dequantized), 'fp8' (W8A8: e4m3 projections with per-channel scales,
+    computed at build; a pre-quantized FP8 checkpoint keeps its codes), 'int8_wo' / 'int4_wo'
+    (weight-only, round-to-nearest at build from a float checkpoint)."""
+    group_size: int = DEFAULT_GROUP_SIZE
+    """int4_wo: elements along K sharing one scale and offset (a power of two dividing K)."""
     kv_cache_dtype: str = "auto"
     """KV cache elements: 'auto' (dtype) or 'fp8' (e4m3, one k/v scale pair per layer)."""
     target: str = "auto"
@@ -79,7 +84,8 @@ class BuildConfig:
             if getattr(self, name) is not None:
                 check_positive_int(name, getattr(self, name))
         check_choice("dtype", self.dtype, DTYPES)
-        check_choice("quantization", self.quantization, QUANTIZATIONS)
+        check_choice("quantization", self.quantization, BUILD_QUANTIZATIONS)
+        check_group_size(self.group_size)
         check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         if self.load_format not in LOAD_FORMATS:
             raise ConfigError(

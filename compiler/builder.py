@@ -39,6 +39,7 @@ from llmc.base import version
 from llmc.base.errors import CheckpointError, ConfigError, UsageError
 from llmc.compiler.build_config import BuildConfig
 from llmc.compiler.engine_format import KERNELS_DIR, write_engine_files
+from llmc.compiler.gguf_native import NativePlan, native_plan, resolve_gguf_quantization
 from llmc.compiler.hf_reader import TOKENIZER_FILES, read_json
 from llmc.compiler.limits import EngineLimits
 from llmc.compiler.memory_plan import MemoryPlan, plan_memory
@@ -52,6 +53,7 @@ from llmc.compiler.output_dir import (
 from llmc.compiler.quantization import describe
 from llmc.compiler.resolve import ResolvedBuild, detect_gpu, device_memory, resolve_build
 from llmc.compiler.spec import ModelSpec
+from llmc.compiler.wo_layout import WeightLayout, families, layouts_to_manifest, wo_layouts
 from llmc.cuda.build import compile_engine_kernels
 
 if TYPE_CHECKING:
@@ -87,6 +89,8 @@ class BuildResult:
     manifest: dict[str, Any] | None = field(default=None, repr=False)
     cleaned: tuple[str, ...] = ()
     """Stale temp dirs of interrupted builds removed from the output's parent."""
+    quantization: dict[str, Any] = field(default_factory=dict, repr=False)
+    """The manifest's ``quantization`` section (also for a dry run)."""
 
     @property
     def dry_run(self) -> bool:
@@ -102,6 +106,7 @@ class BuildResult:
             "cleaned_temp_dirs": list(self.cleaned),
             "timings_s": self.timings_s,
             "plan": self.plan.to_dict(),
+            "quantization": self.quantization,
         }
 
 
@@ -205,7 +210,10 @@ def build(
     gpu = detect_gpu()
     with phase("read", "model config"):
         spec, hf_config, source = _read_spec(config, model_config)
-        resolved, notes = resolve_build(config, spec, gpu)
+        native = _native_plan(config, spec, model_config)
+        asked = resolve_gguf_quantization(config.quantization, native, source)
+        resolved, notes = resolve_build(config, spec, gpu, asked)
+        layouts = _layouts(spec, resolved.limits.quantization, config.group_size, native)
     with phase("plan", "memory plan"):
         mem, mem_source = device_memory(config, gpu)
         plan = plan_memory(
@@ -214,13 +222,19 @@ def build(
             device_memory_bytes=mem,
             memory_source=mem_source,
             kv_cache_free_gpu_mem_fraction=config.kv_cache_free_gpu_mem_fraction,
+            layouts=layouts,
         )
         if mem is None:
             plan = _with_note(plan, f"KV capacity not computed: {mem_source}")
-    if dry_run:
-        return BuildResult(spec, resolved, plan, notes, phase.timings)
-
     dummy = resolved.load_format == "dummy"
+    wo_section = _wo_section(spec, layouts, native if asked == "gguf" else None, plan)
+    fmt = "dummy" if dummy else "gguf" if native is not None else "hf"
+    quant = _quantization_notes(resolved.limits, None, fmt, wo_section)
+    if dry_run:
+        return BuildResult(
+            spec, resolved, plan, notes, phase.timings, quantization=quant["section"]
+        )
+
     # Before the long work: the output location is usable (a read-only or missing parent,
     # too little space) and the stale temp dirs of interrupted builds are gone.
     tmp, cleaned = make_temp_dir(out)
@@ -230,12 +244,12 @@ def build(
             if dummy:
                 weights, tok_files = None, _dummy_tokenizer_files(config.checkpoint_dir)
                 fmt = "dummy"
-                quant = _quantization_notes(resolved.limits, None, fmt)
             else:
                 from llmc.compiler.checkpoint import load_checkpoint
                 from llmc.compiler.weight_passes import to_engine_weights
 
-                ckpt = load_checkpoint(config.checkpoint_dir)
+                keep = native.keep if resolved.limits.quantization == "gguf" else frozenset()
+                ckpt = load_checkpoint(config.checkpoint_dir, keep)
                 if ckpt.spec != spec:
                     raise CheckpointError(f"{source}: the model config changed while building")
                 lim = resolved.limits
@@ -247,9 +261,11 @@ def build(
                     quantization=lim.quantization,
                     kv_cache_dtype=lim.kv_cache_dtype,
                     prequantized=ckpt.fp8,
+                    layouts=layouts,
+                    member_layouts=native.member_layouts if native is not None else None,
                 )
                 tok_files, fmt = dict(ckpt.tokenizer_files), ckpt.source_format
-                quant = _quantization_notes(lim, ckpt.fp8, fmt)
+                quant = _quantization_notes(lim, ckpt.fp8, fmt, wo_section)
                 notes = (*notes, *quant["notes"])
                 del ckpt  # the HF tensors are no longer needed
         with phase("compile", f"kernels for {resolved.target}"):
@@ -269,7 +285,9 @@ def build(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return BuildResult(spec, resolved, plan, notes, phase.timings, out, manifest, cleaned)
+    return BuildResult(
+        spec, resolved, plan, notes, phase.timings, out, manifest, cleaned, quant["section"]
+    )
 
 
 def _manifest(
@@ -307,20 +325,26 @@ def _manifest(
     }
 
 
-def _quantization_notes(limits: EngineLimits, fp8: PreQuantized | None, fmt: str) -> dict[str, Any]:
-    """The manifest's ``quantization`` section (what the engine stores, in words, and where its
-    fp8 values came from) and the build notes about it."""
+def _quantization_notes(
+    limits: EngineLimits, fp8: PreQuantized | None, fmt: str, wo: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The manifest's ``quantization`` section (what the engine stores, in words, where its
+    fp8 values came from, the weight-only part ``wo``: ``_wo_section``) and the build notes
+    about it."""
     kv_from = "from the checkpoint" if fp8 is not None and fp8.kv_scales else None
     section: dict[str, Any] = {
         "quantization": limits.quantization,
         "kv_cache_dtype": limits.kv_cache_dtype,
         **describe(limits, kv_from),
+        **wo,
     }
     notes = []
     if fp8 is not None:
         notes.append(fp8.note(limits.quantization, limits.dtype))
         if fp8.kv_scales and limits.kv_cache_dtype != "fp8":
             notes.append("the checkpoint's k/v scales are not used (--kv_cache_dtype auto)")
+    for name, why in wo.get("dequantized", {}).items():
+        notes.append(f"{name} dequantized: {why}")
     if limits.quantization == "fp8":
         if fmt == "dummy":
             section["source"] = "dummy weights, quantized per output channel when loaded"
@@ -329,6 +353,48 @@ def _quantization_notes(limits: EngineLimits, fp8: PreQuantized | None, fmt: str
         else:
             section["source"] = f"quantized per output channel at build from the {fmt} weights"
     return {"section": section, "notes": notes}
+
+
+def _native_plan(config: BuildConfig, spec: ModelSpec, model_config: object) -> NativePlan | None:
+    """The GGUF-native plan of a GGUF source (header only), else None."""
+    from llmc.compiler.checkpoint import checkpoint_format
+
+    if model_config is not None or config.checkpoint_dir is None:
+        return None
+    if config.load_format == "dummy" or checkpoint_format(config.checkpoint_dir) != "gguf":
+        return None
+    from llmc.compiler.gguf_header import read_gguf_header
+
+    return native_plan(read_gguf_header(config.checkpoint_dir), spec)
+
+
+def _layouts(
+    spec: ModelSpec, quantization: str, group_size: int, native: NativePlan | None
+) -> dict[str, WeightLayout]:
+    """The packed engine tensors of the engine and their layouts."""
+    if quantization == "gguf":
+        return dict(native.layouts) if native is not None else {}
+    return wo_layouts(spec.tensor_shapes(), quantization, group_size)
+
+
+def _wo_section(
+    spec: ModelSpec,
+    layouts: Mapping[str, WeightLayout],
+    native: NativePlan | None,
+    plan: MemoryPlan,
+) -> dict[str, Any]:
+    """The weight-only part of the manifest's quantization section: per-tensor layouts,
+    the layout per tensor family, what a GGUF build dequantized and why, and the engine's
+    weight bytes beside the file's."""
+    out: dict[str, Any] = {
+        "layouts": layouts_to_manifest(layouts),
+        "families": families(layouts, list(spec.tensor_shapes())),
+        "engine_weight_bytes": plan.weight_bytes_total,
+    }
+    if native is not None:  # a GGUF kept native
+        out["dequantized"] = dict(native.dequantized)
+        out["file_tensor_bytes"] = native.file_tensor_bytes
+    return out
 
 
 def _with_note(plan: MemoryPlan, note: str) -> MemoryPlan:

@@ -20,8 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from llmc.base.errors import CheckpointError
 from llmc.compiler import gguf_header, gguf_reader, hf_reader
 from llmc.compiler.fp8_checkpoint import PreQuantized, is_scale_name, read_scheme, split_scales
@@ -33,7 +31,7 @@ from llmc.compiler.weight_passes import validate_hf_tensors
 class Checkpoint:
     spec: ModelSpec
     hf_config: dict[str, Any]
-    tensors: dict[str, torch.Tensor]  # HF names (no scale tensors); float or e4m3 codes
+    tensors: dict[str, Any]  # HF names (no scale tensors); float, e4m3 codes or PackedWeight
     tokenizer_files: dict[str, bytes]  # tokenizer.json, tokenizer_config.json, ...
     source_format: str  # "hf" | "gguf"
     fp8: PreQuantized | None = None
@@ -83,8 +81,9 @@ def read_model_spec(path: str | Path) -> tuple[ModelSpec, dict[str, Any]]:
     return ModelSpec.from_hf_config(cfg, str(p)), cfg
 
 
-def load_checkpoint(path: str | Path) -> Checkpoint:
-    """Read a whole checkpoint (tensors validated against its spec)."""
+def load_checkpoint(path: str | Path, keep_gguf: frozenset[str] = frozenset()) -> Checkpoint:
+    """Read a whole checkpoint (tensors validated against its spec). ``keep_gguf``: the
+    GGUF tensors read as PackedWeights of their own blocks (``gguf_native.native_plan``)."""
     p = Path(path)
     if checkpoint_format(p) == "hf":
         cfg = hf_reader.read_hf_config(p)
@@ -101,6 +100,6 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         if scheme is not None:
             tensors, fp8 = split_scales(spec, scheme, tensors, str(p))
         return Checkpoint(spec, cfg, tensors, tokenizer_files, "hf", fp8)
-    cfg, tensors, tokenizer_files = gguf_reader.load_gguf(p)  # validated from its header
+    cfg, tensors, tokenizer_files = gguf_reader.load_gguf(p, keep_gguf)  # validated (header)
     spec = ModelSpec.from_hf_config(cfg, str(p))
     return Checkpoint(spec, cfg, tensors, tokenizer_files, "gguf")

@@ -4,9 +4,12 @@ Layout (the contract between ``llmc build`` and the runtime)::
 
     manifest.json        format_version, llmc_version, architecture, model (ModelSpec),
                          hf_config, build_config (as given), build (ResolvedBuild),
+                         quantization (in words; per-tensor weight-only layouts),
                          kernels {arch, files}, tokenizer_files, source, files {name: sha256}
-    weights.safetensors  engine tensors (compiler/spec.py names), fused and cast;
-                         absent for load_format 'dummy' (build.dummy_seed regenerates them)
+    weights.safetensors  engine tensors (compiler/spec.py names), fused and cast; a packed
+                         weight-only tensor as <name> (uint8 codes), <name>_scale and
+                         <name>_offset, its layout in quantization.layouts; absent for
+                         load_format 'dummy' (build.dummy_seed regenerates them)
     plan.json            the MemoryPlan (compiler/memory_plan.py), for the build's EngineLimits
     tokenizer.json, tokenizer_config.json, generation_config.json   (when the source had them)
     kernels/             cubins for build.target when it is a CUDA arch
@@ -30,7 +33,7 @@ import json
 import os
 import shlex
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +52,12 @@ from llmc.compiler.memory_plan import MemoryPlan, plan_mismatch
 from llmc.compiler.output_dir import TMP_MARKER
 from llmc.compiler.resolve import ResolvedBuild
 from llmc.compiler.spec import ModelSpec
+from llmc.compiler.wo_layout import (
+    GGUF_NATIVE,
+    WO_QUANTIZATIONS,
+    WeightLayout,
+    layouts_from_manifest,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -137,6 +146,9 @@ class LoadedEngine:
     tokenizer_path: Path | None
     """tokenizer.json, or None for an engine built without one (dummy from a YAML config)."""
     kernels_dir: Path
+    layouts: dict[str, WeightLayout] = field(default_factory=dict)
+    """The weight-only packed engine tensors and their layouts (manifest
+    ``quantization.layouts``; ``llmc.compiler.wo_layout``); empty for other engines."""
 
     @property
     def limits(self) -> EngineLimits:
@@ -166,8 +178,9 @@ class LoadedEngine:
 
             made = iter_dummy_weights(self.spec, lim.dtype, self.build.dummy_seed, device)
             tensors = quantize_engine_weights(
-                self.spec, made, lim.quantization, lim.kv_cache_dtype, "dummy weights"
-            )
+                self.spec, made, lim.quantization, lim.kv_cache_dtype, "dummy weights",
+                self.layouts,
+            )  # fmt: skip
         else:
             from safetensors import SafetensorError
             from safetensors.torch import load_file
@@ -176,7 +189,8 @@ class LoadedEngine:
                 tensors = load_file(self.dir / WEIGHTS, device=str(torch.device(device)))
             except (SafetensorError, OSError) as e:
                 raise EngineError(f"{self.dir / WEIGHTS}: cannot read weights: {e}") from e
-        check_engine_tensors(tensors, self.spec, lim, printable(self.dir / WEIGHTS))
+        where = printable(self.dir / WEIGHTS)
+        check_engine_tensors(tensors, self.spec, lim, where, layouts=self.layouts)
         return tensors
 
 
@@ -248,7 +262,16 @@ def load_engine(
             f"{printable(d / PLAN)} was planned for {plan.limits}, the manifest's build is "
             f"{build.limits}; {fix}"
         )
-    mismatch = plan_mismatch(plan, spec)
+    layouts = layouts_from_manifest(manifest, spec.tensor_shapes(), where)
+    q = build.limits.quantization
+    if (q in WO_QUANTIZATIONS and not layouts) or (
+        q not in (*WO_QUANTIZATIONS, GGUF_NATIVE) and layouts
+    ):
+        raise EngineError(
+            f"{where}: quantization {build.limits.quantization!r} with {len(layouts)} packed "
+            f"weight layouts; {fix}"
+        )
+    mismatch = plan_mismatch(plan, spec, layouts)
     if mismatch is not None:
         raise EngineError(
             f"{printable(d / PLAN)} is not this llmc's memory plan for the engine: "
@@ -265,4 +288,5 @@ def load_engine(
         plan=plan,
         tokenizer_path=tok if tok.is_file() else None,
         kernels_dir=d / KERNELS_DIR,
+        layouts=layouts,
     )

@@ -219,25 +219,47 @@ def _dequantize(buf: mmap.mmap, info: GGUFTensorInfo) -> np.ndarray:
     try:
         out = dequantize(raw.reshape(*rows, -1), qtype)
     except NotImplementedError as e:
-        raise UnsupportedError(f"{info.name}: ggml type {qtype.name} cannot be dequantized") from e
+        from llmc.compiler.gguf_blocks import KEPT_TYPES
+
+        raise UnsupportedError(
+            f"{info.name}: ggml type {qtype.name} is not supported (llmc keeps "
+            f"{', '.join(KEPT_TYPES)} packed and dequantizes F32, F16, BF16 and the other types "
+            "gguf.quants can dequantize)"
+        ) from e
     out = np.asarray(out, dtype=np.float32).reshape(info.shape)
     return out if out.flags.writeable else out.copy()  # F32 is a view of the read-only map
 
 
-def read_gguf_tensors(header: GGUFHeader, config: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Every tensor as float32 under its HF name, Q/K un-permuted for ``llama``."""
+def read_gguf_tensors(
+    header: GGUFHeader, config: dict[str, Any], keep: frozenset[str] = frozenset()
+) -> dict[str, Any]:
+    """Every tensor as float32 under its HF name, Q/K un-permuted for ``llama``; the GGUF
+    tensors named in ``keep`` as ``PackedWeight``s of their own blocks instead
+    (``llmc.compiler.gguf_blocks``; the un-permutation moves whole rows, so it applies to
+    codes, scales and offsets alike)."""
+    from llmc.compiler.gguf_blocks import blocks_to_packed
+    from llmc.compiler.gguf_native import type_name
+    from llmc.compiler.wo_weights import permute_rows
+
     buf = open_map(header.path)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, Any] = {}
     for info in header.tensors:
         if info.name == ROPE_FREQS:
             continue
         name = hf_tensor_name(info.name, header.path)
-        t = torch.from_numpy(_dequantize(buf, info))
-        if header.architecture == "llama" and ".attn_q." in info.name:
-            t = unpermute_rotary(t, heads)
-        elif header.architecture == "llama" and ".attn_k." in info.name:
-            t = unpermute_rotary(t, kv_heads)
+        if info.name in keep:
+            raw = np.frombuffer(buf, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+            t: Any = blocks_to_packed(raw, info.shape, type_name(info.ggml_type), info.name)
+        else:
+            t = torch.from_numpy(_dequantize(buf, info))
+        n = heads if ".attn_q." in info.name else kv_heads if ".attn_k." in info.name else 0
+        if header.architecture == "llama" and n:
+            t = (
+                permute_rows(t, lambda x, n=n: unpermute_rotary(x, n))
+                if info.name in keep
+                else (unpermute_rotary(t, n))
+            )
         out[name] = t
     return out
 
@@ -255,9 +277,9 @@ def generation_config(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_gguf(
-    path: str | Path,
-) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, bytes]]:
-    """``(hf_config, hf_tensors (float32), files)`` of a GGUF file.
+    path: str | Path, keep: frozenset[str] = frozenset()
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, bytes]]:
+    """``(hf_config, hf_tensors (float32; PackedWeights for ``keep``), files)`` of a GGUF file.
 
     ``files`` are tokenizer.json, tokenizer_config.json and generation_config.json. The tensor
     table is validated against the config before any tensor is dequantized.
@@ -271,7 +293,7 @@ def load_gguf(
     validate_hf_tensors(spec, gguf_hf_shapes(header), str(path))
     files = gguf_tokenizer_files(header)
     files["generation_config.json"] = json.dumps(generation_config(config), indent=2).encode()
-    return config, read_gguf_tensors(header, config), files
+    return config, read_gguf_tensors(header, config, keep), files
 
 
 def import_gguf(

@@ -27,8 +27,11 @@ from typing import Any
 from llmc.base.errors import ConfigError
 
 DTYPES = ("float32", "float16", "bfloat16")
-QUANTIZATIONS = ("none", "fp8")
-"""Weight quantization: none, or fp8 (W8A8, llmc.compiler.quantization)."""
+QUANTIZATIONS = ("none", "fp8", "int8_wo", "int4_wo", "gguf")
+"""Weight quantization: none, fp8 (W8A8, llmc.compiler.quantization), int8_wo / int4_wo
+(weight-only, quantized at build) or gguf (a GGUF file's blocks kept; llmc.compiler.wo_layout)."""
+BUILD_QUANTIZATIONS = ("auto", "none", "fp8", "int8_wo", "int4_wo")
+"""``llmc build --quantization``: auto keeps a quantized GGUF's blocks (gguf), else none."""
 KV_CACHE_DTYPES = ("auto", "fp8")
 """KV pool element type: auto (the activation dtype) or fp8 (float8_e4m3fn)."""
 
@@ -80,7 +83,9 @@ class EngineLimits:
     dtype: str
     """Activation dtype (and the weights' where they are not quantized)."""
     quantization: str = "none"
-    """Weights: none (in dtype) or fp8 (e4m3 projections, per-channel scales, W8A8)."""
+    """Weights: none (in dtype), fp8 (e4m3 projections, per-channel scales, W8A8), int8_wo /
+    int4_wo (packed projections) or gguf (a GGUF's blocks kept); the per-tensor layouts of
+    the packed ones are the manifest's (``llmc.compiler.wo_layout``)."""
     kv_cache_dtype: str = "auto"
     """KV pool elements: auto (dtype) or fp8 (e4m3, a k/v scale pair per layer)."""
 

@@ -13,7 +13,8 @@ Owns three things, all pure arithmetic (no torch, so ``llmc build --dry_run`` st
    them (``run_workspace`` picks). ``plan_mismatch`` is how ``load_engine`` refuses a plan.json
    that is not what this table and packer give. The buffer names are the runner's contract.
 2. **Weights.** Bytes per engine tensor (``quantization.engine_tensors``: with fp8 weights
-   the e4m3 projections at 1 byte per element plus their float32 scales) and in total.
+   the e4m3 projections at 1 byte per element plus their float32 scales; weight-only packed
+   tensors, per the manifest's layouts, as their codes, scales and offsets) and in total.
    An fp8 engine's workspace adds its quantized activations (``_fp8_buffers``).
 3. **KV cache.** Bytes per token and per block (1 byte per element for an fp8 cache); for a
    known device memory, the capacity in blocks, tokens and concurrent ``max_seq_len``
@@ -39,7 +40,13 @@ from typing import Any
 from llmc.base.errors import CapacityError, ConfigError, EngineError, check_positive_ints
 from llmc.base.text import printable
 from llmc.compiler.limits import EngineLimits
-from llmc.compiler.quantization import ELEMENT_BYTES, FP8, engine_tensor_bytes, kv_element_bytes
+from llmc.compiler.quantization import (
+    ELEMENT_BYTES,
+    FP8,
+    Layouts,
+    engine_tensor_bytes,
+    kv_element_bytes,
+)
 from llmc.compiler.spec import ModelSpec
 
 PLAN_FORMAT_VERSION = 2
@@ -331,13 +338,15 @@ def plan_memory(
     memory_source: str = "",
     kv_cache_free_gpu_mem_fraction: float = 0.9,
     check_fits: bool = True,
+    layouts: Layouts | None = None,
 ) -> MemoryPlan:
     """Plan weights, workspace and KV cache; with a device memory, compute the capacity.
 
     With ``check_fits``, a device on which one request of ``max_seq_len`` tokens cannot fit
     raises CapacityError with the numbers and a suggested max_seq_len or memory size.
     """
-    weight_bytes = engine_tensor_bytes(spec, limits)  # fp8 codes and their scales included
+    # fp8 codes and their scales, weight-only codes, scales and offsets (``layouts``) included
+    weight_bytes = engine_tensor_bytes(spec, limits, layouts)
     placed, packed, naive = pack_buffers(workspace_buffers(spec, limits))
     kv_token = spec.kv_bytes_per_token(kv_element_bytes(limits))  # 1 byte per element for fp8
     plan = MemoryPlan(
@@ -359,12 +368,12 @@ def plan_memory(
     return plan
 
 
-def plan_mismatch(plan: MemoryPlan, spec: ModelSpec) -> str | None:
+def plan_mismatch(plan: MemoryPlan, spec: ModelSpec, layouts: Layouts | None = None) -> str | None:
     """Where a loaded plan.json differs from what this llmc plans for its limits (None: it
     agrees). The runtime takes the arena offsets and the KV sizes from plan.json, so a plan
     made by another planner (an llmc checkout of the same version, or an edit) is refused at
     load rather than trusted; the capacity report and notes are the build's and not compared."""
-    want = plan_memory(spec, plan.limits)
+    want = plan_memory(spec, plan.limits, layouts=layouts)
     if plan.buffers != want.buffers:
         got = {b.name: b for b in plan.buffers}
         for b in want.buffers:

@@ -3,10 +3,11 @@ an FP8 engine may run.
 
 What it owns (no torch: the memory plan and ``llmc build --dry_run`` read it):
 
-- the meaning of ``--quantization`` (none, fp8) and ``--kv_cache_dtype`` (auto = the
-  activation dtype, fp8), vLLM's names (the values, ``QUANTIZATIONS`` and
-  ``KV_CACHE_DTYPES``, are declared in compiler/limits.py beside ``EngineLimits``, whose
-  fields they are);
+- the meaning of ``--quantization`` (none, fp8; the weight-only int8_wo, int4_wo and the
+  GGUF-native gguf, whose packed layouts are ``llmc.compiler.wo_layout``'s) and
+  ``--kv_cache_dtype`` (auto = the activation dtype, fp8), vLLM's names (the values,
+  ``QUANTIZATIONS`` and ``KV_CACHE_DTYPES``, are declared in compiler/limits.py beside
+  ``EngineLimits``, whose fields they are);
 - the FP8 recipe of an engine, W8A8: the four projections of every layer (``FP8_PROJECTIONS``)
   are stored in float8_e4m3fn with one float32 scale per output channel (``<name>_scale``
   [out]); activations are quantized per token, dynamically, by the op that produces them
@@ -30,6 +31,7 @@ from typing import Any
 from llmc.base.errors import EngineError, UnsupportedError, did_you_mean
 from llmc.compiler.limits import EngineLimits
 from llmc.compiler.spec import ModelSpec
+from llmc.compiler.wo_layout import GGUF_TYPES, WeightLayout, packed_tensor_shapes
 
 FP8 = "float8_e4m3fn"
 FP8_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -39,7 +41,9 @@ KV_SCALE = "kv_scale"
 FP8_MIN_SM = 89
 """The first compute capability with FP8 tensor cores (Ada sm_89; Hopper sm_90)."""
 
-ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, FP8: 1}
+ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, FP8: 1, "uint8": 1}
+FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+Layouts = Mapping[str, WeightLayout]
 
 
 def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -68,14 +72,21 @@ def kv_element_bytes(limits: EngineLimits) -> int:
     return ELEMENT_BYTES[kv_cache_dtype(limits)]
 
 
-def engine_tensors(spec: ModelSpec, limits: EngineLimits) -> dict[str, tuple[tuple[int, ...], str]]:
+def engine_tensors(
+    spec: ModelSpec, limits: EngineLimits, layouts: Layouts | None = None
+) -> dict[str, tuple[tuple[int, ...], str]]:
     """Every engine tensor → (shape, dtype name): ``spec.tensor_shapes()`` in the activation
     dtype; with fp8 weights the projections in e4m3 followed by their float32 scales [out];
-    with an fp8 KV cache each layer's ``kv_scale`` float32 [2] = (k_scale, v_scale)."""
+    a weight-only packed tensor (``layouts``: int8_wo, int4_wo, GGUF kept native) as its
+    uint8 codes, ``_scale`` and ``_offset`` (``wo_layout.packed_tensor_shapes``); with an fp8
+    KV cache each layer's ``kv_scale`` float32 [2] = (k_scale, v_scale)."""
     fp8_weights = limits.quantization == "fp8"
+    layouts = layouts or {}
     out: dict[str, tuple[tuple[int, ...], str]] = {}
     for name, shape in spec.tensor_shapes().items():
-        if fp8_weights and is_fp8_projection(name):
+        if name in layouts:
+            out.update(packed_tensor_shapes(name, shape, layouts[name]))
+        elif fp8_weights and is_fp8_projection(name):
             out[name] = (shape, FP8)
             out[name + SCALE_SUFFIX] = ((shape[0],), "float32")
         else:
@@ -86,9 +97,11 @@ def engine_tensors(spec: ModelSpec, limits: EngineLimits) -> dict[str, tuple[tup
     return out
 
 
-def engine_tensor_bytes(spec: ModelSpec, limits: EngineLimits) -> dict[str, int]:
+def engine_tensor_bytes(
+    spec: ModelSpec, limits: EngineLimits, layouts: Layouts | None = None
+) -> dict[str, int]:
     """Bytes of every engine tensor (the memory plan's weights)."""
-    tensors = engine_tensors(spec, limits).items()
+    tensors = engine_tensors(spec, limits, layouts).items()
     return {n: math.prod(shape) * ELEMENT_BYTES[dt] for n, (shape, dt) in tensors}
 
 
@@ -99,12 +112,14 @@ def check_engine_tensors(
     where: str,
     *,
     cast_ok: bool = False,
+    layouts: Layouts | None = None,
 ) -> None:
     """Names, shapes and dtypes of ``tensors`` (torch tensors) against ``engine_tensors``:
     EngineError naming the first tensor that is missing, unexpected or of another shape or
     dtype than the engine's quantization says. ``cast_ok``: a 16/32-bit float tensor where the
     activation dtype is expected passes (the caller casts it); fp8 codes and scales never."""
-    expected = engine_tensors(spec, limits)
+    expected = engine_tensors(spec, limits, layouts)
+    layouts = layouts or {}
     settings = f"quantization {limits.quantization}, kv_cache_dtype {limits.kv_cache_dtype}"
     missing = [n for n in expected if n not in tensors]
     if missing:
@@ -112,11 +127,11 @@ def check_engine_tensors(
     unexpected = sorted(set(tensors) - set(expected))
     if unexpected:
         raise EngineError(f"{where}: unexpected tensor {unexpected[0]!r} ({settings})")
-    in_dtype = spec.tensor_shapes()  # the tensors kept in the activation dtype, and only those
+    in_dtype = {n: s for n, s in spec.tensor_shapes().items() if n not in layouts}
     for name, (shape, dtype) in expected.items():
         t = tensors[name]
         got = str(t.dtype).removeprefix("torch.")
-        castable = cast_ok and name in in_dtype and dtype != FP8 and got in ELEMENT_BYTES
+        castable = cast_ok and name in in_dtype and dtype != FP8 and got in FLOAT_DTYPES
         if tuple(t.shape) != shape or (got != dtype and not (castable and got != FP8)):
             raise EngineError(
                 f"{where}: tensor {name!r} is {list(t.shape)} {got}, expected {list(shape)} "
@@ -167,6 +182,18 @@ def describe(limits: EngineLimits, kv_scales_from: str | None = None) -> dict[st
             f"fp8 W8A8: {', '.join(FP8_PROJECTIONS)} in {FP8} with one float32 scale per "
             f"output channel; activations quantized per token at run time (dynamic); "
             f"embedding, lm_head, norms and biases stay {dt}"
+        )
+    elif limits.quantization in ("int8_wo", "int4_wo"):
+        weights = (
+            f"{limits.quantization} weight-only: {', '.join(FP8_PROJECTIONS)} packed "
+            f"(round-to-nearest; layouts per tensor below), activations {dt}; embedding, "
+            f"lm_head, norms and biases stay {dt}"
+        )
+    elif limits.quantization == "gguf":
+        weights = (
+            f"gguf native: every tensor the file holds in a kept type ({', '.join(GGUF_TYPES)}) "
+            f"packed, bit-exact to gguf.quants.dequantize; the rest, norms and biases {dt}; "
+            f"activations {dt}"
         )
     else:
         weights = f"none: every tensor in {dt}"

@@ -89,10 +89,14 @@ class ResolvedBuild:
 
 
 def resolve_build(
-    config: BuildConfig, spec: ModelSpec, gpu: GpuInfo | None
+    config: BuildConfig, spec: ModelSpec, gpu: GpuInfo | None, quantization: str | None = None
 ) -> tuple[ResolvedBuild, tuple[str, ...]]:
     """Derive unset limits from the model; returns (resolved settings, notes on defaults).
-    The limits are validated by ``EngineLimits`` (ConfigError naming the values)."""
+    The limits are validated by ``EngineLimits`` (ConfigError naming the values).
+    ``quantization``: the engine's, resolved from ``config.quantization`` and the source
+    (``gguf_native.resolve_gguf_quantization``); None: config's, 'auto' meaning none."""
+    if quantization is None:
+        quantization = "none" if config.quantization == "auto" else config.quantization
     notes: list[str] = []
     mpe = spec.max_position_embeddings
     if config.max_seq_len is not None and config.max_seq_len > mpe:
@@ -114,7 +118,7 @@ def resolve_build(
         tokens_per_block=config.tokens_per_block,
         enable_chunked_prefill=config.enable_chunked_prefill,
         dtype=config.dtype,
-        quantization=config.quantization,
+        quantization=quantization,
         kv_cache_dtype=config.kv_cache_dtype,
     )
     if config.target == "auto":

@@ -14,7 +14,7 @@ are quantized at load (``quantize_engine_weights``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,7 +22,10 @@ import torch
 from llmc.base.errors import CheckpointError
 from llmc.compiler.quantization import KV_SCALE, SCALE_SUFFIX, is_fp8_projection
 from llmc.compiler.spec import ModelSpec
+from llmc.compiler.wo_layout import WeightLayout
+from llmc.compiler.wo_weights import fuse_packed, packed_tensors, quantize_wo
 from llmc.cuda.reference_fp8 import quantize_weight_fp8
+from llmc.cuda.reference_wo import PackedWeight
 
 if TYPE_CHECKING:
     from llmc.compiler.fp8_checkpoint import PreQuantized
@@ -115,8 +118,15 @@ def to_engine_weights(
     quantization: str = "none",
     kv_cache_dtype: str = "auto",
     prequantized: PreQuantized | None = None,
+    layouts: Mapping[str, WeightLayout] | None = None,
+    member_layouts: Mapping[str, WeightLayout] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Fuse and cast HF tensors into engine tensors (``quantization.engine_tensors``).
+
+    ``layouts`` (engine name → layout): the weight-only packed tensors. Members that are
+    ``PackedWeight``s (a GGUF's own blocks, each in ``member_layouts[hf name]``) are fused
+    exactly (``wo_weights.fuse_packed``); float members (int8_wo / int4_wo) are fused, then
+    quantized round-to-nearest (per row / per group: the same as quantizing each member).
 
     ``quantization='fp8'``: each projection is quantized per output channel from the
     checkpoint's own precision (``quantize_projection``), or, for a pre-quantized checkpoint
@@ -145,9 +155,12 @@ def to_engine_weights(
             return hf[name], scales[name]
         return quantize_projection(name, real(name), source)
 
+    layouts, member_layouts = layouts or {}, member_layouts or {}
     out: dict[str, torch.Tensor] = {}
     for name, parts in fusion_table(spec).items():
-        if quantization == "fp8" and is_fp8_projection(name):
+        if name in layouts:
+            out.update(_packed(name, parts, hf, layouts[name], member_layouts, real, source))
+        elif quantization == "fp8" and is_fp8_projection(name):
             codes, row_scales = zip(*(fp8(p) for p in parts), strict=True)
             out[name] = _cat(list(codes))
             out[name + SCALE_SUFFIX] = _cat(list(row_scales))
@@ -157,6 +170,26 @@ def to_engine_weights(
         kv = prequantized.kv_scales if prequantized is not None else {}
         out.update(kv_scale_tensors(spec, kv))
     return out
+
+
+def _packed(
+    name: str,
+    parts: tuple[str, ...],
+    hf: Mapping[str, torch.Tensor | PackedWeight],
+    layout: WeightLayout,
+    member_layouts: Mapping[str, WeightLayout],
+    real: Callable[[str], torch.Tensor],
+    source: str,
+) -> dict[str, torch.Tensor]:
+    """The engine tensors of packed weight ``name`` (see ``to_engine_weights``)."""
+    if all(isinstance(hf[p], PackedWeight) for p in parts):
+        members = [(hf[p], member_layouts[p]) for p in parts]
+        fused, got = fuse_packed(members)  # type: ignore[arg-type]
+        if got != layout:
+            raise CheckpointError(f"{source}: {name} fused to {got}, the plan says {layout}")
+    else:
+        fused = quantize_wo(_cat([real(p) for p in parts]), layout, name, source)
+    return packed_tensors(name, fused)
 
 
 def quantize_projection(
@@ -192,13 +225,17 @@ def quantize_engine_weights(
     quantization: str,
     kv_cache_dtype: str,
     source: str,
+    layouts: Mapping[str, WeightLayout] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Engine tensors in the activation dtype (e.g. dummy weights, consumed one at a time so
     each can be freed once quantized) → the engine tensors of ``quantization`` /
-    ``kv_cache_dtype`` (kv scales 1.0)."""
+    ``kv_cache_dtype`` (kv scales 1.0) and of the weight-only ``layouts``."""
     out: dict[str, torch.Tensor] = {}
+    layouts = layouts or {}
     for name, t in tensors:
-        if quantization == "fp8" and is_fp8_projection(name):
+        if name in layouts:
+            out.update(packed_tensors(name, quantize_wo(t, layouts[name], name, source)))
+        elif quantization == "fp8" and is_fp8_projection(name):
             out[name], out[name + SCALE_SUFFIX] = quantize_projection(name, t, source)
         else:
             out[name] = t

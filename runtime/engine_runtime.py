@@ -219,6 +219,7 @@ class EngineRuntime:
             config=config,
             engine=engine,
             workspace=workspace,
+            layouts=engine.layouts,
         )
 
     @staticmethod
@@ -255,9 +256,11 @@ class EngineRuntime:
         config: RuntimeConfig | None = None,
         engine: Any = None,
         workspace: tuple[PlannedBuffer, ...] | None = None,
+        layouts: Any = None,
     ) -> EngineRuntime:
         """Build the runtime around engine-layout weights already in memory. ``workspace``:
-        the arena layout (``PlannedBuffer``s; None: the memory planner's for ``limits``)."""
+        the arena layout (``PlannedBuffer``s; None: the memory planner's for ``limits``);
+        ``layouts``: the weight-only packed tensors' (``LoadedEngine.layouts``)."""
         from llmc.runtime.model_runner import ModelRunner
 
         config = config or RuntimeConfig()
@@ -277,6 +280,7 @@ class EngineRuntime:
             limits=limits,
             num_kv_blocks=num_kv_blocks,
             workspace=workspace,
+            layouts=layouts,
         )
         if config.cuda_graphs and backend == "cuda" and device == "cuda":
             runner.capture_cuda_graphs()

@@ -21,6 +21,10 @@ the fused path adds in place and leaves the residual complete):
 - fp8 weights, fused: norm_linear_fp8 qkv → rope + KV write → attention →
   linear_residual_add_fp8 o_proj → norm_gate_up_silu_fp8 → linear_residual_add_fp8 down.
 
+A weight-only engine (int8_wo, int4_wo, a GGUF kept native) runs the activation-dtype
+sequences unchanged: its projections are ``PackedWeight``s, on which every backend op
+dispatches (``llmc.cuda.reference_wo``).
+
 Both paths of one engine compute the same values (``llmc.cuda.reference`` and
 ``llmc.cuda.reference_fp8`` compose the fused ops from the unfused ones). An fp8 KV cache
 gets the layer's static (k_scale, v_scale), python floats read once at load, on
@@ -30,7 +34,9 @@ rope_and_cache_write and attention; a 16/32-bit cache is called exactly as befor
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -40,22 +46,27 @@ from llmc.compiler.quantization import KV_SCALE, SCALE_SUFFIX
 from llmc.compiler.spec import ModelSpec
 from llmc.cuda.backend import Backend
 from llmc.cuda.reference_fp8 import Fp8Rows
+from llmc.cuda.reference_wo import PackedWeight
 from llmc.runtime.kv_tensors import KVCacheTensors
 from llmc.runtime.step_inputs import StepInputs
 from llmc.runtime.workspace import TORCH_DTYPES, Workspace
 
+Weight = torch.Tensor | PackedWeight
+"""A projection: a tensor, or a weight-only ``PackedWeight`` (int8_wo, int4_wo, GGUF)."""
+
 
 @dataclass(frozen=True)
 class LayerWeights:
-    """One decoder layer's tensors (scales None in an engine without fp8 weights)."""
+    """One decoder layer's tensors (scales None in an engine without fp8 weights; the
+    projections ``PackedWeight``s in a weight-only engine, run by the same op sequence)."""
 
     input_norm: torch.Tensor
-    qkv: torch.Tensor
+    qkv: Weight
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor
+    o: Weight
     post_attn_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: Weight
+    down: Weight
     qkv_scale: torch.Tensor | None = None
     o_scale: torch.Tensor | None = None
     gate_up_scale: torch.Tensor | None = None
@@ -65,7 +76,7 @@ class LayerWeights:
     TorchBackend's ops take only ``out`` by keyword."""
 
 
-def _kv_scales(w: dict[str, torch.Tensor], name: str) -> tuple[float, float]:
+def _kv_scales(w: Mapping[str, Any], name: str) -> tuple[float, float]:
     k, v = (float(x) for x in w[name].tolist())
     for which, value in (("k_scale", k), ("v_scale", v)):
         if not (math.isfinite(value) and value > 0):
@@ -77,9 +88,10 @@ def _kv_scales(w: dict[str, torch.Tensor], name: str) -> tuple[float, float]:
 
 
 def layer_weights(
-    spec: ModelSpec, w: dict[str, torch.Tensor], limits: EngineLimits
+    spec: ModelSpec, w: Mapping[str, Weight], limits: EngineLimits
 ) -> tuple[LayerWeights, ...]:
-    """Each layer's tensors from the engine weights (checked by the caller), read once."""
+    """Each layer's tensors from the engine weights (checked by the caller; the packed ones
+    already ``PackedWeight``s: ``ModelRunner._load_weights``), read once."""
     fp8_kv = limits.kv_cache_dtype == "fp8"
     layers = []
     for i in range(spec.num_layers):
@@ -111,7 +123,7 @@ class DecoderLayers:
     def __init__(
         self,
         spec: ModelSpec,
-        weights: dict[str, torch.Tensor],
+        weights: Mapping[str, Weight],
         limits: EngineLimits,
         backend: Backend,
         kv_cache: KVCacheTensors,

@@ -10,7 +10,9 @@ Per ``step(batch)``:
    final add+norm → gather the sampled rows → lm_head (embed_tokens when tied) → logits.
    Steps of at most ``backend.fused_decode_max_tokens`` tokens run fused small-batch ops
    instead (norm+qkv, o_proj+add, norm+gate_up+SiLU, down+add; see ``forward``). An engine
-   with fp8 weights runs the W8A8 ops (``llmc.runtime.layers`` holds every layer sequence).
+   with fp8 weights runs the W8A8 ops (``llmc.runtime.layers`` holds every layer sequence);
+   one with weight-only packed weights (int8_wo, int4_wo, a GGUF kept native) runs the
+   activation-dtype sequence with ``PackedWeight``s in place of the weight tensors.
    Every op writes into a view of the workspace arena (the memory plan's offsets).
 3. sample: ``backend.sample`` → ``sampled_ids``; ONE device→host copy returns the ids (and,
    when a row asked for them, the log-probabilities packed in the same copy). A prefill
@@ -35,6 +37,7 @@ the scored prompt rows' hidden states (llmc.runtime.prompt_logprobs).
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +48,8 @@ from llmc.compiler.limits import EngineLimits, check_positive_int
 from llmc.compiler.memory_plan import PlannedBuffer, plan_workspace
 from llmc.compiler.quantization import check_engine_tensors, engine_tensors, kv_cache_dtype
 from llmc.compiler.spec import ModelSpec
+from llmc.compiler.wo_layout import OFFSET_SUFFIX, WeightLayout
+from llmc.compiler.wo_weights import packed_from_tensors
 from llmc.cuda.backend import Backend
 from llmc.runtime import prompt_logprobs as plp
 from llmc.runtime import sampling as smp
@@ -82,14 +87,18 @@ class ModelRunner:
         limits: EngineLimits,
         num_kv_blocks: int,
         workspace: tuple[PlannedBuffer, ...] | None = None,
+        layouts: Mapping[str, WeightLayout] | None = None,
     ) -> None:
         """``workspace``: the arena layout (a memory plan's buffers, planned for ``limits``);
-        None: the memory planner's for ``limits`` (``llmc.compiler.memory_plan``)."""
+        None: the memory planner's for ``limits`` (``llmc.compiler.memory_plan``).
+        ``layouts``: the weight-only packed engine tensors (``LoadedEngine.layouts``), which
+        the runner holds as ``PackedWeight``s; every op takes one where it takes a weight."""
         check_positive_int("num_kv_blocks", num_kv_blocks)
         self.spec = spec
         self.backend = backend
         self.device = torch.device(device)
         self.limits = limits
+        self.layouts = dict(layouts or {})
         self.weights = self._load_weights(weights)
         kv_dtype = TORCH_DTYPES[kv_cache_dtype(limits)]  # e4m3 for an fp8 cache
         self.kv_cache: KVCacheTensors = allocate_kv_cache(
@@ -122,16 +131,25 @@ class ModelRunner:
         return graphs.capture_seconds
 
     # ---- set-up --------------------------------------------------------------------
-    def _load_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _load_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, Any]:
         """The engine tensors on the device: those of the activation dtype cast to it (a
         float tensor of another precision is accepted), fp8 codes and float32 scales kept
-        as they are (``quantization.engine_tensors``; EngineError naming a tensor that does
-        not match)."""
-        check_engine_tensors(weights, self.spec, self.limits, "engine weights", cast_ok=True)
-        out: dict[str, torch.Tensor] = {}
-        for name, (_, dtype) in engine_tensors(self.spec, self.limits).items():
+        as they are, weight-only codes, scales and offsets joined into one ``PackedWeight``
+        under the weight's name (``quantization.engine_tensors``; EngineError naming a
+        tensor that does not match)."""
+        lay = self.layouts
+        check_engine_tensors(
+            weights, self.spec, self.limits, "engine weights", cast_ok=True, layouts=lay
+        )
+        out: dict[str, Any] = {}
+        for name, (_, dtype) in engine_tensors(self.spec, self.limits, lay).items():
             w = weights[name]
-            out[name] = w.to(device=self.device, dtype=TORCH_DTYPES[dtype]).contiguous()
+            dt = torch.uint8 if dtype == "uint8" else TORCH_DTYPES[dtype]
+            out[name] = w.to(device=self.device, dtype=dt).contiguous()
+        for name, layout in lay.items():
+            out[name] = packed_from_tensors(out, name, layout)
+            out.pop(name + "_scale")
+            out.pop(name + OFFSET_SUFFIX, None)
         if self.spec.tie_word_embeddings:
             out["lm_head"] = out["embed_tokens"]
         return out
