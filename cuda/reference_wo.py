@@ -109,16 +109,20 @@ class PackedWeight:
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """float32 ``[N, K]`` (or ``[len(rows), K]``), bit-exact per the module formula."""
         q = (self.unpacked_codes(rows) - self.code_zero).to(torch.float32)
+        n, k = q.shape
+        q = q.view(n, k // self.group_size, self.group_size)  # [N, groups, g]
         scales = self.scales if rows is None else self.scales.index_select(0, rows)
-        w = _per_element(scales, self.group_size) * q
+        w = _per_element(scales) * q
         if self.offsets is not None:
             offsets = self.offsets if rows is None else self.offsets.index_select(0, rows)
-            w = w + _per_element(offsets, self.group_size)
-        return w
+            w = w + _per_element(offsets)
+        return w.view(n, k)
 
 
-def _per_element(groups: torch.Tensor, group_size: int) -> torch.Tensor:
-    return groups.to(torch.float32).repeat_interleave(group_size, dim=1)
+def _per_element(groups: torch.Tensor) -> torch.Tensor:
+    """[N, groups] → float32 [N, groups, 1], broadcast over each group's elements (the
+    same one multiply / add per element as repeating it, without the copy)."""
+    return groups.to(torch.float32)[..., None]
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
