@@ -86,12 +86,24 @@ def build_command(
         str | None,
         option(
             "quantization",
-            "Weight quantization: none, or fp8 (W8A8: the qkv, o, gate_up and down "
-            "projections in float8_e4m3fn with one scale per output channel, computed at "
-            "build; activations quantized per token at run time; embedding, lm_head and "
-            "norms stay in --dtype; a pre-quantized FP8 checkpoint keeps its codes). fp8 "
-            "needs a GPU of sm_89 or newer (or cpu). Default: none.",
+            "Weight quantization: auto, none, fp8, int8_wo or int4_wo. auto: a GGUF's "
+            "quantized blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) are kept as they are, "
+            "bit-exact (other types are dequantized and the report names them); anything else "
+            "is none. none: every weight in --dtype (a GGUF is dequantized). fp8: W8A8, the "
+            "qkv, o, gate_up and down projections in float8_e4m3fn with one scale per output "
+            "channel (sm_89 or newer, or cpu). int8_wo / int4_wo: weight-only, those "
+            "projections rounded to nearest at build (int8: one scale per output channel; "
+            "int4: a scale and offset per --group_size elements), activations in --dtype; "
+            "refused on a GGUF that is already quantized. Default: auto.",
             metavar="METHOD",
+        ),
+    ] = None,
+    group_size: Annotated[
+        int | None,
+        option(
+            "group_size",
+            "int4_wo: elements along K (the input dimension) sharing one scale and offset, in "
+            "elements; a power of two dividing every projection's K. Default: 128.",
         ),
     ] = None,
     kv_cache_dtype: Annotated[
@@ -190,6 +202,7 @@ def build_command(
         "tokens_per_block": tokens_per_block,
         "dtype": dtype,
         "quantization": quantization,
+        "group_size": group_size,
         "kv_cache_dtype": kv_cache_dtype,
         "target": target,
         "load_format": load_format,
@@ -230,6 +243,7 @@ _TYPES = {
     "max_num_tokens": int,
     "tokens_per_block": int,
     "dummy_seed": int,
+    "group_size": int,
     "gpu_memory_gb": (int, float),
     "kv_cache_free_gpu_mem_fraction": (int, float),
     "enable_chunked_prefill": bool,

@@ -29,8 +29,19 @@ def summary_table(result: BuildResult) -> Table:
         f"vocab {spec.vocab_size}" + (", tied embeddings" if spec.tie_word_embeddings else ""),
     )
     t.add_row("dtype / target", f"{lim.dtype} / {b.target}")
-    quant = (result.manifest or {}).get("quantization") or describe(lim)
+    quant = (result.manifest or {}).get("quantization") or result.quantization or describe(lim)
     t.add_row("quantization", escape(printable(quant["weights"])))
+    if quant.get("layouts"):
+        for family, layout in quant.get("families", {}).items():
+            t.add_row(f"  {family}", escape(printable(layout)))
+    for name, why in quant.get("dequantized", {}).items():
+        t.add_row("  dequantized", escape(printable(f"{name}: {why}")))
+    if "file_tensor_bytes" in quant:
+        t.add_row(
+            "weight bytes",
+            f"engine {human_bytes(quant['engine_weight_bytes'])} / GGUF file tensors "
+            f"{human_bytes(quant['file_tensor_bytes'])}",
+        )
     t.add_row("KV cache", escape(printable(quant["kv_cache"])))
     t.add_row(
         "weights",
@@ -43,7 +54,8 @@ def summary_table(result: BuildResult) -> Table:
     t.add_row("tokens_per_block", f"{lim.tokens_per_block} tokens")
     t.add_row("chunked prefill", "on" if lim.enable_chunked_prefill else "off")
     for note in result.notes:
-        t.add_row("derived", escape(printable(note)))
+        if " dequantized: " not in note:  # (listed under quantization)
+            t.add_row("derived", escape(printable(note)))
     if result.output_dir is not None:
         t.add_row("engine", escape(printable(result.output_dir)))
     for path in result.cleaned:
@@ -65,6 +77,16 @@ def plan_table(result: BuildResult) -> Table:
         t.add_row(
             "  of which fp8",
             f"{human_bytes(codes)} e4m3 projections + {human_bytes(scales)} float32 scales",
+        )
+    packed = {k: n for k, n in p.weight_bytes.items() if k.endswith(("_scale", "_offset"))}
+    if p.limits.quantization in ("int8_wo", "int4_wo", "gguf") and packed:
+        extra = sum(packed.values())
+        codes = sum(
+            p.weight_bytes.get(k.rsplit("_", 1)[0], 0) for k in packed if k.endswith("_scale")
+        )
+        t.add_row(
+            "  of which weight-only",
+            f"{human_bytes(codes)} codes + {human_bytes(extra)} scales and offsets",
         )
     saved = 1 - p.workspace_bytes / p.naive_workspace_bytes if p.naive_workspace_bytes else 0.0
     t.add_row(

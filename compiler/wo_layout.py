@@ -91,9 +91,12 @@ def check_group_size(group_size: Any, k: int | None = None, name: str = "") -> N
     if group_size & (group_size - 1):
         raise ConfigError(f"--group_size {group_size} is not a power of two (e.g. 64, 128)")
     if k is not None and k % group_size:
+        fit = group_size
+        while k % fit:
+            fit //= 2
         raise ConfigError(
             f"--group_size {group_size} does not divide K={k} of {name} (the input size of the "
-            f"projection); choose a power of two that divides {k}"
+            f"projection); choose a power of two that divides {k}, e.g. --group_size {fit}"
         )
 
 
