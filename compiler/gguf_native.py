@@ -52,12 +52,35 @@ def type_name(ggml_type: int) -> str:
     return GGMLQuantizationType(ggml_type).name
 
 
+def check_types(header: GGUFHeader, types: dict[str, str]) -> None:
+    """UnsupportedError naming the first tensor of a type llmc can neither keep nor
+    dequantize (``gguf.quants`` has no dequantization for it), with the supported types;
+    from the header, before any tensor is read (a dry run refuses it too)."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    for kind in sorted(set(types.values()) - set(KEPT_TYPES) - {"F32", "F16"}):
+        qtype = GGMLQuantizationType[kind]
+        try:
+            dequantize(np.zeros(GGML_QUANT_SIZES[qtype][1], dtype=np.uint8), qtype)
+        except NotImplementedError:
+            name = next(n for n, k in types.items() if k == kind)
+            raise UnsupportedError(
+                f"{header.path}: tensor {name!r} has ggml type {kind}, which llmc cannot read; "
+                f"supported: {', '.join(KEPT_TYPES)} (kept packed), F32, F16, BF16 and the "
+                "other types gguf.quants dequantizes (Q5_0, Q5_1, Q2_K, Q3_K, IQ*, TQ*: "
+                "dequantized to --dtype)"
+            ) from None
+
+
 def native_plan(header: GGUFHeader, spec: ModelSpec) -> NativePlan:
     """The GGUF-native layouts of ``header``'s model (module docstring)."""
     from llmc.compiler.weight_passes import fusion_table
 
     by_hf = {hf_tensor_name(t.name, header.path): t for t in header.tensors if t.name != ROPE_FREQS}
     types = {t.name: type_name(t.ggml_type) for t in header.tensors}
+    check_types(header, types)
     shapes = spec.tensor_shapes()
     layouts: dict[str, WeightLayout] = {}
     members: dict[str, WeightLayout] = {}

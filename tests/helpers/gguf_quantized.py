@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 F16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2)}
-F16_FIELDS["Q6_K"] = (208,)
+F16_FIELDS.update(Q6_K=(208,), Q8_1=(0, 2))
 
 TOKENS = ["<s>", "</s>", *"abcdefghijklmnopqrstuvwxyz", "ab", "cd", "ef", "gh"]
 HIDDEN, FFN, HEADS, KV_HEADS, VOCAB = 256, 512, 4, 2, len(TOKENS)
