@@ -22,8 +22,8 @@ import torch
 from llmc.base.errors import CheckpointError
 from llmc.compiler.quantization import KV_SCALE, SCALE_SUFFIX, is_fp8_projection
 from llmc.compiler.spec import ModelSpec
-from llmc.compiler.wo_layout import WeightLayout
-from llmc.compiler.wo_weights import fuse_packed, packed_tensors, quantize_wo
+from llmc.compiler.wo_layout import OFFSET_SUFFIX, WeightLayout
+from llmc.compiler.wo_weights import fuse_packed, packed_from_tensors, packed_tensors, quantize_wo
 from llmc.cuda.reference_fp8 import quantize_weight_fp8
 from llmc.cuda.reference_wo import PackedWeight
 
@@ -111,7 +111,7 @@ def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
 
 def to_engine_weights(
     spec: ModelSpec,
-    hf: Mapping[str, torch.Tensor],
+    hf: Mapping[str, torch.Tensor | PackedWeight],
     dtype: str,
     source: str = "checkpoint",
     *,
@@ -245,14 +245,21 @@ def quantize_engine_weights(
 
 
 def dequantize_engine_weights(
-    tensors: Mapping[str, torch.Tensor], dtype: str
+    tensors: Mapping[str, torch.Tensor],
+    dtype: str,
+    layouts: Mapping[str, WeightLayout] | None = None,
 ) -> dict[str, torch.Tensor]:
     """An engine's tensors with every fp8 projection dequantized (code × scale, in ``dtype``)
-    and no scales: the values an unquantized model runs (the ``--peer hf`` model)."""
+    and every weight-only packed one (``layouts``) dequantized, with no scales or offsets:
+    the values an unquantized model runs (the ``--peer hf`` model)."""
     dt = TORCH_DTYPES[dtype]
+    layouts = layouts or {}
     out: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
-        if name.endswith((SCALE_SUFFIX, KV_SCALE)):
+        if name.endswith((SCALE_SUFFIX, KV_SCALE, OFFSET_SUFFIX)):
+            continue
+        if name in layouts:
+            out[name] = packed_from_tensors(tensors, name, layouts[name]).dequantize().to(dt)
             continue
         scale = tensors.get(name + SCALE_SUFFIX)
         out[name] = t if scale is None else (t.float() * scale.float()[:, None]).to(dt)

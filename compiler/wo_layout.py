@@ -94,9 +94,10 @@ def check_group_size(group_size: Any, k: int | None = None, name: str = "") -> N
         fit = group_size
         while k % fit:
             fit //= 2
+        hint = f", e.g. --group_size {fit}" if fit >= 2 else " (K is odd: int4_wo needs an even K)"
         raise ConfigError(
             f"--group_size {group_size} does not divide K={k} of {name} (the input size of the "
-            f"projection); choose a power of two that divides {k}, e.g. --group_size {fit}"
+            f"projection); choose a power of two that divides {k}{hint}"
         )
 
 

@@ -58,7 +58,7 @@ def limits(quantization: str = "none", kv_cache_dtype: str = "auto", dtype: str 
     "field, value, says",
     [
         ("quantization", "fp9", "did you mean 'fp8'?"),
-        ("quantization", "int8", "choose one of none, fp8"),
+        ("quantization", "int8", "choose one of auto, none, fp8, int8_wo, int4_wo"),
         ("kv_cache_dtype", "fp8e4m3", "did you mean 'fp8'?"),
         ("kv_cache_dtype", "bfloat16", "choose one of auto, fp8"),
     ],
