@@ -81,8 +81,10 @@ def load_hf_model(engine: Any, device: torch.device) -> Any:
     cfg = transformers.AutoConfig.for_model(model_type, **hf)
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    # an fp8 engine's projections as the values they stand for (code x scale, in dtype)
-    tensors = dequantize_engine_weights(engine.load_weights(device), engine.limits.dtype)
+    # an fp8 or weight-only engine's projections as the values they stand for, in dtype
+    tensors = dequantize_engine_weights(
+        engine.load_weights(device), engine.limits.dtype, engine.layouts
+    )
     missing, unexpected = model.load_state_dict(hf_state_dict(spec, tensors), strict=False)
     del tensors
     bad = [k for k in missing if not k.endswith("lm_head.weight")] + list(unexpected)
