@@ -119,6 +119,13 @@ CONVERTERS: dict[str, Callable[[np.ndarray], Blocks]] = {
 KEPT_TYPES = tuple(CONVERTERS)
 
 
+def type_name(ggml_type: int) -> str:
+    """The ggml type's name (``Q4_K``) from its id."""
+    from gguf import GGMLQuantizationType
+
+    return GGMLQuantizationType(ggml_type).name
+
+
 def blocks_to_packed(
     raw: np.ndarray, shape: tuple[int, ...], type_name: str, name: str
 ) -> PackedWeight:

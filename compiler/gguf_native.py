@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from llmc.base.errors import UnsupportedError
-from llmc.compiler.gguf_blocks import KEPT_TYPES
+from llmc.compiler.gguf_blocks import KEPT_TYPES, type_name
 from llmc.compiler.gguf_header import GGUFHeader
 from llmc.compiler.gguf_reader import ROPE_FREQS, hf_tensor_name
 from llmc.compiler.spec import ModelSpec
@@ -44,12 +44,6 @@ class NativePlan:
     def quantized(self) -> bool:
         """The file holds a quantized (non-float) tensor."""
         return any(t not in FLOAT_TYPES for t in self.types.values())
-
-
-def type_name(ggml_type: int) -> str:
-    from gguf import GGMLQuantizationType
-
-    return GGMLQuantizationType(ggml_type).name
 
 
 def check_types(header: GGUFHeader, types: dict[str, str]) -> None:

@@ -237,8 +237,7 @@ def read_gguf_tensors(
     tensors named in ``keep`` as ``PackedWeight``s of their own blocks instead
     (``llmc.compiler.gguf_blocks``; the un-permutation moves whole rows, so it applies to
     codes, scales and offsets alike)."""
-    from llmc.compiler.gguf_blocks import blocks_to_packed
-    from llmc.compiler.gguf_native import type_name
+    from llmc.compiler.gguf_blocks import blocks_to_packed, type_name
     from llmc.compiler.wo_weights import permute_rows
 
     buf = open_map(header.path)

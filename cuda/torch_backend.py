@@ -91,6 +91,20 @@ def _reference_op(fn: Callable[..., Any]) -> Callable[..., Any]:
     return op
 
 
+def _in_place_op(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The backend method of reference function ``fn`` that has no ``out`` (it writes in
+    place): ``fn`` on the arguments, packed weights resolved by ``TorchBackend.weight``."""
+
+    @functools.wraps(fn)
+    def op(self: TorchBackend, *args: Any) -> Any:
+        return fn(*map(self.weight, args))
+
+    sig = inspect.signature(fn)
+    this = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    op.__signature__ = sig.replace(parameters=[this, *sig.parameters.values()])  # type: ignore[attr-defined]
+    return op
+
+
 class TorchBackend:
     """The reference backend. ``device``: where inputs, weights and outputs live."""
 
@@ -121,12 +135,6 @@ class TorchBackend:
             self._dense[id(arg)] = hit
         return hit[1]
 
-    def linear_residual_add(
-        self, x: torch.Tensor, weight: torch.Tensor | PackedWeight, residual: torch.Tensor
-    ) -> torch.Tensor:
-        """In place on ``residual`` (no ``out`` in the protocol)."""
-        return ref.linear_residual_add(x, self.weight(weight), residual)
-
     embedding = _reference_op(ref.embedding)
     rms_norm = _reference_op(ref.rms_norm)
     add_rms_norm = _reference_op(ref.add_rms_norm)  # (normed → out, residual updated in place)
@@ -136,7 +144,9 @@ class TorchBackend:
     silu_and_mul = _reference_op(ref.silu_and_mul)
     norm_linear = _reference_op(ref.norm_linear)
     norm_gate_up_silu = _reference_op(ref.norm_gate_up_silu)
-    sample = staticmethod(ref.sample)  # a fresh id tensor: no ``out`` in the protocol
+    # in place on ``residual`` / a fresh id tensor: no ``out`` in the protocol
+    linear_residual_add = _in_place_op(ref.linear_residual_add)
+    sample = staticmethod(ref.sample)
     # FP8 (W8A8): dequantize-and-matmul in float32, on any device
     quantize_fp8 = _reference_op(ref8.quantize_fp8)
     rms_norm_fp8 = _reference_op(ref8.rms_norm_fp8)
