@@ -135,7 +135,8 @@ def test_smollm2_native_greedy_equals_transformers_gguf(smollm2_gguf, tmp_path):
     from llmc.runtime.engine_runtime import EngineRuntime, RuntimeConfig
 
     out = tmp_path / "smollm2"
-    result = build(tiny_build_config(smollm2_gguf, output_dir=str(out), **LIMITS))
+    limits = dict(LIMITS, max_seq_len=256, max_num_tokens=256)  # chat prompts + 32 tokens
+    result = build(tiny_build_config(smollm2_gguf, output_dir=str(out), **limits))
     assert result.build.limits.quantization == "gguf"
     assert result.plan.weight_bytes_total <= 130_000_000
     rt = EngineRuntime.load(out, RuntimeConfig(device="cpu"))
@@ -151,6 +152,7 @@ def test_smollm2_native_greedy_equals_transformers_gguf(smollm2_gguf, tmp_path):
     )
     model.eval()
     for p, o in zip(prompts, outs, strict=True):
+        assert o.ok, o.error
         with torch.no_grad():
             ref = model.generate(
                 torch.tensor([p]), max_new_tokens=32, do_sample=False, pad_token_id=0,
