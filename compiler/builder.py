@@ -164,12 +164,15 @@ def _dummy_tokenizer_files(checkpoint_dir: str | None) -> dict[str, bytes]:
     return {n: (d / n).read_bytes() for n in TOKENIZER_FILES if (d / n).is_file()}
 
 
-def _compile_kernels(spec: ModelSpec, dtype: str, target: str, out_dir: Path) -> list[str]:
-    """Cubins for a CUDA target (relative names under kernels/); none for cpu."""
+def _compile_kernels(
+    spec: ModelSpec, limits: EngineLimits, target: str, out_dir: Path
+) -> list[str]:
+    """Cubins for a CUDA target (relative names under kernels/); none for cpu. Families
+    only some quantizations run (fp8 or weight-only GEMVs) are built for those engines."""
     out_dir.mkdir(exist_ok=True)
     if not target.startswith("sm_"):
         return []
-    paths = compile_engine_kernels(spec, dtype, target, out_dir)
+    paths = compile_engine_kernels(spec, limits.dtype, target, out_dir, limits.quantization)
     return sorted(Path(p).resolve().relative_to(out_dir.resolve()).as_posix() for p in paths)
 
 
@@ -269,9 +272,7 @@ def build(
                 notes = (*notes, *quant["notes"])
                 del ckpt  # the HF tensors are no longer needed
         with phase("compile", f"kernels for {resolved.target}"):
-            kernels = _compile_kernels(
-                spec, resolved.limits.dtype, resolved.target, tmp / KERNELS_DIR
-            )
+            kernels = _compile_kernels(spec, resolved.limits, resolved.target, tmp / KERNELS_DIR)
         with phase("write", str(out)), writing(out):
             manifest = _manifest(
                 config, model_config, spec, hf_config, resolved, kernels, sorted(tok_files), fmt
