@@ -52,6 +52,10 @@ WORKLOAD_FLAGS: tuple[Flag, ...] = (
          "mode of --peer and --url). Default: 0."),
     Flag("top_p", float, "Top-p of every request, in (0, 1]. Default: 1."),
     Flag("top_k", int, "Top-k of every request; 0 = off. Default: 0."),
+    Flag("n", int, "Outputs per request, sampled at --temperature (sharing the prompt's KV "
+         "blocks; every output's tokens count). Default: 1."),
+    Flag("beam_width", int, "Beam search of this many beams per request (greedy; at most the "
+         "engine's max_beam_width; the best beam counts). Default: 1 (off)."),
 )
 # fmt: on
 """The workload of one benchmark (``SyntheticSpec``, ``ArrivalSpec``, ``BenchSettings``)."""
@@ -111,6 +115,8 @@ class _WorkloadTypes:
     model: str | None
     tokenizer: str | None
     api_key: str | None
+    n: int | None
+    beam_width: int | None
 
 
 def make_settings(
@@ -151,6 +157,8 @@ def make_settings(
             temperature=s.get("temperature", 0.0),
             top_p=s.get("top_p", 1.0),
             top_k=s.get("top_k", 0),
+            n=s.get("n") or 1,
+            beam_width=s.get("beam_width") or 1,
         ),
     )
     return (str(engine_dir) if engine_dir else None), settings, runtime_config(s)

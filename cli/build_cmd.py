@@ -53,6 +53,14 @@ def build_command(
         int | None,
         option("max_input_len", "Longest prompt, in tokens. Default: max_seq_len."),
     ] = None,
+    max_beam_width: Annotated[
+        int | None,
+        option(
+            "max_beam_width",
+            "Widest beam search a request may ask for, in beams (each beam is a row of a "
+            "step). Default: 1.",
+        ),
+    ] = None,
     max_seq_len: Annotated[
         int | None,
         option(
@@ -197,6 +205,7 @@ def build_command(
         "output_dir": output_dir,
         "max_batch_size": max_batch_size,
         "max_input_len": max_input_len,
+        "max_beam_width": max_beam_width,
         "max_seq_len": max_seq_len,
         "max_num_tokens": max_num_tokens,
         "tokens_per_block": tokens_per_block,
@@ -238,6 +247,7 @@ def build_command(
 
 _TYPES = {
     "max_batch_size": int,
+    "max_beam_width": int,
     "max_input_len": int,
     "max_seq_len": int,
     "max_num_tokens": int,

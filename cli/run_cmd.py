@@ -87,6 +87,8 @@ def _sampling(settings: dict[str, Any], overrides: dict[str, Any]) -> SamplingPa
         for k in LIMIT_NAMES:
             values.pop(k, None)
     values.update(overrides)
+    if type(width := values.get("beam_width")) is int and width > 1:  # beam search,
+        values.update({"use_beam_search": True, "n": width, **values})  # every beam shown
     return SamplingParams(**values)
 
 
@@ -308,8 +310,8 @@ def run_requests(llm: LLM, items: list[tuple[str, Request]], printer: _Printer |
         for r in llm.await_responses(ids):
             got[r.request_id].append(r)
             finals += r.is_final
-            if printer is not None:
-                printer.add(r.request_id, r.new_text, r.is_final)
+            if printer is not None:  # several outputs: output 0 is printed as it comes
+                printer.add(r.request_id, r.new_text if r.index == 0 else "", r.is_final)
     return ids, got
 
 
@@ -335,6 +337,10 @@ RUN_FLAGS: tuple[Flag, ...] = (
     Flag("min_tokens", int, "Suppress EOS and stop ids until this many tokens. Default: 0."),
     Flag("logprobs", int, "Each generated token's logprob, rank and this many top ones."),
     Flag("prompt_logprobs", int, "Each prompt token's logprob, rank and this many top ones."),
+    Flag("n", int, "Outputs per prompt (samples, or the best beams). Default: 1; beams: all."),
+    Flag("best_of", int, "Samples drawn (>= n); the n best by logprob sum kept. Default: n."),
+    Flag("beam_width", int, "Beam search with this many beams; 1 = off. Default: 1."),
+    Flag("length_penalty", float, "Beam score = logprob sum / length**this. Default: 1."),
     Flag("clamp_max_new_tokens", bool, "Lower max_new_tokens to fit max_seq_len instead of "
          "failing. Default: off."),
     Flag("messages_file", str, "Conversations: JSONL, one JSON list of {role, content} per "
@@ -445,14 +451,17 @@ def _output(
         "error_code": final.error_code,
         "timings": _timings(rec),
     }
-    lps = [lp for r in responses for lp in (r.logprobs or [])]
+    lps = [lp for r in responses if r.index == 0 for lp in (r.logprobs or [])]
     for key, entries in (("logprobs", lps), ("prompt_logprobs", final.prompt_logprobs)):
         if entries:
             if token_text is not None:
                 entries = with_texts(entries, token_text)
             out[key] = [entry_json(e) for e in entries]
     if streaming:
-        out["deltas"] = [r.new_text for r in responses]
+        out["deltas"] = [r.new_text for r in responses if r.index == 0]
+    if final.completions:  # several outputs (n, beams); finish_reason is a str enum
+        keys = ("index", "text", "token_ids", "cumulative_logprob", "finish_reason")
+        out["completions"] = [{k: getattr(c, k) for k in keys} for c in final.completions]
     return out
 
 
@@ -465,7 +474,8 @@ def _strip_id(error: str | None, request_id: int) -> str | None:
 def _summary(llm: LLM, outputs: list[dict[str, Any]], wall: float) -> dict[str, Any]:
     kv = llm.kv_stats()
     steps = llm.step_records
-    generated = sum(len(o["token_ids"]) for o in outputs)
+    outs = [c for o in outputs for c in o.get("completions", [o])]  # every output's tokens
+    generated = sum(len(c["token_ids"]) for c in outs)
     return {
         "num_requests": len(outputs),
         "num_failed": sum(o["error"] is not None for o in outputs),

@@ -25,6 +25,9 @@ def print_report(console: Any, outputs: list[dict[str, Any]], summary: dict, pri
                 console.print(f"[red]error:[/] {escape(o['error'])}")
             else:
                 console.print(o["text"], markup=False, highlight=False, soft_wrap=True)
+            for c in o.get("completions", [])[1:]:  # the other outputs (n, beams)
+                console.print(f"[dim]output {c['index']}:[/]")
+                console.print(c["text"], markup=False, highlight=False, soft_wrap=True)
     for o in outputs:
         for key, title in (("prompt_logprobs", "prompt"), ("logprobs", "generated")):
             if o.get(key):

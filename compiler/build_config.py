@@ -72,14 +72,23 @@ class BuildConfig:
     """Fraction of memory left after weights and workspace given to the KV pool (report)."""
     force: bool = False
     """Overwrite an existing output_dir."""
+    max_beam_width: int = 1
+    """Widest beam search a request may ask for; each beam is a row of a step (at most
+    max_batch_size and max_num_tokens), and the capacity check holds that many sequences."""
 
     def __post_init__(self) -> None:
         # types first (a list where a number belongs, NaN), so the rules below compare numbers
         check_field_types(BuildConfig, self.to_dict(), "build setting")
         # the limit rules are EngineLimits' (compiler/limits.py); a flag given here is
         # refused now, a derived one when resolve_build builds the engine's EngineLimits
-        for name in ("max_batch_size", "max_num_tokens", "tokens_per_block"):
+        for name in ("max_batch_size", "max_num_tokens", "tokens_per_block", "max_beam_width"):
             check_positive_int(name, getattr(self, name))
+        for name in ("max_batch_size", "max_num_tokens"):
+            if getattr(self, name) < self.max_beam_width:
+                raise ConfigError(
+                    f"--{name} {getattr(self, name)} is smaller than --max_beam_width "
+                    f"{self.max_beam_width}: the beams of one request run as rows of one step"
+                )
         for name in ("max_input_len", "max_seq_len"):
             if getattr(self, name) is not None:
                 check_positive_int(name, getattr(self, name))

@@ -2,7 +2,8 @@
 
 Owns:
 - ``EngineLimits`` (frozen): max_batch_size, max_input_len, max_seq_len, max_num_tokens,
-  tokens_per_block, enable_chunked_prefill, dtype, quantization and kv_cache_dtype, validated
+  tokens_per_block, enable_chunked_prefill, dtype, quantization, kv_cache_dtype and
+  max_beam_width, validated
   on construction (what the last two mean: ``llmc.compiler.quantization``);
 - the rules on them, each a named function with one wording (``check_positive_int``,
   ``check_input_len``, ``check_chunked_prefill``), which ``BuildConfig`` also calls to refuse
@@ -88,6 +89,11 @@ class EngineLimits:
     the packed ones are the manifest's (``llmc.compiler.wo_layout``)."""
     kv_cache_dtype: str = "auto"
     """KV pool elements: auto (dtype) or fp8 (e4m3, a k/v scale pair per layer)."""
+    max_beam_width: int = 1
+    """Widest beam search a request may ask for (TensorRT-LLM's ``max_beam_width``). Every
+    beam is a row of a step, so one request of W beams takes W of ``max_batch_size``'s rows
+    and W tokens of a decode step's ``max_num_tokens`` (both must hold W), and the build's
+    capacity check holds W sequences of max_seq_len."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -96,8 +102,15 @@ class EngineLimits:
             "max_seq_len",
             "max_num_tokens",
             "tokens_per_block",
+            "max_beam_width",
         ):
             check_positive_int(name, getattr(self, name))
+        for name in ("max_batch_size", "max_num_tokens"):
+            if getattr(self, name) < self.max_beam_width:
+                raise ConfigError(
+                    f"{name} ({getattr(self, name)}) is smaller than max_beam_width "
+                    f"({self.max_beam_width}): the beams of one request run as rows of one step"
+                )
         if not isinstance(self.enable_chunked_prefill, bool):
             raise ConfigError(
                 f"enable_chunked_prefill must be true or false, got {self.enable_chunked_prefill!r}"
@@ -126,7 +139,8 @@ class EngineLimits:
     ) -> EngineLimits:
         """These limits with a run's settings applied (None: keep). ``max_batch_size`` and
         ``max_num_tokens`` may only go down (the workspace was planned for the build's);
-        raising one is a ConfigError naming both values and the rebuild flag."""
+        raising one is a ConfigError naming both values and the rebuild flag. Lowered below
+        ``max_beam_width``, the run's beam width is lowered with them."""
         for name, asked in (("max_batch_size", max_batch_size), ("max_num_tokens", max_num_tokens)):
             built = getattr(self, name)
             if asked is not None and asked > built:
@@ -135,10 +149,13 @@ class EngineLimits:
                     f"planned for it); use {built} or less, or rebuild the engine with "
                     f"--{name} {asked}"
                 )
+        batch = self.max_batch_size if max_batch_size is None else max_batch_size
+        tokens = self.max_num_tokens if max_num_tokens is None else max_num_tokens
         return dataclasses.replace(
             self,
-            max_batch_size=self.max_batch_size if max_batch_size is None else max_batch_size,
-            max_num_tokens=self.max_num_tokens if max_num_tokens is None else max_num_tokens,
+            max_batch_size=batch,
+            max_num_tokens=tokens,
+            max_beam_width=min(self.max_beam_width, batch, tokens),
             enable_chunked_prefill=self.enable_chunked_prefill
             if enable_chunked_prefill is None
             else enable_chunked_prefill,

@@ -266,7 +266,16 @@ class MemoryPlan:
 
     @property
     def blocks_per_max_seq(self) -> int:
-        return self.limits.max_blocks_per_seq
+        """KV blocks of one request of max_seq_len tokens: ``max_beam_width`` sequences
+        (its beams may share no block but the prompt's)."""
+        return self.limits.max_blocks_per_seq * self.limits.max_beam_width
+
+    @property
+    def one_request(self) -> str:
+        """How the capacity messages name that request."""
+        w = self.limits.max_beam_width
+        beams = f" x {w} beams (max_beam_width)" if w > 1 else ""
+        return f"one request of max_seq_len={self.limits.max_seq_len} tokens{beams}"
 
     def buffer(self, name: str) -> PlannedBuffer:
         for b in self.buffers:
@@ -420,7 +429,7 @@ def _does_not_fit(plan: MemoryPlan, cap: Capacity) -> str:
         + math.ceil(need_kv / cap.kv_cache_free_gpu_mem_fraction)
     )
     head = (
-        f"one request of max_seq_len={plan.limits.max_seq_len} tokens does not fit: it needs "
+        f"{plan.one_request} does not fit: it needs "
         f"{plan.blocks_per_max_seq} KV blocks ({_gib(need_kv)} at "
         f"{plan.kv_bytes_per_token} bytes/token), but {_gib(cap.device_memory_bytes)} of device "
         f"memory ({cap.memory_source}) - weights {_gib(plan.weight_bytes_total)} - workspace "
@@ -469,8 +478,8 @@ def kv_cache_blocks(
         fix = _max_seq_len_fix(blocks, plan.limits)
         raise CapacityError(
             f"KV cache of {blocks} blocks ({blocks * tpb} tokens; "
-            f"{_gib(free_bytes)} free x {fraction}{limit}) cannot hold one request of "
-            f"max_seq_len={plan.limits.max_seq_len} tokens ({plan.blocks_per_max_seq} blocks of "
+            f"{_gib(free_bytes)} free x {fraction}{limit}) cannot hold {plan.one_request} "
+            f"({plan.blocks_per_max_seq} blocks of "
             f"{plan.kv_bytes_per_block} bytes); free more device memory or raise "
             f"kv_cache_free_gpu_mem_fraction or max_kv_tokens"
             + (f", or rebuild with {fix}" if fix.startswith("--") else f" ({fix})")

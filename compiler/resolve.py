@@ -74,6 +74,7 @@ class ResolvedBuild:
     def from_dict(cls, d: dict[str, Any]) -> ResolvedBuild:
         limit_names = EngineLimits.field_names()
         names = {*limit_names, "target", "load_format", "dummy_seed"}
+        d = {"max_beam_width": 1, **d}  # engines built before beam search
         missing = sorted(names - set(d))
         unknown = sorted(set(d) - names)
         if missing or unknown:
@@ -120,6 +121,7 @@ def resolve_build(
         dtype=config.dtype,
         quantization=quantization,
         kv_cache_dtype=config.kv_cache_dtype,
+        max_beam_width=config.max_beam_width,
     )
     if config.target == "auto":
         target = gpu.arch if gpu is not None else "cpu"

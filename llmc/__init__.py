@@ -30,6 +30,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "Logprob": ("llmc.runtime.logprobs", "Logprob"),
     "RequestTimings": ("llmc.runtime.responses", "RequestTimings"),
     "SamplingParams": ("llmc.runtime.types", "SamplingParams"),
+    "BeamSearchParams": ("llmc.runtime.branches", "BeamSearchParams"),
     "Request": ("llmc.runtime.types", "Request"),
     "RuntimeConfig": ("llmc.runtime.engine_runtime", "RuntimeConfig"),
     "BuildConfig": ("llmc.compiler.build_config", "BuildConfig"),
@@ -48,6 +49,7 @@ __all__ = [
     "Logprob",
     "RequestTimings",
     "SamplingParams",
+    "BeamSearchParams",
     "Request",
     "RuntimeConfig",
     "BuildConfig",
@@ -60,6 +62,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time these come from __g
     from llmc.compiler.build_config import BuildConfig
     from llmc.compiler.builder import build
     from llmc.profiler_api import Profiler
+    from llmc.runtime.branches import BeamSearchParams
     from llmc.runtime.engine_runtime import RuntimeConfig
     from llmc.runtime.logprobs import Logprob
     from llmc.runtime.responses import (

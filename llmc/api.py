@@ -45,6 +45,7 @@ from llmc.base.errors import ConfigError, EngineError, error_class
 from llmc.compiler.build_config import BuildConfig
 from llmc.compiler.engine_cache import cached_build, rebuild
 from llmc.runtime.admission import SchedulerStats
+from llmc.runtime.branches import BeamSearchParams
 from llmc.runtime.engine_runtime import EngineRuntime, RuntimeConfig
 from llmc.runtime.executor import Executor
 from llmc.runtime.kv_cache import KVCacheStats
@@ -413,3 +414,13 @@ class LLM:
     def __repr__(self) -> str:
         state = "shut down" if self.closed else f"{self.runtime.device}/{self.runtime.backend}"
         return f"LLM(engine_dir={str(self.engine_dir)!r}, {state})"
+
+    # ---- vLLM aliases (beam search) -----------------------------------------------------
+    def beam_search(
+        self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams
+    ) -> list[RequestOutput]:
+        """vLLM's ``LLM.beam_search``: ``generate`` with ``params.sampling_params()`` (every
+        beam returned best first, in each output's ``completions``)."""
+        if not isinstance(params, BeamSearchParams):
+            raise ConfigError(f"beam_search takes a BeamSearchParams, got {type(params).__name__}")
+        return self.generate(prompts, params.sampling_params())

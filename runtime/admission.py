@@ -12,9 +12,11 @@ Invariants: a sequence that passes ``check_new_sequence`` has a non-empty prompt
 ``max_input_len`` tokens, ``max_new_tokens >= 1``, prompt + ``max_new_tokens`` at most
 ``max_seq_len`` (``max_new_tokens`` is lowered to the room left only when the request asked
 for ``clamp_max_new_tokens``), and its whole life fits in the KV pool, so neither capacity
-policy can livelock on it. Every refusal is a RequestError naming the request id. The checks
-touch nothing but the sequence's ``max_new_tokens`` (when clamped); the scheduler's queues are
-the scheduler's. This module imports neither torch nor the scheduler.
+policy can livelock on it (all of its ``num_branches`` sequences' lives, for a request
+with several; ``check_width`` bounds their number). Every refusal is a RequestError naming
+the request id. The checks touch nothing but the sequence's ``max_new_tokens`` (when
+clamped); the scheduler's queues are the scheduler's. This module imports neither torch
+nor the scheduler.
 """
 
 from __future__ import annotations
@@ -98,10 +100,34 @@ def check_new_sequence(limits: EngineLimits, kv: KVCacheManager, seq: Sequence) 
                 + (" or set clamp_max_new_tokens" if room >= 1 else " (no room is left)")
             )
         seq.max_new_tokens = room
-    need_blocks = kv.blocks_for_tokens(kv_tokens_needed(seq))
+    width = check_width(limits, seq)
+    need_blocks = width * kv.blocks_for_tokens(kv_tokens_needed(seq))
     if need_blocks > kv.total_blocks:
+        each = f" for each of {width} sequences" if width > 1 else ""
         raise RequestError(
             f"request {rid}: needs {need_blocks} KV-cache blocks ({n_prompt} prompt + "
-            f"{seq.max_new_tokens} new tokens, {kv.tokens_per_block} tokens per block) "
+            f"{seq.max_new_tokens} new tokens{each}, {kv.tokens_per_block} tokens per block) "
             f"but the whole pool has {kv.total_blocks}; it could never run"
         )
+
+
+def check_width(limits: EngineLimits, seq: Sequence) -> int:
+    """The sequences the request decodes at once (``SamplingParams.num_branches``), refused
+    (RequestError naming both numbers) beyond the engine's ``max_beam_width`` (beams) or
+    ``max_batch_size`` (every sequence is a row of a step; a beam group's rows run in one
+    step, so its width must also fit ``max_num_tokens``)."""
+    sp, rid = seq.sampling, seq.request_id
+    width = sp.num_branches
+    if sp.use_beam_search and width > limits.max_beam_width:
+        raise RequestError(
+            f"request {rid}: beam_width={width} is more beams than the engine's "
+            f"max_beam_width={limits.max_beam_width}; rebuild with --max_beam_width {width}"
+        )
+    what = "beam_width" if sp.use_beam_search else ("best_of" if sp.best_of else "n")
+    for name in ("max_batch_size", "max_num_tokens") if sp.use_beam_search else ("max_batch_size",):
+        if width > getattr(limits, name):
+            raise RequestError(
+                f"request {rid}: {what}={width} sequences are more than the run's "
+                f"{name}={getattr(limits, name)} (each is a row of a step)"
+            )
+    return width

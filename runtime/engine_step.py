@@ -53,7 +53,7 @@ from llmc.runtime.types import (
 class Finisher(Protocol):
     """The one Scheduler method post-processing needs (a stop string ends a sequence)."""
 
-    def finish(self, request_id: int, reason: FinishReason) -> Any: ...
+    def finish(self, request_id: int, reason: FinishReason, branch: int | None = None) -> Any: ...
 
 
 @dataclass
@@ -153,7 +153,10 @@ def emit_step_responses(
 ) -> None:
     """Turn the tokens ``Scheduler.update`` appended for ``batch`` into Responses (``emit``).
 
-    Call after the update, with the Executor's lock held."""
+    Call after the update, with the Executor's lock held. A request with several outputs
+    routes each row to its output's state (``RequestState.output``); the other samples' first
+    tokens come from the step's fork (``branch_steps``), a beam search's final Response when
+    its group finished."""
     if getattr(out, "prompt_logprobs", None):
         _store_prompt_logprobs(out.prompt_logprobs, states, scheduler, emit)
     logprobs = list(getattr(out, "logprobs", None) or [])
@@ -169,6 +172,10 @@ def emit_step_responses(
             continue
         logprob = logprobs[row] if logprobs else None
         try:
+            if seq.group is not None:
+                state = _group_row(seq, state, now, emit)
+                if state is None:
+                    continue
             if state.deferred and logprob is None and seq.status is not finished:
                 # the common decode row, inline (no call per row): nothing to show until
                 # the end, only the token's time (take_new_tokens)
@@ -185,6 +192,48 @@ def emit_step_responses(
             _emit_row(seq, state, logprob, now, scheduler, emit)
         except Exception as e:  # this request's tokens broke post-processing: it alone fails
             _fail_row(state, scheduler, emit, "post-processing its tokens", e)
+    for step in getattr(out, "branch_steps", None) or ():
+        _emit_fork(step, states, now, scheduler, emit)
+
+
+def _group_row(
+    seq: Sequence, state: RequestState, now: float, emit: Callable[[Response], None]
+) -> RequestState | None:
+    """A sampled row of a request with several outputs: the output state that takes its
+    token, or None when nothing is emitted per row (a beam: its request's step time, and
+    its final Response once the search ended)."""
+    if not seq.group.beam:
+        out = state.output(seq)
+        return None if out.done else out
+    if seq.branch == 0:  # one token time per step for the whole search
+        rec = state.record
+        rec.token_times.append(now)
+        if rec.first_token_time is None:
+            rec.first_token_time = now
+    if seq.status is SequenceStatus.FINISHED and not state.final:
+        emit(state.beam_response(now))
+    return None
+
+
+def _emit_fork(
+    step: Any,
+    states: Mapping[int, RequestState],
+    now: float,
+    scheduler: Finisher,
+    emit: Callable[[Response], None],
+) -> None:
+    """The first tokens of a sample fork's new outputs (beam steps emit nothing here)."""
+    state = states.get(step.request_id)
+    if state is None or state.final or state.seq is None or state.seq.group.beam:
+        return
+    children = state.seq.group.branches[1 : 1 + len(step.token_ids)]
+    lps = step.logprobs or (None,) * len(children)
+    for child, logprob in zip(children, lps, strict=True):
+        out = state.output(child)
+        try:
+            _emit_row(child, out, logprob, now, scheduler, emit)
+        except Exception as e:  # this request's tokens broke post-processing: it alone fails
+            _fail_row(out, scheduler, emit, "post-processing its tokens", e)
 
 
 def _store_prompt_logprobs(
@@ -213,7 +262,8 @@ def _fail_row(
     error: BaseException,
 ) -> None:
     """A request whose step post-processing raised: finished (its blocks freed) with an
-    error Response."""
+    error Response (one output's failure fails its whole request)."""
+    state = state.main or state
     seq = state.seq
     assert seq is not None
     if seq.status is not SequenceStatus.FINISHED:
@@ -244,10 +294,14 @@ def _emit_row(
     if stop_token:
         state.num_text += 1
     if reason is None and state.stopped_by_string:  # the one stop decided here
-        scheduler.finish(seq.request_id, FinishReason.STOP)
+        if seq.group is None:
+            scheduler.finish(seq.request_id, FinishReason.STOP)
+        else:  # one sample of several
+            scheduler.finish(seq.request_id, FinishReason.STOP, seq.branch)
         reason = FinishReason.STOP
     if reason is not None:
-        emit(state.final_response(reason, new, delta, new_lp, now))
+        for response in state.finish(reason, new, delta, new_lp, now):
+            emit(response)
     elif state.request.streaming and (new or delta):
         emit(state.delta_response(new, delta, new_lp))
 
@@ -262,7 +316,7 @@ def request_output(
 ) -> RequestOutput:
     """The RequestOutput of request ``rid`` from its Responses (the last one final)."""
     final = responses[-1]
-    logprobs = [lp for r in responses for lp in (r.logprobs or [])]
+    logprobs = [lp for r in responses if r.index == 0 for lp in (r.logprobs or [])]
     return RequestOutput(
         request_id=rid,
         prompt=prompt if isinstance(prompt, str) else request.prompt,

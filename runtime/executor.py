@@ -142,6 +142,9 @@ class Executor:
                 self._fail(state, error)
                 return rid
             state.seq = seq
+            state.tokenizer = self.tokenizer
+            if request.sampling.num_branches > 1:
+                state.outputs = [state]
             if self.tokenizer is not None:
                 state.detok = IncrementalDetokenizer(self.tokenizer, request.sampling.stop)
             state.deferred = not request.streaming and not request.sampling.stop
@@ -415,7 +418,8 @@ class Executor:
         batch = cur.batch
         t2 = _now()
         with self._cv:
-            self.scheduler.update(batch, list(out.token_ids))
+            steps = getattr(out, "branch_steps", None) or ()
+            self.scheduler.update(batch, list(out.token_ids), steps)
             emit_step_responses(batch, out, t2, self._states, self.scheduler, self._emit)
             t3 = _now()
             self.step_records.append(step_record(cur, out, t2, t3, self.scheduler.kv.total_blocks))
@@ -427,7 +431,7 @@ class Executor:
                 continue
             self.scheduler.finish(rid, FinishReason.CANCELLED)
             try:
-                self._emit(state.final_response(FinishReason.CANCELLED, [], "", [], _now()))
+                self._emit(state.close(FinishReason.CANCELLED, _now()))
             except Exception as e:  # its text could not be finished: it fails instead
                 self._fail(state, RequestFault.caused(rid, "finishing its text", e))
         self._cancels.clear()

@@ -15,6 +15,14 @@ inputs' decode row cache): every change of ``seq.block_table`` bumps
 ``seq.block_table_version`` (``_reset_table`` at admission and free, ``append_slots``), and
 between two resets a table changes only by blocks appended at its end.
 
+Forks (several sequences of one request: n / best_of samples, beams; ``share``): a sequence
+takes another's block table, every block's refcount going up, and is marked
+``shares_last_block``. Full blocks are never written again, so sharing them is free; the
+partial last block is copied on write: ``append_slots`` gives a sequence about to write into
+a last block that another table holds too a fresh block, queues the (source, destination)
+copy for the runner (``take_copies``, handed over in the ScheduledBatch) and resets the
+table's version. The per-sequence state here is keyed by ``Sequence.key`` (request, branch).
+
 Free blocks sit in one intrusive doubly-linked list (arrays of prev/next ids, O(1) push, pop
 and unlink from the middle). Blocks with no reusable content are kept at the head, so they are
 allocated first; freed blocks that still hold a registered hash go to the tail in LRU order and
@@ -25,6 +33,7 @@ Invariants (``check_invariants`` verifies them; the tests call it after every st
 - a block is in the free list iff its refcount is 0; refcounts are never negative;
 - ``num_free_blocks`` equals the length of the free list;
 - every registered hash maps to a block that carries that hash;
+- a block's refcount is the number of block tables that hold it (``check_refcounts``);
 - after every sequence is freed, ``num_free_blocks == total_blocks``.
 """
 
@@ -104,8 +113,9 @@ class KVCacheManager:
         self._cached: dict[BlockHash, int] = {}
         # Per admitted request: hashes of its full blocks computed so far (a cache of the
         # chain) and how many leading blocks of its table already carry a hash.
-        self._seq_hashes: dict[int, list[BlockHash]] = {}
-        self._seq_registered: dict[int, int] = {}
+        self._seq_hashes: dict[tuple[int, int], list[BlockHash]] = {}
+        self._seq_registered: dict[tuple[int, int], int] = {}
+        self._copies: list[tuple[int, int]] = []  # copy-on-write since take_copies
         self._counts = _Counters()
 
     # ---------------------------------------------------------------- free list (O(1))
@@ -155,7 +165,7 @@ class KVCacheManager:
         """Chained hashes of the first ``num_blocks`` full blocks of ``seq``.
 
         Memoized per request (a sequence's tokens never change once known) until ``free``."""
-        hashes = self._seq_hashes.setdefault(seq.request_id, [])
+        hashes = self._seq_hashes.setdefault(seq.key, [])
         tpb = self.tokens_per_block
         parent = hashes[-1] if hashes else ROOT_HASH
         n_prompt = seq.num_prompt_tokens
@@ -209,7 +219,7 @@ class KVCacheManager:
 
     def is_allocated(self, seq: Sequence) -> bool:
         """True between ``allocate_prefix(seq)`` and ``free(seq)``."""
-        return seq.request_id in self._seq_registered
+        return seq.key in self._seq_registered
 
     def cached_prefix_tokens(self, seq: Sequence) -> int:
         """Tokens of a not-yet-admitted ``seq`` that ``allocate_prefix`` would serve from cache."""
@@ -228,7 +238,8 @@ class KVCacheManager:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         if self.is_allocated(seq):
             have = len(seq.block_table)
-            return max(0, self.blocks_for_tokens(seq.num_computed_tokens + num_new_tokens) - have)
+            grow = max(0, self.blocks_for_tokens(seq.num_computed_tokens + num_new_tokens) - have)
+            return grow + (num_new_tokens > 0 and self._copies_last(seq))
         hits = self._lookup_prefix(seq)
         revived = sum(1 for b in hits if self._ref[b] == 0)
         need = self.blocks_for_tokens(len(hits) * self.tokens_per_block + num_new_tokens)
@@ -253,7 +264,7 @@ class KVCacheManager:
             if self._ref[b] == 0:
                 self._unlink(b)
             self._ref[b] += 1
-        self._seq_registered[seq.request_id] = len(hits)
+        self._seq_registered[seq.key] = len(hits)
         self._reset_table(seq, list(hits))
         cached = len(hits) * self.tokens_per_block
         seq.num_computed_tokens = cached
@@ -271,13 +282,70 @@ class KVCacheManager:
         need = self.num_blocks_needed(seq, num_new_tokens)
         if need > self._num_free:
             return False
+        table = seq.block_table
+        if seq.shares_last_block and num_new_tokens > 0:
+            if self._copies_last(seq):  # copy-on-write: the last block gets a copy of its own
+                src, dst = table[-1], self._pop_free()
+                self._ref[src] -= 1  # still >= 1: another table holds it
+                self._copies.append((src, dst))
+                self._reset_table(seq, [*table[:-1], dst])
+                table = seq.block_table
+                need -= 1
+            seq.shares_last_block = False  # written below: from now on its own
         if need:
-            table = seq.block_table
             for _ in range(need):
                 table.append(self._pop_free())
             seq.block_table_version += 1
+        if need or self._copies:
             self._note_usage()
         return True
+
+    def _copies_last(self, seq: Sequence) -> bool:
+        """Whether the next write of ``seq`` lands in a last block another table holds."""
+        table = seq.block_table
+        return (
+            seq.shares_last_block
+            and bool(table)
+            and seq.num_computed_tokens < len(table) * self.tokens_per_block
+            and self._ref[table[-1]] > 1
+        )
+
+    def share(self, parents: list[Sequence], children: list[Sequence]) -> None:
+        """Fork: ``children[j]`` takes the block table of ``parents[j]`` (a parent may be
+        listed several times, and a child may be one of the parents: a beam reorder).
+
+        Every shared block gains a reference before a child's old table is released, so a
+        block some new table holds never reaches the free list. Each child is marked
+        ``shares_last_block`` (its first write into that block copies it when still shared)
+        and gets a new table version (a reset); so is each parent still admitted. No block is
+        allocated here."""
+        if len(parents) != len(children):
+            raise ValueError(f"share: {len(parents)} parents for {len(children)} children")
+        snap = []
+        for p in parents:
+            if not self.is_allocated(p):
+                raise RuntimeError(f"request {p.request_id}: forked from a sequence not admitted")
+            snap.append((list(p.block_table), list(self._seq_hashes.get(p.key, ())),
+                         self._seq_registered[p.key], p.num_computed_tokens))  # fmt: skip
+        for table, *_ in snap:
+            for b in table:
+                self._ref[b] += 1
+        for c in children:
+            for b in reversed(c.block_table if self.is_allocated(c) else ()):
+                self._release(b)
+        for c, (table, hashes, registered, computed) in zip(children, snap, strict=True):
+            self._reset_table(c, table)
+            self._seq_hashes[c.key] = hashes
+            self._seq_registered[c.key] = registered
+            c.num_computed_tokens = computed
+        for seq in (*parents, *children):  # a parent's last block is shared now too
+            seq.shares_last_block = self.is_allocated(seq)
+
+    def take_copies(self) -> tuple[tuple[int, int], ...]:
+        """The (source, destination) block copies queued since the last call: the runner
+        makes them before the step's forward (the step writes into the destinations)."""
+        copies, self._copies = tuple(self._copies), []
+        return copies
 
     def register_full_blocks(self, seq: Sequence) -> int:
         """Register every full, computed block of ``seq`` for reuse; returns how many are new.
@@ -285,7 +353,7 @@ class KVCacheManager:
         A block whose content is already registered under another block stays unregistered
         (it is freed as plain, worthless space).
         """
-        rid = seq.request_id
+        rid = seq.key
         if not self.enable_block_reuse or rid not in self._seq_registered:
             return 0
         done = self._seq_registered[rid]
@@ -312,8 +380,9 @@ class KVCacheManager:
         for b in reversed(seq.block_table):
             self._release(b)
         self._reset_table(seq, [])
-        self._seq_registered.pop(seq.request_id, None)
-        self._seq_hashes.pop(seq.request_id, None)
+        self._seq_registered.pop(seq.key, None)
+        self._seq_hashes.pop(seq.key, None)
+        seq.shares_last_block = False
 
     @staticmethod
     def _reset_table(seq: Sequence, blocks: list[int]) -> None:
@@ -356,6 +425,17 @@ class KVCacheManager:
             out.append(b)
             b = self._next[b]
         return out
+
+    def check_refcounts(self, seqs: list[Sequence]) -> None:
+        """Raise RuntimeError unless every block's refcount equals the number of the block
+        tables of ``seqs`` (every admitted sequence) that hold it."""
+        held = [0] * self.total_blocks
+        for seq in seqs:
+            for b in seq.block_table:
+                held[b] += 1
+        for b, (r, h) in enumerate(zip(self._ref, held, strict=True)):
+            if r != h:
+                raise RuntimeError(f"KV block {b} has refcount {r} but {h} tables hold it")
 
     def check_invariants(self) -> None:
         """Raise RuntimeError if the pool's bookkeeping is inconsistent (O(num_blocks))."""

@@ -51,8 +51,10 @@ from llmc.compiler.spec import ModelSpec
 from llmc.compiler.wo_layout import OFFSET_SUFFIX, WeightLayout
 from llmc.compiler.wo_weights import packed_from_tensors
 from llmc.cuda.backend import Backend
+from llmc.runtime import beam_search
 from llmc.runtime import prompt_logprobs as plp
 from llmc.runtime import sampling as smp
+from llmc.runtime.branches import BranchStep
 from llmc.runtime.cuda_graphs import DecodeGraphs
 from llmc.runtime.kv_tensors import KVCacheTensors, allocate_kv_cache
 from llmc.runtime.layers import DecoderLayers
@@ -70,6 +72,8 @@ class StepOutput:
     logprobs: list[smp.TokenLogprobs | None] | None = None
     prompt_logprobs: list[plp.PromptSpan] | None = None
     """The prompt-logprob entries this step computed (``prompt_logprobs``), else None."""
+    branch_steps: list[BranchStep] = field(default_factory=list)
+    """Forks and beam steps of requests with several sequences (``llmc.runtime.beam_search``)."""
     phase_times: dict[str, float] = field(default_factory=dict)
     """Seconds of 'prepare', 'forward' and 'sample' (prompt logprobs included)."""
 
@@ -217,6 +221,8 @@ class ModelRunner:
             raise EngineError("two launched steps are unread; call result() on the older one")
         if batch.is_empty:
             return PendingStep(self, None, None, {}, token_ids=[])
+        if batch.block_copies:  # copy-on-write of forked sequences' last blocks, first
+            self._copy_blocks(batch.block_copies)
         if self.graphs is not None and self.graphs.can_run(batch):
             t0 = time.perf_counter()
             b, big = self.graphs.stage(batch, src_rows)
@@ -231,7 +237,7 @@ class ModelRunner:
         logits = self.forward(inp)
         t2 = time.perf_counter()
         times: dict[str, Any] = {"prepare": t1 - t0, "forward": t2 - t1}
-        pending = self._sample(inp, logits, times)
+        pending = self._sample(inp, logits, times, batch.branching)
         times["sample"] = time.perf_counter() - t2  # sampling launch; result() adds the wait
         if inp.prompt is not None:  # after the sampler: the slices reuse the logits rows
             packed = plp.score(
@@ -245,10 +251,27 @@ class ModelRunner:
             times["sample"] = time.perf_counter() - t2
         return pending
 
-    def _sample(self, inp: StepInputs, logits: torch.Tensor | None, times: dict) -> PendingStep:
-        """Sample the step's rows from ``logits``; the ids (and logprobs) of a PendingStep."""
+    def _copy_blocks(self, copies: tuple[tuple[int, int], ...]) -> None:
+        """KV blocks ``dst = src`` in every layer (K and V), before the step writes."""
+        st = self.kv_cache.storage  # [L, 2, num_blocks, tokens_per_block, nkv, hd]
+        pairs = torch.tensor(copies, dtype=torch.int64, device=self.device)  # [c, 2]
+        src, dst = pairs[:, 0], pairs[:, 1]
+        st[:, :, dst] = st[:, :, src]
+
+    def _sample(
+        self, inp: StepInputs, logits: torch.Tensor | None, times: dict, branching: bool = False
+    ) -> PendingStep:
+        """Sample the step's rows from ``logits``; the ids (and logprobs) of a PendingStep.
+        A ``branching`` step (forks, beams) samples through ``llmc.runtime.beam_search``."""
         if logits is None or inp.sampling is None:
             return PendingStep(self, None, None, times, token_ids=[])
+        if branching:
+            ids, lps, steps = beam_search.branch_sample(
+                self.backend, logits, inp.sampled, self.spec.vocab_size
+            )
+            pending = PendingStep(self, None, None, times, token_ids=ids, logprobs=lps)
+            pending.branch_steps = steps
+            return pending
         s, meta = inp.num_sampled, inp.sampling
         smp.suppress_stop_ids(logits, inp.sampled)  # min_tokens
         ids = self.backend.sample(logits, meta)
@@ -295,6 +318,8 @@ class PendingStep:
         self._ids, self._logprobs = token_ids, logprobs
         self.prompt_logprobs: list[plp.PromptSpan] | None = None
         """Set by ``ModelRunner.launch`` when the step scored prompt tokens."""
+        self.branch_steps: list[BranchStep] = []
+        """Set by ``ModelRunner._sample`` on a branching step (forks, beam steps)."""
         self._out: StepOutput | None = None
 
     def result(self) -> StepOutput:
@@ -312,6 +337,7 @@ class PendingStep:
                 token_ids=ids,
                 logprobs=self._logprobs,
                 prompt_logprobs=self.prompt_logprobs,
+                branch_steps=self.branch_steps,
                 phase_times=self.times,
             )
         return self._out

@@ -7,9 +7,10 @@ row needs them, and computes log-probabilities of the sampled tokens.
 
 Invariants:
 - A row's seed is its request's ``SamplingParams.seed`` or, when None, a seed derived from
-  the request id (``derived_seed``); the RNG offset is the number of output tokens the
-  sequence already has. A row's token thus depends only on (seed, offset, its logits),
-  never on the other rows of the batch.
+  the request id (``derived_seed``); sample ``i > 0`` of a request with several
+  (``Sequence.branch``) draws from ``branch_seed(seed, i)``. The RNG offset is the number
+  of output tokens the sequence already has. A row's token thus depends only on (seed,
+  branch, offset, its logits), never on the other rows of the batch.
 - Seeds are taken modulo 2**64 and stored as the int64 with the same bits.
 - Penalty tensors exist only when some row has a non-neutral penalty (the common case costs
   nothing); rows without penalties keep zero counts, which leaves their logits unchanged.
@@ -72,10 +73,19 @@ def derived_seed(request_id: int) -> int:
     return _to_int64(splitmix64(request_id & U64))
 
 
-def row_seed(seq: Sequence) -> int:
-    """The int64 seed of one sequence's sampling stream."""
+def row_seed(seq: Sequence, branch: int | None = None) -> int:
+    """The int64 seed of one sequence's sampling stream (``branch``: that sample's of the
+    sequence's request; default the sequence's own, ``Sequence.branch``)."""
     s = seq.sampling.seed
-    return _seed64(s) if s is not None else derived_seed(seq.request_id)
+    base = _seed64(s) if s is not None else derived_seed(seq.request_id)
+    b = seq.branch if branch is None else branch
+    return branch_seed(base, b) if b else base
+
+
+def branch_seed(seed: int, branch: int) -> int:
+    """The seed of sample ``branch`` (> 0) of a request seeded ``seed`` (an int64): mixed
+    by SplitMix64, so neighbouring seeds and branches give unrelated streams."""
+    return _to_int64(splitmix64((seed & U64) ^ splitmix64(branch)))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -120,14 +130,21 @@ def row_columns(seq: Sequence) -> tuple[int, tuple]:
     return row_seed(seq), _const_row(seq.sampling)
 
 
-def sampling_columns(seqs: Seq[Sequence], offset_extra: int = 0) -> dict[str, list]:
+def sampling_columns(
+    seqs: Seq[Sequence], offset_extra: int = 0, branches: Seq[int] | None = None
+) -> dict[str, list]:
     """Per-row host columns of SamplingMetadata, keyed by its field names.
 
     ``offset_extra``: tokens each row has sampled beyond its ``output_token_ids`` (1 when
     the step is scheduled before the previous step's tokens are known: async scheduling).
+    ``branches``: each row's sample index when it is not its sequence's own (the rows of a
+    fork draw the other samples' first tokens from the forking sequence's logits).
     """
     try:
-        seeds = [row_seed(seq) for seq in seqs]
+        if branches is None:
+            seeds = [row_seed(seq) for seq in seqs]
+        else:
+            seeds = [row_seed(seq, b) for seq, b in zip(seqs, branches, strict=True)]
         consts = [_const_row(seq.sampling) for seq in seqs]
     except Exception as e:  # one request's params broke the columns: name it (RequestFault)
         fault = row_fault(seqs, row_columns, "building its sampling columns")
@@ -180,7 +197,8 @@ def build_metadata(
 ) -> SamplingMetadata:
     """SamplingMetadata from device column tensors (``sampling_columns`` staged) + sequences."""
     pen = penalty_tensors(seqs, vocab_size, device)
-    requested = [s.sampling.logprobs for s in seqs if s.sampling.logprobs is not None]
+    # best_of > n ranks samples by logprob: its rows need the token's own (0 alternatives)
+    requested = [s.sampling.logprobs or 0 for s in seqs if s.sampling.token_logprobs]
     return SamplingMetadata(
         temperature=columns["temperature"],
         top_k=columns["top_k"],
@@ -199,10 +217,15 @@ def build_metadata(
 
 
 def metadata_for(
-    seqs: Seq[Sequence], vocab_size: int, device: torch.device | str = "cpu"
+    seqs: Seq[Sequence],
+    vocab_size: int,
+    device: torch.device | str = "cpu",
+    branches: Seq[int] | None = None,
 ) -> SamplingMetadata:
-    """SamplingMetadata of ``seqs`` built directly (no staging): for tests and tools."""
-    cols = sampling_columns(seqs)
+    """SamplingMetadata of ``seqs`` built directly (no staging): for tests, tools and the
+    rare steps that fork or rescore rows (``llmc.runtime.beam_search``); ``branches`` as in
+    ``sampling_columns``."""
+    cols = sampling_columns(seqs, branches=branches)
     dtypes = {n: torch.int64 for n in INT64_COLUMNS}
     dtypes.update({n: torch.int32 for n in INT32_COLUMNS})
     dtypes.update({n: torch.float32 for n in FLOAT_COLUMNS})
@@ -252,13 +275,14 @@ def logprob_tensor(
 
 
 def unpack_logprobs(packed: list[list[float]], seqs: Seq[Sequence]) -> list[TokenLogprobs | None]:
-    """Host rows of ``logprob_tensor`` → per-row TokenLogprobs (None where not requested)."""
+    """Host rows of ``logprob_tensor`` → per-row TokenLogprobs (None where not needed:
+    ``SamplingParams.token_logprobs``)."""
     result: list[TokenLogprobs | None] = []
     for row, seq in zip(packed, seqs, strict=True):
-        n = seq.sampling.logprobs
-        if n is None:
+        if not seq.sampling.token_logprobs:
             result.append(None)
             continue
+        n = seq.sampling.logprobs or 0
         try:
             width = (len(row) - 3) // 2
             top = tuple((int(row[3 + j]), float(row[3 + width + j])) for j in range(min(n, width)))

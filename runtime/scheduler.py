@@ -21,6 +21,14 @@ Capacity policies (``SchedulerConfig.policy``):
 A request whose whole life can never fit in the pool is refused by ``add`` (RequestError), so
 neither policy can livelock. Sequences in a ``ScheduledBatch`` are ordered decode-first.
 
+Requests with several sequences (n / best_of samples, beams; ``llmc.runtime.branches``,
+the mixin ``llmc.runtime.scheduler_branches``): the prompt is one sequence until its first
+token, whose ``BranchStep`` forks the others in ``update``, sharing its blocks. Each is a row
+(``max_batch_size`` counts rows; admission keeps room for all of a request's rows and, under
+guaranteed_no_evict, blocks for all their lives). Samples run and stop independently; beams
+run in lockstep (scheduled together or not at all; a preempted group goes back whole and
+re-prefills up to the last token, which its beams then compute together).
+
 Stop decisions: ``update`` decides every stop that the tokens show (EOS, stop token ids,
 length; see there) and records it on the Sequence (``finish_reason``, ``stop_token_id``);
 ``finish`` applies the ones decided outside (cancel, stop string). Nobody re-derives them.
@@ -33,7 +41,6 @@ from __future__ import annotations
 
 import bisect
 import heapq
-import logging
 import operator
 from typing import Any
 
@@ -47,7 +54,9 @@ from llmc.runtime.admission import (
     check_new_sequence,
     kv_tokens_needed,
 )
+from llmc.runtime.branches import BranchStep, SequenceGroup
 from llmc.runtime.kv_cache import KVCacheManager
+from llmc.runtime.scheduler_branches import BranchScheduling
 from llmc.runtime.types import (
     FinishReason,
     ScheduledBatch,
@@ -55,8 +64,6 @@ from llmc.runtime.types import (
     Sequence,
     SequenceStatus,
 )
-
-logger = logging.getLogger("llmc.scheduler")
 
 _new = object.__new__
 _SAMPLE = operator.attrgetter("sample")
@@ -74,7 +81,7 @@ def decode_slice(seq: Sequence, start: int) -> ScheduledSequence:
     return ss
 
 
-class Scheduler:
+class Scheduler(BranchScheduling):
     """In-flight batching over one KVCacheManager; see the module docstring for the rules."""
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
@@ -90,11 +97,12 @@ class Scheduler:
         self._no_evict = config.policy == GUARANTEED_NO_EVICT
         self._eos = frozenset(config.eos_token_ids)
         self._stop_cache: dict[int, tuple[Any, frozenset[int]]] = {}
-        self._seqs: dict[int, Sequence] = {}  # every unfinished sequence
+        self._seqs: dict[int, Sequence] = {}  # every unfinished request: its first sequence
         self._order: dict[int, int] = {}  # arrival number per request id
         self._arrivals = 0
-        self._waiting: dict[int, Sequence] = {}
-        self._heap: list[tuple[int, int, int]] = []  # (-priority, arrival, id); lazy deletion
+        self._waiting: dict[tuple[int, int], Sequence] = {}  # by Sequence.key
+        # (-priority, arrival, branch, request id); lazy deletion
+        self._heap: list[tuple[int, int, int, int]] = []
         self._running: list[Sequence] = []  # sorted by queue key
         self._step = 0
         self._num_tokens = 0
@@ -108,12 +116,13 @@ class Scheduler:
 
     def _push_waiting(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        self._waiting[seq.request_id] = seq
-        heapq.heappush(self._heap, (*self._key(seq), seq.request_id))
+        self._waiting[seq.key] = seq
+        heapq.heappush(self._heap, (*self._key(seq), seq.branch, seq.request_id))
 
     def _peek_waiting(self) -> Sequence | None:
         while self._heap:
-            seq = self._waiting.get(self._heap[0][2])
+            top = self._heap[0]
+            seq = self._waiting.get((top[3], top[2]))
             if seq is not None:
                 return seq
             heapq.heappop(self._heap)  # cancelled while waiting
@@ -130,48 +139,52 @@ class Scheduler:
         seq.finish_reason = seq.stop_token_id = None
         if seq.sampling.min_tokens:  # masked before sampling until min_tokens (sampling.py)
             seq.suppressed_ids = tuple(sorted(self._stop_ids(seq.sampling)))
+        sp = seq.sampling
+        if sp.num_branches > 1:
+            seq.group = SequenceGroup(
+                sp.num_branches, sp.use_beam_search, self._stop_ids(sp), branches=[seq]
+            )
         self._seqs[rid] = seq
         self._order[rid] = self._arrivals
         self._arrivals += 1
         self._push_waiting(seq)
 
-    def finish(self, request_id: int, reason: FinishReason) -> Sequence | None:
+    def finish(
+        self, request_id: int, reason: FinishReason, branch: int | None = None
+    ) -> Sequence | None:
         """End an unfinished request now, for a reason decided outside the scheduler (a
-        cancel; a stop string, which only the detokenized text shows); returns it, or None
-        if unknown. Frees its blocks whether it is waiting or running.
-        """
+        cancel; a stop string, which only the detokenized text shows); returns its first
+        sequence, or None if unknown. Frees its blocks whether it is waiting or running.
+        ``branch``: end only that sample of a request with several (a beam ends its whole
+        search)."""
         seq = self._seqs.get(request_id)
         if seq is None:
             return None
-        if self._waiting.pop(request_id, None) is None:
-            self._running.remove(seq)
-        self._finish(seq, reason)
+        g = seq.group
+        if g is None:
+            targets = [seq]
+        elif branch is None or g.beam:
+            targets = g.live
+        else:
+            targets = [b for b in g.live if b.branch == branch]
+        for t in targets:
+            if self._waiting.pop(t.key, None) is None:
+                self._running.remove(t)
+            self._finish(t, reason)
         return seq
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """End one sequence (its blocks freed); its request ends with its last sequence."""
         self.kv.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        del self._seqs[seq.request_id]
-        del self._order[seq.request_id]
+        g = seq.group
+        if g is not None and any(b.status is not SequenceStatus.FINISHED for b in g.branches):
+            return
+        rid = seq.request_id
+        del self._seqs[rid]
+        del self._order[rid]
         self._num_finished += 1
-
-    def _preempt(self, seq: Sequence) -> None:
-        dropped = seq.num_computed_tokens
-        self.kv.free(seq)
-        seq.num_computed_tokens = 0
-        seq.num_preemptions += 1
-        self._num_preemptions += 1
-        self._push_waiting(seq)
-        logger.info(
-            "preempted request %d by recompute (%d computed tokens dropped, %d output tokens "
-            "kept; %d free KV blocks); preemption %d of this request",
-            seq.request_id,
-            dropped,
-            len(seq.output_token_ids),
-            self.kv.num_free_blocks,
-            seq.num_preemptions,
-        )
 
     # ---------------------------------------------------------------- the step
     def schedule(self) -> ScheduledBatch:
@@ -180,6 +193,7 @@ class Scheduler:
         budget = cfg.max_num_tokens
         picked: list[ScheduledSequence] = []
         preempted: list[int] = []
+        branching = False
 
         tpb = kv.tokens_per_block
 
@@ -188,10 +202,17 @@ class Scheduler:
         i = 0
         while i < len(self._running) and budget > 0:
             seq = self._running[i]
+            g = seq.group
+            if g is not None and g.beam and g.forked:
+                i, budget = self._schedule_beams(i, budget, picked, preempted)
+                branching = True
+                continue
             start = seq.num_computed_tokens
             n_prompt = len(seq.prompt_token_ids)
             left = n_prompt + len(seq.output_token_ids) - start
-            if left == 1 and start < len(seq.block_table) * tpb:  # its block is there already
+            if (
+                left == 1 and start < len(seq.block_table) * tpb and not seq.shares_last_block
+            ):  # its block is there already (and its own)
                 ss = decode_slice(seq, start)
                 (decode if start >= n_prompt else picked).append(ss)
                 budget -= 1
@@ -200,56 +221,61 @@ class Scheduler:
             n = min(left, budget)
             scheduled = True
             while not kv.append_slots(seq, n):
-                if self._no_evict:
-                    raise RuntimeError(
-                        f"guaranteed_no_evict: request {seq.request_id} found no free block "
-                        "although its blocks were reserved at admission (scheduler bug)"
-                    )
-                victim = self._running.pop()
-                self._preempt(victim)
-                preempted.append(victim.request_id)
-                if victim is seq:
+                if self._preempt_newest(seq, preempted) is seq:
                     scheduled = False
                     break
             if scheduled:
                 ss = self._slice(seq, n)
+                branching = branching or (ss.sample and g is not None and not g.forked)
                 (decode if n == 1 and start >= n_prompt else picked).append(ss)
                 budget -= n
                 i += 1
 
         # 2. Waiting sequences, in queue order, until one does not fit.
         reserved: int | None = None  # computed once, when a waiting sequence is looked at
-        while not preempted and budget > 0 and len(self._running) < cfg.max_batch_size:
+        rows = len(self._running)
+        while not preempted and budget > 0 and rows < cfg.max_batch_size:
             seq = self._peek_waiting()
             if seq is None:
                 break
             if reserved is None:
                 reserved = self._reserved_blocks() if self._no_evict else 0
+                rows += self._unforked_rows()
+            g = seq.group
+            width = g.width if g is not None and not g.forked else 1
+            if rows + width > cfg.max_batch_size:
+                break
             cached = kv.cached_prefix_tokens(seq)
             remaining = seq.num_tokens - cached
-            n = min(remaining, budget)
+            # a re-admitted beam computes its last token with its group (lockstep)
+            target = remaining - 1 if g is not None and g.beam and g.forked else remaining
+            n = min(target, budget)
             # Without chunked prefill a prompt waits for a step with room for all of it; only
             # a preempted sequence longer than a whole step (prompt + outputs) is chunked.
-            if n < remaining and not cfg.enable_chunked_prefill and remaining <= cfg.max_num_tokens:
+            if n < target and not cfg.enable_chunked_prefill and target <= cfg.max_num_tokens:
                 break
             if self._no_evict:
-                life = kv.num_blocks_needed(seq, kv_tokens_needed(seq) - cached)
+                life = width * kv.num_blocks_needed(seq, kv_tokens_needed(seq) - cached)
                 if life > kv.num_free_blocks - reserved:
                     break
             elif not kv.can_allocate(seq, n):
                 break
-            del self._waiting[seq.request_id]
+            del self._waiting[seq.key]
             heapq.heappop(self._heap)
             kv.allocate_prefix(seq)
             if not kv.append_slots(seq, n):
                 raise RuntimeError(f"request {seq.request_id}: admission check was wrong")
             if self._no_evict:
-                total = kv.blocks_for_tokens(kv_tokens_needed(seq))
+                total = width * kv.blocks_for_tokens(kv_tokens_needed(seq))
                 reserved += total - len(seq.block_table)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self._running, seq, key=self._key)
-            picked.append(self._slice(seq, n))
-            budget -= n
+            rows += width
+            if n:
+                ss = self._slice(seq, n)
+                branching = branching or (ss.sample and width > 1)
+                picked.append(ss)
+                budget -= n
 
         self._step += 1
         self._num_tokens += cfg.max_num_tokens - budget
@@ -264,6 +290,8 @@ class Scheduler:
             step_id=self._step - 1,
             sequences=tuple(decode + prefill) if prefill else tuple(decode),
             preempted_request_ids=tuple(preempted),
+            block_copies=kv.take_copies(),
+            branching=branching,
         )
 
     def schedule_ahead(self, prev: ScheduledBatch) -> ScheduledBatch | None:
@@ -300,6 +328,8 @@ class Scheduler:
         for seq, ss in pairs:
             if ss is None or seq.num_computed_tokens != ss.start_position:
                 return None
+            if seq.shares_last_block:  # its next write may copy a block: the host decides
+                return None
             if seq.is_last_by_length(len(seq.output_token_ids) + 1):  # prev's token ends it
                 continue
             n_prev = ss.num_new_tokens
@@ -322,14 +352,12 @@ class Scheduler:
         end = len(seq.prompt_token_ids) + len(seq.output_token_ids)
         return ScheduledSequence(seq, start, n, start + n == end)
 
-    def _reserved_blocks(self) -> int:
-        """Blocks promised to running sequences but not allocated yet (guaranteed_no_evict)."""
-        return sum(
-            self.kv.blocks_for_tokens(kv_tokens_needed(s)) - len(s.block_table)
-            for s in self._running
-        )
-
-    def update(self, batch: ScheduledBatch, sampled_token_ids: list[int]) -> list[Sequence]:
+    def update(
+        self,
+        batch: ScheduledBatch,
+        sampled_token_ids: list[int],
+        branch_steps: list[BranchStep] | tuple[BranchStep, ...] = (),
+    ) -> list[Sequence]:
         """Apply a computed step: advance sequences, append sampled tokens, finish the done ones.
 
         ``sampled_token_ids`` holds one id per scheduled sequence with ``sample=True``, in batch
@@ -341,6 +369,11 @@ class Scheduler:
         then, so this is the guard). Post-processing reads ``finish_reason`` /
         ``stop_token_id``; it decides only what needs the text (stop strings, through
         ``finish``).
+
+        ``branch_steps`` (the runner's, for requests with several sequences): a sample fork
+        makes the other samples at their first token (each then stops on its own token); a
+        beam step reorders the beams, and the search's end (``BranchStep.done``, decided by
+        the beam rule of ``llmc.runtime.beam_search``) finishes them all.
         """
         seqs = batch.sequences
         n_sampled = sum(map(_SAMPLE, seqs))
@@ -349,6 +382,7 @@ class Scheduler:
                 f"step {batch.step_id} sampled {n_sampled} sequences but "
                 f"{len(sampled_token_ids)} token ids were given"
             )
+        forks = {b.request_id: b for b in branch_steps} if branch_steps else {}
         finished: list[Sequence] = []
         tokens = iter(sampled_token_ids)
         tpb = self.kv.tokens_per_block
@@ -372,22 +406,32 @@ class Scheduler:
                 self.kv.register_full_blocks(seq)
             if token is None:
                 continue
+            g = seq.group
+            if g is not None and (g.beam or not g.forked):
+                if g.beam:
+                    continue  # its tokens are the beam step's (below)
+                if seq.request_id not in forks:
+                    raise RuntimeError(
+                        f"step {batch.step_id}: request {seq.request_id}'s first token forks "
+                        f"its {g.width} samples but the runner gave no BranchStep (runner bug)"
+                    )
+                finished += self._fork_samples(seq, forks[seq.request_id])
             token = int(token)
             out = seq.output_token_ids
             out.append(token)
             if seq.sampling is not last_sp:  # consecutive rows often share one params object
                 last_sp = seq.sampling
                 stop_ids = self._stop_ids(last_sp)
-            if token in stop_ids and len(out) > seq.sampling.min_tokens:
-                seq.stop_token_id = token
-                reason = FinishReason.STOP
-            elif seq.is_last_by_length(len(out)):
-                reason = FinishReason.LENGTH
-            else:
+            reason = self._token_stop(seq, token, stop_ids)
+            if reason is None:
                 continue  # most tokens end nothing
             self._running.remove(seq)
             self._finish(seq, reason)
             finished.append(seq)
+        for step in branch_steps:
+            first = self._seqs.get(step.request_id)
+            if first is not None and first.group is not None and first.group.beam:
+                finished += self._apply_beam_step(first.group, step)
         return finished
 
     def _stop_ids(self, sp: Any) -> frozenset[int]:

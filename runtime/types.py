@@ -12,116 +12,34 @@ from __future__ import annotations
 
 import enum
 import functools
-import math
-import operator
 from dataclasses import dataclass, field
 from typing import Any
 
 from llmc.base.errors import RequestError
 from llmc.runtime.chat_messages import check_chat_kwargs, check_conversation, is_conversation
+from llmc.runtime.fields import (  # noqa: F401 (the limits are re-exported)
+    INT32_MAX,
+    MAX_LOGPROBS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    _bad,
+    _index,
+    _integer,
+    _real,
+    _strings,
+    _token_ids,
+    _top_count,
+)
 
-INT32_MAX = 2**31 - 1
-"""The largest count or id a step column holds (top_k is an int32 column of the kernels)."""
 FLOAT32_MAX = 3.4028234663852886e38
 """The float columns are float32: a larger value would become inf on the device."""
-MAX_LOGPROBS = 20
-"""The engine's logprobs limit: top alternatives a request may ask for (``logprobs``,
-``prompt_logprobs``), as vLLM's ``max_logprobs``."""
-MAX_STOP_STRINGS = 64
-MAX_STOP_TOKEN_IDS = 1024
 MAX_PROMPT_IDS = 1 << 24
 """More prompt ids than any engine's max_input_len: refused before they are copied."""
-
-
-def _bad(owner: Any, name: str, why: str) -> RequestError:
-    what = "sampling parameter" if isinstance(owner, SamplingParams) else "request field"
-    return RequestError(f"{what} {name}={_shown(getattr(owner, name))}: {why}")
-
-
-def _shown(value: Any) -> str:
-    """``repr`` of a bad value, cut short (a hostile value may be a megabyte long)."""
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _integer(owner: Any, name: str, lo: int | None, hi: int | None, note: str = "") -> int:
-    """``owner.name`` as an int in [lo, hi]; bools, floats and strings are refused."""
-    value = _index(getattr(owner, name))
-    if value is None or (lo is not None and value < lo) or (hi is not None and value > hi):
-        rng = "" if lo is None and hi is None else f" in [{lo}, {hi}]"
-        raise _bad(owner, name, f"must be an integer{rng}" + (f" ({note})" if note else ""))
-    return value
-
-
-def _real(
-    owner: Any,
-    name: str,
-    lo: float,
-    hi: float,
-    note: str = "",
-    *,
-    open_low: bool = False,
-) -> float:
-    """``owner.name`` as a finite float in [lo, hi] (``(lo, hi]`` with ``open_low``)."""
-    value = getattr(owner, name)
-    try:  # ints and numpy floats convert; bools, strings and None do not
-        number = math.nan if isinstance(value, (bool, str, bytes)) else float(value)
-    except (TypeError, ValueError):
-        number = math.nan
-    ok = math.isfinite(number) and (number > lo if open_low else number >= lo) and number <= hi
-    if not ok:
-        low = "(" if open_low else "["
-        extra = f" ({note})" if note else ""
-        raise _bad(owner, name, f"must be a finite number in {low}{lo:g}, {hi:g}]{extra}")
-    return number
-
-
-def _top_count(owner: Any, name: str) -> int:
-    """A count of top alternatives: an integer >= 0, at most the engine's MAX_LOGPROBS
-    (a larger one is refused naming both numbers)."""
-    value = _index(getattr(owner, name))
-    if value is None or value < 0:
-        raise _bad(owner, name, "must be an integer >= 0 (0: only the token's own logprob)")
-    if value > MAX_LOGPROBS:
-        limit = f"{value} top logprobs are more than the engine's limit of {MAX_LOGPROBS}"
-        raise _bad(owner, name, limit)
-    return value
-
-
-def _strings(owner: Any, name: str) -> tuple[str, ...]:
-    """A tuple of non-empty strings; one plain string is one element, not its letters."""
-    value = getattr(owner, name)
-    items = (value,) if isinstance(value, str) else value
-    if not isinstance(items, (list, tuple)) or len(items) > MAX_STOP_STRINGS:
-        raise _bad(owner, name, f"must be a string or a list of at most {MAX_STOP_STRINGS}")
-    if any(not isinstance(x, str) or not x for x in items):
-        raise _bad(owner, name, "stop strings must be non-empty strings")
-    return tuple(items)
-
-
-def _token_ids(
-    owner: Any, name: str, limit: int = MAX_STOP_TOKEN_IDS, ranged: bool = True
-) -> list[int]:
-    """A list of integer token ids, in [0, INT32_MAX] when ``ranged`` (the vocabulary is
-    the Executor's to check)."""
-    value = getattr(owner, name)
-    items = (value,) if isinstance(value, int) and not isinstance(value, bool) else value
-    if not isinstance(items, (list, tuple)) or len(items) > limit:
-        raise _bad(owner, name, f"must be a list of at most {limit} token ids")
-    ids = [_index(t) for t in items]
-    if None in ids or (ranged and any(not 0 <= t <= INT32_MAX for t in ids)):  # type: ignore[operator]
-        raise _bad(owner, name, "must be non-negative integer token ids")
-    return ids  # type: ignore[return-value]
-
-
-def _index(value: Any) -> int | None:
-    """An integral value (int, numpy int) as an int; None for bools and anything else."""
-    if isinstance(value, bool):
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
+MAX_OUTPUTS = 256
+"""Most outputs (``n``, ``best_of``, ``beam_width``) one request may ask for; the engine's
+``max_batch_size`` (every output is a row of the step) and ``max_beam_width`` bound them
+further at admission."""
+EARLY_STOPPING = (True, False, "never")
 
 
 def _max_new_tokens(p: SamplingParams) -> int:
@@ -145,6 +63,8 @@ class SamplingParams:
 
     Validated at construction: a bad value raises RequestError naming the field.
     """
+
+    _field_kind = "sampling parameter"  # how its errors name a field (fields._bad)
 
     max_new_tokens: int | None = None
     """Most tokens to generate: this, or ``max_tokens``, or 32 when neither is given (always
@@ -182,6 +102,25 @@ class SamplingParams:
     min_tokens: int = 0
     """vLLM's ``min_tokens``: EOS and ``stop_token_ids`` are suppressed (their logits set to
     -inf before sampling) until this many tokens were generated; at most max_new_tokens."""
+    n: int = 1
+    """Outputs returned (vLLM's ``n``): independent samples of the prompt, or with
+    ``use_beam_search`` the ``n`` best beams. The samples share the prompt's KV blocks
+    (prefilled once, forked at the first generated token); sample ``i`` of a seeded request
+    draws from a seed derived from ``(seed, i)``."""
+    best_of: int | None = None
+    """Samples drawn (>= n, default n); the ``n`` with the highest cumulative log-probability
+    are returned (vLLM's ``best_of``). Not streamable when above ``n``."""
+    use_beam_search: bool = False
+    """Beam search (TensorRT-LLM / transformers semantics: greedy, no sampling knobs)."""
+    beam_width: int | None = None
+    """Beams of a beam search (default: best_of, else n); at most the engine's
+    ``max_beam_width``."""
+    length_penalty: float = 1.0
+    """Beam search: a finished beam's score is its summed logprob / generated_len**this."""
+    early_stopping: bool | str = False
+    """Beam search, as transformers' ``early_stopping``: True stops once ``beam_width``
+    beams finished; False stops when no running beam can beat the worst finished one
+    (scored at the current length); "never" scores that bound at max length."""
 
     def __post_init__(self) -> None:
         """The one home of every sampling rule: each field's type and range, checked where
@@ -219,6 +158,62 @@ class SamplingParams:
                 raise _bad(self, name, "must be True or False")
         put("stop", _strings(self, "stop"))
         put("stop_token_ids", tuple(_token_ids(self, "stop_token_ids")))
+        self._check_outputs(put)
+
+    def _check_outputs(self, put: Any) -> None:
+        """``n``, ``best_of`` and the beam-search fields (one rule each, named)."""
+        put("n", _integer(self, "n", 1, MAX_OUTPUTS))
+        if self.best_of is not None:
+            put("best_of", _integer(self, "best_of", 1, MAX_OUTPUTS))
+            if self.best_of < self.n:
+                raise _bad(self, "best_of", f"must be >= n ({self.n})")
+        if not isinstance(self.use_beam_search, bool):
+            raise _bad(self, "use_beam_search", "must be True or False")
+        put("length_penalty", _real(self, "length_penalty", -FLOAT32_MAX, FLOAT32_MAX))
+        if self.early_stopping not in EARLY_STOPPING or not isinstance(
+            self.early_stopping, (bool, str)
+        ):
+            raise _bad(self, "early_stopping", 'must be True, False or "never"')
+        if not self.use_beam_search:
+            if self.beam_width not in (None, 1):
+                raise _bad(self, "beam_width", "needs use_beam_search=True")
+            return
+        if self.beam_width is not None:
+            put("beam_width", _integer(self, "beam_width", 1, MAX_OUTPUTS))
+        width = self.num_branches
+        if self.n > width:
+            raise _bad(self, "n", f"must be at most the beam width ({width})")
+        if self.best_of is not None and self.beam_width is not None and self.best_of != width:
+            raise _bad(self, "best_of", f"differs from beam_width={width} (give one of them)")
+        knobs = {
+            "temperature": 0.0,
+            "top_k": 0,
+            "top_p": 1.0,
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "min_tokens": 0,
+        }
+        for name, neutral in knobs.items():
+            if getattr(self, name) != neutral:
+                raise _bad(self, name, "beam search is greedy: leave it at its default")
+        if self.logprobs is not None:
+            raise _bad(self, "logprobs", "not returned by beam search (beams are rescored)")
+        if self.stop:
+            raise _bad(self, "stop", "stop strings do not end beams (give stop_token_ids)")
+
+    @property
+    def num_branches(self) -> int:
+        """Sequences this request decodes at once: its beams, or its best_of samples."""
+        if self.use_beam_search:
+            return self.beam_width or self.best_of or self.n
+        return self.best_of or self.n
+
+    @property
+    def ranks_by_logprob(self) -> bool:
+        """Sampling with best_of > n: every token's logprob is needed to rank the samples."""
+        return not self.use_beam_search and self.num_branches > self.n
 
     @property
     def greedy(self) -> bool:
@@ -241,8 +236,20 @@ class SamplingParams:
         CUDA-graph decode steps (``cuda_graphs.graph_eligible``), async scheduling
         (``engine_step.ahead_ok``) and the decode row cache (``step_inputs.DecodeRowCache``)
         serve only plain rows. ``min_tokens`` masks stop ids on the host's step inputs, so
-        such a row is not plain either."""
-        return self.logprobs is None and not self.uses_penalties and not self.min_tokens
+        such a row is not plain either; nor are beam search (its rows' logits are rescored
+        on the host's orders) and best_of > n (every token's logprob ranks the samples)."""
+        return (
+            self.logprobs is None
+            and not self.uses_penalties
+            and not self.min_tokens
+            and not self.use_beam_search
+            and not self.ranks_by_logprob
+        )
+
+    @property
+    def token_logprobs(self) -> bool:
+        """Whether each sampled token's logprob is computed (asked for, or best_of ranking)."""
+        return self.logprobs is not None or self.ranks_by_logprob
 
 
 class RequestFault(RequestError):
@@ -290,6 +297,8 @@ class FinishReason(str, enum.Enum):
 class Request:
     """What a user enqueues: prompt text or token ids, sampling parameters, priority."""
 
+    _field_kind = "request field"  # how its errors name a field (fields._bad)
+
     prompt: str | list[dict[str, Any]] | None = None
     prompt_token_ids: list[int] | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -335,6 +344,11 @@ class Request:
         if not isinstance(self.metadata, dict):
             raise _bad(self, "metadata", "must be a dict")
         check_chat_kwargs(self.chat_template_kwargs, self.apply_chat_template)
+        if self.streaming and self.sampling.ranks_by_logprob:
+            raise RequestError(
+                f"streaming with best_of={self.sampling.best_of} > n={self.sampling.n}: "
+                "the n best samples are known only at the end; stream with best_of=n"
+            )
 
 
 @dataclass(eq=False)
@@ -380,6 +394,21 @@ class Sequence:
     suppressed_ids: tuple[int, ...] = ()
     """With ``sampling.min_tokens``: the ids that would stop it (``Scheduler._stop_ids``, set
     by ``Scheduler.add``), masked before sampling while it has fewer outputs than that."""
+    branch: int = 0
+    """Which of its request's sequences this is (``SamplingParams.num_branches``): the
+    sample's output index and seed stream, or a beam's slot. 0 for a plain request."""
+    group: Any = None
+    """The ``branches.SequenceGroup`` of a request with several sequences (n / best_of
+    samples, beams), shared by all of them; None for a plain request."""
+    shares_last_block: bool = False
+    """Set by the KVCacheManager's fork: the last block may be another branch's too, so the
+    next write into it copies it first (copy-on-write, ``KVCacheManager.append_slots``)."""
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """(request id, branch): unique per sequence, the key of the scheduler's and the KV
+        manager's per-sequence state."""
+        return (self.request_id, self.branch)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -445,6 +474,12 @@ class ScheduledBatch:
     step_id: int
     sequences: tuple[ScheduledSequence, ...]
     preempted_request_ids: tuple[int, ...] = ()
+    block_copies: tuple[tuple[int, int], ...] = ()
+    """(source, destination) KV blocks the runner copies before the step's forward: the
+    copy-on-write of a forked sequence's shared last block (``KVCacheManager``)."""
+    branching: bool = False
+    """Some row forks (its request's first token, with several outputs) or is a beam: the
+    runner's fork and beam work applies (``llmc.runtime.beam_search``)."""
 
     @property
     def num_tokens(self) -> int:

@@ -71,7 +71,8 @@ class BenchSettings:
             raise ConfigError(f"peer {self.peer!r} is not one of {', '.join(PEERS)}")
         if self.peer is not None and not self.sampling.is_greedy:
             raise UsageError(
-                f"--peer {self.peer} runs greedy decoding: benchmark it without --temperature"
+                f"--peer {self.peer} runs greedy decoding: benchmark it without --temperature, "
+                "--n or --beam_width"
             )
 
 

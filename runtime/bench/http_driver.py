@@ -322,7 +322,9 @@ def run_bench_http(
     from llmc.runtime.bench.driver import build_requests, workload_config
 
     if not settings.sampling.is_greedy:
-        raise UsageError("--temperature with --url: the HTTP driver sends greedy requests")
+        raise UsageError(
+            "--temperature, --n or --beam_width with --url: the HTTP driver sends greedy requests"
+        )
     if settings.peer is not None:
         raise ConfigError("--peer runs in-process only; it cannot be combined with --url")
     warm, reqs = build_requests(

@@ -57,12 +57,16 @@ class WorkloadRequest:
 @dataclass(frozen=True)
 class BenchSampling:
     """The sampling of every benchmark request: greedy unless asked (``llmc bench
-    --temperature 0.7 --top_p 0.9``); ``ignore_eos`` and ``max_new_tokens`` stay the
-    workload's (exact output lengths); seeds are the requests' derived ones."""
+    --temperature 0.7 --top_p 0.9``), ``n`` samples each (sharing the prompt's KV blocks) or
+    a beam search of ``beam_width`` beams (its best beam returned); ``ignore_eos`` and
+    ``max_new_tokens`` stay the workload's (exact output lengths); seeds are the requests'
+    derived ones."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    n: int = 1
+    beam_width: int = 1
 
     def __post_init__(self) -> None:
         try:
@@ -72,16 +76,20 @@ class BenchSampling:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        """One greedy output per request (what --peer and --url compare)."""
+        return self.temperature == 0.0 and self.n == 1 and self.beam_width == 1
 
     def params(self, max_new_tokens: int) -> SamplingParams:
-        """One request's SamplingParams (validated there)."""
+        """One request's SamplingParams (validated there: beam search is greedy)."""
+        beams = {"use_beam_search": True, "beam_width": self.beam_width}
         return SamplingParams(
             max_new_tokens=max_new_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
             ignore_eos=True,
+            n=self.n,
+            **(beams if self.beam_width != 1 else {}),
         )
 
 

@@ -61,6 +61,7 @@ def make_limits(
     dtype: str = "float32",
     quantization: str = "none",
     kv_cache_dtype: str = "auto",
+    max_beam_width: int = 1,
 ) -> EngineLimits:
     """EngineLimits for a test (max_input_len defaults to max_seq_len)."""
     return EngineLimits(
@@ -73,6 +74,7 @@ def make_limits(
         dtype=dtype,
         quantization=quantization,
         kv_cache_dtype=kv_cache_dtype,
+        max_beam_width=max_beam_width,
     )
 
 

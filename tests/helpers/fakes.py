@@ -3,6 +3,8 @@ next token is a fixed function of the sequence so far (or a script per request i
 
 - ``make_scheduler``: a Scheduler over a fresh KVCacheManager, limits as ``make_limits`` takes;
 - ``FakeRunner``: checks that each step's blocks were allocated first, like the real runner;
+  a branching step (forks, beams) samples fake logits (a fixed function of the sequence)
+  through ``llmc.runtime.beam_search``, as the real runner does;
 - ``fake_parts``: ExecutorParts over both, for Executor tests.
 """
 
@@ -36,10 +38,30 @@ def make_scheduler(
 
 
 class FakeStepOutput:
-    def __init__(self, token_ids: list[int]) -> None:
+    def __init__(self, token_ids: list[int], branch_steps=(), logprobs=None) -> None:
         self.token_ids = token_ids
-        self.logprobs = None
+        self.logprobs = logprobs
+        self.branch_steps = list(branch_steps)
         self.phase_times = {"prepare": 0.0, "forward": 0.0, "sample": 0.0}
+
+
+class _ReferenceSampler:
+    """The reference backend's sampler, all a branching fake step needs of a backend."""
+
+    @staticmethod
+    def sample(logits, meta):
+        from llmc.cuda import reference
+
+        return reference.sample(logits, meta)
+
+
+def fake_logits(seq, vocab_size: int):
+    """Logits [V] float32 that are a fixed function of ``seq``'s tokens (beams and samples
+    of the fake runner; the same sequence gives the same logits in any batch)."""
+    import torch
+
+    g = torch.Generator().manual_seed(hash(tuple(seq.all_token_ids)) & 0x7FFFFFFF)
+    return torch.randn(vocab_size, generator=g) * 3.0
 
 
 class FakeRunner:
@@ -60,12 +82,22 @@ class FakeRunner:
 
     def step(self, batch) -> FakeStepOutput:
         self.steps += 1
+        self.copies = getattr(self, "copies", []) + list(batch.block_copies)
         out = []
         for ss in batch.sequences:
             end = ss.start_position + ss.num_new_tokens
             assert len(ss.seq.block_table) * TOKENS_PER_BLOCK >= end, "blocks allocated first"
             if ss.sample:
                 out.append(self.next_token(ss.seq))
+        if batch.branching:
+            import torch
+
+            from llmc.runtime.beam_search import branch_sample
+
+            rows = [ss for ss in batch.sequences if ss.sample]
+            logits = torch.stack([fake_logits(ss.seq, self.vocab_size) for ss in rows])
+            ids, lps, steps = branch_sample(_ReferenceSampler(), logits, rows, self.vocab_size)
+            return FakeStepOutput(ids, steps, lps)
         return FakeStepOutput(out)
 
 
@@ -81,6 +113,7 @@ def fake_parts(
     tokenizer=None,
     script: dict[int, list[int]] | None = None,
     vocab_size: int = 256,
+    max_beam_width: int = 1,
 ) -> ExecutorParts:
     """ExecutorParts over a real Scheduler + KVCacheManager and a FakeRunner."""
     sched = make_scheduler(
@@ -92,5 +125,6 @@ def fake_parts(
         max_seq_len=max_seq_len,
         max_input_len=max_input_len,
         tokens_per_block=TOKENS_PER_BLOCK,
+        max_beam_width=max_beam_width,
     )
     return ExecutorParts(FakeRunner(vocab_size, script), sched, vocab_size, tokenizer)
