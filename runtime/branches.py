@@ -102,7 +102,7 @@ class BeamSearchParams:
             max_new_tokens=self.max_tokens,
             use_beam_search=True,
             beam_width=self.beam_width,
-            n=self.beam_width if isinstance(self.beam_width, int) else 1,
+            n=w if isinstance(w := self.beam_width, int) and w >= 1 else 1,  # beam_width named
             ignore_eos=self.ignore_eos,
             temperature=self.temperature,
             length_penalty=self.length_penalty,
