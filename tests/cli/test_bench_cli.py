@@ -221,7 +221,9 @@ def test_sampled_requests_are_recorded_and_exact_length(engine, tmp_path) -> Non
     )  # fmt: skip
     assert code == 0, stderr
     r = json.loads(out.read_text())
-    assert r["config"]["workload"]["sampling"] == {"temperature": 0.7, "top_p": 0.9, "top_k": 20}
+    assert r["config"]["workload"]["sampling"] == {
+        "temperature": 0.7, "top_p": 0.9, "top_k": 20, "n": 1, "beam_width": 1
+    }  # fmt: skip
     assert r["aggregates"]["num_completed"] == 4
     assert r["aggregates"]["total_output_tokens"] == 4 * 6
 
@@ -234,7 +236,7 @@ def test_greedy_by_default_in_the_result(engine, tmp_path) -> None:
     )  # fmt: skip
     assert code == 0, stderr
     sampling = json.loads(out.read_text())["config"]["workload"]["sampling"]
-    assert sampling == {"temperature": 0.0, "top_p": 1.0, "top_k": 0}
+    assert sampling == {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "n": 1, "beam_width": 1}
 
 
 @pytest.mark.parametrize(
