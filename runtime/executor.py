@@ -122,7 +122,7 @@ class Executor:
             self._next_id += 1
             record = RequestRecord(request_id=rid, arrival_time=arrival, num_prompt_tokens=0)
             self._records[rid] = record
-            state = RequestState(request=request, record=record)
+            state = RequestState(request=request, record=record, tokenizer=self.tokenizer)
             self._states[rid] = state
             if error is None:
                 record.num_prompt_tokens = len(ids)
@@ -142,9 +142,6 @@ class Executor:
                 self._fail(state, error)
                 return rid
             state.seq = seq
-            state.tokenizer = self.tokenizer
-            if request.sampling.num_branches > 1:
-                state.outputs = [state]
             if self.tokenizer is not None:
                 state.detok = IncrementalDetokenizer(self.tokenizer, request.sampling.stop)
             state.deferred = not request.streaming and not request.sampling.stop
@@ -418,8 +415,7 @@ class Executor:
         batch = cur.batch
         t2 = _now()
         with self._cv:
-            steps = getattr(out, "branch_steps", None) or ()
-            self.scheduler.update(batch, list(out.token_ids), steps)
+            self.scheduler.update(batch, list(out.token_ids), getattr(out, "branch_steps", ()))
             emit_step_responses(batch, out, t2, self._states, self.scheduler, self._emit)
             t3 = _now()
             self.step_records.append(step_record(cur, out, t2, t3, self.scheduler.kv.total_blocks))

@@ -64,6 +64,10 @@ class RequestState:
     """Summed logprob of this output's tokens, when each token's is computed."""
     completion: CompletionOutput | None = None
 
+    def __post_init__(self) -> None:
+        if self.main is None and self.request.sampling.num_branches > 1:
+            self.outputs = [self]  # the others join as the fork makes their sequences
+
     @property
     def text(self) -> str:
         return self.detok.text if self.detok is not None else ""

@@ -382,7 +382,8 @@ class Scheduler(BranchScheduling):
                 f"step {batch.step_id} sampled {n_sampled} sequences but "
                 f"{len(sampled_token_ids)} token ids were given"
             )
-        forks = {b.request_id: b for b in branch_steps} if branch_steps else {}
+        branch_steps = branch_steps or ()
+        forks = {b.request_id: b for b in branch_steps}
         finished: list[Sequence] = []
         tokens = iter(sampled_token_ids)
         tpb = self.kv.tokens_per_block
