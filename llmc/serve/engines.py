@@ -87,7 +87,7 @@ class EnginePool:
 
         try:
             for r in self.replicas():
-                llm = LLM(r.engine_dir, runtime_config=self.config.runtime)
+                llm = LLM(engine_dir=r.engine_dir, runtime_config=self.config.runtime)
                 r.limits = llm.summary()
                 r.llm = llm
                 r.bridge = ResponseBridge(llm, loop, f"{r.model}-{r.index}")

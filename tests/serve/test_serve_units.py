@@ -153,7 +153,7 @@ def _serve_cli(*args: str) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
-def test_serve_command_line_refusals(tmp_path) -> None:
+def test_serve_command_line_refusals(tmp_path, tiny_llama_dir) -> None:
     r = _serve_cli()
     assert r.returncode == 2 and "no engine" in r.stderr
     r = _serve_cli("--engine", "oops")
@@ -162,6 +162,10 @@ def test_serve_command_line_refusals(tmp_path) -> None:
     assert r.returncode == 3 and "round_robin" in r.stderr
     r = _serve_cli("--engine_dir", str(tmp_path / "missing"), "--port", "0")
     assert r.returncode == 7 and "does not exist" in r.stderr
+    assert "Traceback" not in r.stderr
+    # a checkpoint directory is not an engine: refused, not built on the fly (LLM(model=)'s rule)
+    r = _serve_cli("--engine_dir", str(tiny_llama_dir), "--port", "0")
+    assert r.returncode == 7 and "manifest" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
 
 
