@@ -17,7 +17,9 @@
 # per-kernel profile), 128mb1024 (a second 8B engine built with max_batch_size 1024),
 # prof2048 and profsmol (kernel-family profiles), int4b1 / int4128 / int8b1 / int8128 (issue
 # 14: weight-only int4_wo / int8_wo engines of the 8B profile, dummy weights quantized at
-# build, batch 1 128/512 and 128/128 offline; beside the bf16 rows b1 / 128). SKIP_TESTS=1
+# build, batch 1 128/512 and 128/128 offline; beside the bf16 rows b1 / 128), beam4 (issue 16:
+# an 8B engine built with --max_beam_width 4, 128/128 at --beam_width 4, N_BEAM requests,
+# default N_128; beside the greedy row 128). SKIP_TESTS=1
 # skips step 2; PYTEST_ARGS
 # (absolute paths: Python runs outside the checkout) replaces its test files. LLMC_COMMIT names
 # the commit in env.txt and every result (the device tool's copy of the tree keeps a stale .git:
@@ -159,6 +161,10 @@ for r in $ROWS; do
             --num_requests "$N_B1" --isl 128 --osl 512 --concurrency 1 --warmup 1 ;;
     int8128) wo_engine "$W8" int8_wo; bench llama8b_int8wo_128_128 "$W8" 200 \
             --num_requests "$N_128" --isl 128 --osl 128 ;;
+    beam4) [ -f "$ENG/llama3-8b-beam4/manifest.json" ] \
+            || build llama3-8b "$ENG/llama3-8b-beam4" --max_beam_width 4
+        bench llama8b_128_128_beam4 "$ENG/llama3-8b-beam4" 300 --num_requests "${N_BEAM:-$N_128}" \
+            --isl 128 --osl 128 --beam_width 4 ;;
     b1sync) bench llama8b_b1_sync "$L8" 90 --num_requests "$N_B1" --isl 128 --osl 512 \
             --concurrency 1 --warmup 1 --no_async_scheduling ;;
     nographs) bench llama8b_b1_nographs "$L8" 60 --num_requests 2 --isl 128 --osl 512 \
