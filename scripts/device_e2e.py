@@ -27,6 +27,7 @@ from typing import Any
 ROWS = (
     ("llama8b_128_128", "Llama-3-8B 128/128 offline"),
     ("llama8b_128_128_sampled", "Llama-3-8B 128/128 offline, temperature 0.7 top_p 0.9"),
+    ("llama8b_128_128_beam4", "Llama-3-8B 128/128 offline, beam_width 4 (best beam's tokens)"),
     ("llama8b_128_128_peer", "Llama-3-8B 128/128 offline (peer subset)"),
     ("llama8b_b1_128_512", "Llama-3-8B batch 1, 128/512"),
     ("llama8b_2048_128", "Llama-3-8B 2048/128 offline"),
@@ -107,6 +108,9 @@ def row(name: str, label: str, res: dict[str, Any]) -> dict[str, Any]:
     out_tps = a.get("output_tokens_per_s")
     conc = _get(res, "config", "arrival", "concurrency")
     ref = roof["batch1_decode_tok_s"] if conc == 1 else roof["compute_tok_s"]
+    beams = int(_get(w, "sampling", "beam_width") or 1)
+    if ref and beams > 1:  # a returned token is one of beam_width rows the step computed
+        ref /= beams
     tpot = _get(a, "tpot", "median")
     return {
         "row": name,
@@ -151,6 +155,9 @@ def main(argv: list[str]) -> int:
     greedy, sampled = by.get("llama8b_128_128"), by.get("llama8b_128_128_sampled")
     if greedy and sampled:
         summary["sampled_vs_greedy"] = sampled / greedy
+    beam = by.get("llama8b_128_128_beam4")
+    if greedy and beam:  # returned tokens: each of them cost beam_width rows of the step
+        summary["beam4_vs_greedy"] = beam / greedy
     idle = gpu_idle(d)
     if idle is not None:
         summary["gpu_idle"] = idle
