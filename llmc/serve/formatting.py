@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable
 from json.encoder import encode_basestring_ascii as _js
 from typing import Any
 
@@ -104,23 +105,15 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-class TokenTexts:
-    """Token id → its text alone, cached (logprobs name tokens by text)."""
+TokenTexts = Callable[[int], str]
+"""Token id → its text alone (logprobs name tokens by text)."""
 
-    def __init__(self, tokenizer: Any) -> None:
-        self._tok = tokenizer
-        self._cache: dict[int, str] = {}
 
-    def __call__(self, token_id: int) -> str:
-        text = self._cache.get(token_id)
-        if text is None:
-            if self._tok is None:
-                text = f"<{token_id}>"
-            else:
-                text = self._tok.decode([token_id], skip_special_tokens=False)
-            if len(self._cache) < 1 << 16:
-                self._cache[token_id] = text
-        return text
+def token_texts(tokenizer: Any) -> TokenTexts:
+    """The engine tokenizer's cached ``token_text``; ``<id>`` for an engine without one."""
+    if tokenizer is None:
+        return lambda token_id: f"<{token_id}>"
+    return tokenizer.token_text
 
 
 def completion_logprobs(entries: list[Any], texts: TokenTexts, offset: int) -> dict[str, Any]:

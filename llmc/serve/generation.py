@@ -36,10 +36,10 @@ from llmc.serve.engines import Replica
 from llmc.serve.formatting import (
     DONE,
     Shape,
-    TokenTexts,
     chat_logprobs,
     completion_logprobs,
     finish_reason,
+    token_texts,
     usage,
 )
 from llmc.serve.metrics import ServerMetrics
@@ -88,7 +88,7 @@ class GenerationResponse(StarletteResponse):
         self.bridge = replica.bridge
         self.ids = self.bridge.submit(plan.requests(), self.channel)  # EngineError → 500
         self.choices = {rid: _Choice(i) for i, rid in enumerate(self.ids)}
-        self.texts = TokenTexts(replica.tokenizer) if plan.num_top_logprobs is not None else None
+        self.texts = token_texts(replica.tokenizer) if plan.num_top_logprobs is not None else None
         self.first_token: float | None = None
         self.model_metrics = metrics.of_model(replica.model)
         self.status_code = 200

@@ -96,12 +96,12 @@ def inproc_server(serve_engine):
 
 
 def test_a_failing_request_is_500_and_the_server_keeps_serving(inproc_server, monkeypatch):
-    from llmc.serve import formatting
+    from llmc.runtime.tokenizer import Tokenizer
 
     def broken(self, token_id):
         raise RuntimeError("token text exploded")
 
-    monkeypatch.setattr(formatting.TokenTexts, "__call__", broken)
+    monkeypatch.setattr(Tokenizer, "token_text", broken)
     port = inproc_server
     body = {"model": "tiny", "prompt": "abc", "max_tokens": 4, "logprobs": 1}
     status, _, answer = post_json(port, "/v1/completions", body)
