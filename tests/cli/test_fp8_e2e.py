@@ -16,10 +16,8 @@ import json
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
-from llmc import LLM, SamplingParams
-from llmc.cli.main import app
+from helpers.variants import CPU_LIMITS, agreement, build_variants, cli, run_tokens
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread", "small_ceilings")]
 
@@ -29,10 +27,6 @@ VARIANTS = {
     "fp8kv": ["--kv-cache-dtype", "fp8"],
     "both": ["--quantization", "fp8", "--kv_cache_dtype", "fp8"],
 }
-LIMITS = [
-    "--target", "cpu", "--dtype", "float32", "--max_seq_len", "256", "--max_batch_size", "8",
-    "--max_num_tokens", "256", "--tokens_per_block", "16", "--gpu_memory_gb", "1",
-]  # fmt: skip
 PROMPTS = [
     "The capital of France is",
     "def reverse(s):",
@@ -44,21 +38,10 @@ PROMPTS = [
 NEW = 16
 
 
-def cli(*args: str):
-    return CliRunner().invoke(app, [str(a) for a in args])
-
-
 @pytest.fixture(scope="module")
 def built(smollm2_4l_dir, tmp_path_factory) -> dict[str, tuple[Path, str]]:
     """name → (engine dir, build report)."""
-    root = tmp_path_factory.mktemp("fp8_e2e")
-    out = {}
-    for name, flags in VARIANTS.items():
-        d = root / name
-        res = cli("build", "--checkpoint_dir", smollm2_4l_dir, "--output_dir", d, *LIMITS, *flags)
-        assert res.exit_code == 0, res.stderr
-        out[name] = (d, res.stdout)
-    return out
+    return build_variants(smollm2_4l_dir, tmp_path_factory.mktemp("fp8_e2e"), VARIANTS)
 
 
 def test_the_build_report_says_what_is_quantized(built):
@@ -80,7 +63,7 @@ def test_build_plans_a_fp8_kv_pool_of_4x_the_float32_tokens(smollm2_4l_dir):
     caps = {}
     for name in ("float32", "fp8kv"):
         res = cli(
-            "build", "--checkpoint_dir", smollm2_4l_dir, "--dry_run", "--json", *LIMITS,
+            "build", "--checkpoint_dir", smollm2_4l_dir, "--dry_run", "--json", *CPU_LIMITS,
             *VARIANTS[name],
         )  # fmt: skip
         assert res.exit_code == 0, res.stderr
@@ -90,28 +73,10 @@ def test_build_plans_a_fp8_kv_pool_of_4x_the_float32_tokens(smollm2_4l_dir):
     assert abs(caps["fp8kv"][1] / caps["float32"][1] - 4) < 0.01
 
 
-def _agreement(ours: list[list[int]], ref: list[list[int]]) -> float:
-    same = sum(a == b for x, y in zip(ours, ref, strict=True) for a, b in zip(x, y, strict=True))
-    return same / sum(map(len, ref))
-
-
 def test_llmc_run_and_the_api_agree_with_the_float32_engine(built):
-    tokens = {}
-    for name, (engine, _) in built.items():
-        args = [a for p in PROMPTS for a in ("--prompt", p)]
-        res = cli("run", "--engine_dir", engine, *args, "--max_new_tokens", NEW, "--ignore_eos",
-                  "--device", "cpu", "--json")  # fmt: skip
-        assert res.exit_code == 0, res.stderr
-        doc = json.loads(res.stdout)
-        outs = doc["outputs"]
-        assert all(o["error"] is None and len(o["token_ids"]) == NEW for o in outs)
-        assert all(o["text"] for o in outs)
-        tokens[name] = [o["token_ids"] for o in outs]
-        with LLM(engine_dir=str(engine), device="cpu") as llm:  # the API: the same tokens
-            api = llm.generate(PROMPTS, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
-        assert [o.token_ids for o in api] == tokens[name]
+    tokens = {name: run_tokens(engine, PROMPTS, NEW) for name, (engine, _) in built.items()}
     for name in ("fp8", "fp8kv", "both"):
-        agree = _agreement(tokens[name], tokens["float32"])
+        agree = agreement(tokens[name], tokens["float32"])
         assert agree >= 0.5, (name, agree)
 
 

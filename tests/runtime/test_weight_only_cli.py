@@ -9,10 +9,8 @@ import json
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
-from llmc import LLM, SamplingParams
-from llmc.cli.main import app
+from helpers.variants import CPU_LIMITS, agreement, build_variants, cli, run_tokens
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread", "small_ceilings")]
 
@@ -21,28 +19,13 @@ VARIANTS = {
     "int8_wo": ["--quantization", "int8_wo"],
     "int4_wo": ["--quantization", "int4_wo", "--group-size", "64"],
 }
-LIMITS = [
-    "--target", "cpu", "--dtype", "float32", "--max_seq_len", "256", "--max_batch_size", "8",
-    "--max_num_tokens", "256", "--tokens_per_block", "16", "--gpu_memory_gb", "1",
-]  # fmt: skip
 PROMPTS = ["The capital of France is", "def reverse(s):", "Once upon a time"]
 NEW = 16
 
 
-def cli(*args: str):
-    return CliRunner().invoke(app, [str(a) for a in args])
-
-
 @pytest.fixture(scope="module")
 def built(smollm2_4l_dir, tmp_path_factory) -> dict[str, tuple[Path, str]]:
-    root = tmp_path_factory.mktemp("wo_e2e")
-    out = {}
-    for name, flags in VARIANTS.items():
-        d = root / name
-        res = cli("build", "--checkpoint_dir", smollm2_4l_dir, "--output_dir", d, *LIMITS, *flags)
-        assert res.exit_code == 0, res.stderr
-        out[name] = (d, res.stdout)
-    return out
+    return build_variants(smollm2_4l_dir, tmp_path_factory.mktemp("wo_e2e"), VARIANTS)
 
 
 def test_the_report_and_manifest_say_what_is_packed(built):
@@ -64,26 +47,10 @@ def test_the_report_and_manifest_say_what_is_packed(built):
     assert sizes["int4_wo"] < sizes["int8_wo"] < sizes["float32"]
 
 
-def _agreement(ours: list[list[int]], ref: list[list[int]]) -> float:
-    same = sum(a == b for x, y in zip(ours, ref, strict=True) for a, b in zip(x, y, strict=True))
-    return same / sum(map(len, ref))
-
-
 def test_llmc_run_and_the_api_agree_with_the_float32_engine(built):
-    tokens = {}
-    for name, (engine, _) in built.items():
-        args = [a for p in PROMPTS for a in ("--prompt", p)]
-        res = cli("run", "--engine_dir", engine, *args, "--max_new_tokens", NEW, "--ignore_eos",
-                  "--device", "cpu", "--json")  # fmt: skip
-        assert res.exit_code == 0, res.stderr
-        outs = json.loads(res.stdout)["outputs"]
-        assert all(o["error"] is None and len(o["token_ids"]) == NEW for o in outs)
-        tokens[name] = [o["token_ids"] for o in outs]
-        with LLM(engine_dir=str(engine), device="cpu") as llm:
-            api = llm.generate(PROMPTS, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
-        assert [o.token_ids for o in api] == tokens[name]
+    tokens = {name: run_tokens(engine, PROMPTS, NEW) for name, (engine, _) in built.items()}
     for name in ("int8_wo", "int4_wo"):
-        assert _agreement(tokens[name], tokens["float32"]) >= 0.5, name
+        assert agreement(tokens[name], tokens["float32"]) >= 0.5, name
 
 
 def test_llmc_bench_and_eval_run_the_engines(built, tmp_path):
@@ -116,7 +83,7 @@ def test_flags_help_and_spellings(smollm2_4l_dir):
                      "kept as they are", "Default: auto"):  # fmt: skip
         assert fragment in helptext, fragment
     for spelling in ("--group_size", "--group-size"):
-        res = cli("build", "--checkpoint_dir", smollm2_4l_dir, "--dry_run", "--json", *LIMITS,
+        res = cli("build", "--checkpoint_dir", smollm2_4l_dir, "--dry_run", "--json", *CPU_LIMITS,
                   "--quantization", "int4_wo", spelling, "32")  # fmt: skip
         assert res.exit_code == 0, res.stderr
         layouts = json.loads(res.stdout)["quantization"]["layouts"]
@@ -135,7 +102,7 @@ def test_flags_help_and_spellings(smollm2_4l_dir):
 def test_bad_flags_fail_cleanly(smollm2_4l_dir, tmp_path, flags, code, fragments):
     base = ["--quantization", "int4_wo"] if "--quantization" not in flags else []
     res = cli("build", "--checkpoint_dir", smollm2_4l_dir, "--output_dir", tmp_path / "e",
-              *LIMITS, *base, *flags)  # fmt: skip
+              *CPU_LIMITS, *base, *flags)  # fmt: skip
     assert res.exit_code == code, (res.exit_code, res.stderr)
     assert "Traceback" not in res.stderr
     for f in fragments:
