@@ -140,10 +140,29 @@ def row(name: str, label: str, res: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+MULTI_STEP_BASES = {
+    "smollm2_128_128_k": "SmolLM2-135M shape 128/128 offline",
+    "llama8b_128_128_k": "Llama-3-8B 128/128 offline",
+    "llama8b_b1_k": "Llama-3-8B batch 1, 128/512",
+}
+"""The multi-step rows of bench_h200.sh (smolkK, 128kK, b1kK): name prefix → base label."""
+
+
+def present_rows(d: Path) -> list[tuple[str, str]]:
+    """ROWS, then every multi-step row found in ``d`` (K in ascending order)."""
+    found = []
+    for p in d.glob("*_k*.json"):
+        for prefix, base in MULTI_STEP_BASES.items():
+            k = p.stem.removeprefix(prefix)
+            if p.stem.startswith(prefix) and k.isdigit():
+                found.append((int(k), p.stem, f"{base}, --decode_steps_per_iteration {k}"))
+    return list(ROWS) + [(name, label) for _, name, label in sorted(found)]
+
+
 def main(argv: list[str]) -> int:
     d = Path(argv[0])
     rows = []
-    for name, label in ROWS:
+    for name, label in present_rows(d):
         p = d / f"{name}.json"
         if p.exists():
             try:
