@@ -48,6 +48,7 @@ from llmc.runtime.engine_step import (
     step_record,
 )
 from llmc.runtime.records import RequestRecord, StepRecord
+from llmc.runtime.request_intake import prompt_ids, requests_for
 from llmc.runtime.request_state import RequestState
 from llmc.runtime.responses import RequestOutput, Response
 from llmc.runtime.tokenizer import Tokenizer
@@ -112,7 +113,7 @@ class Executor:
         arrival = _now()
         error: LlmcError | None = None
         try:
-            ids = self._prompt_ids(request)
+            ids = prompt_ids(request, self.tokenizer, self.vocab_size)
         except LlmcError as e:
             ids, error = [], e
         with self._cv:
@@ -147,39 +148,6 @@ class Executor:
             state.deferred = not request.streaming and not request.sampling.stop
             self._cv.notify_all()
             return rid
-
-    def _prompt_ids(self, request: Request) -> list[int]:
-        """The request checked (``Request.validate``, then what needs the engine: the
-        vocabulary, a tokenizer) and its prompt as token ids. Every refusal, a prompt the
-        tokenizer rejects included, is a RequestError."""
-        request.validate()
-        sp = request.sampling
-        if sp.stop and self.tokenizer is None:
-            raise RequestError("stop strings need a tokenizer; the engine has none")
-        self._check_vocab("stop_token_ids", sp.stop_token_ids)
-        if request.prompt is not None:
-            if self.tokenizer is None:
-                raise RequestError("the engine has no tokenizer; send prompt_token_ids")
-            if request.apply_chat_template:
-                kwargs = request.chat_template_kwargs or {}
-                ids = list(self.tokenizer.apply_chat_template(request.prompt, **kwargs))
-            else:
-                ids = self.tokenizer.encode(request.prompt)
-        elif request.prompt_token_ids is not None:
-            ids = list(request.prompt_token_ids)
-            self._check_vocab("prompt token id", ids)
-        else:
-            ids = []
-        if not ids:
-            raise RequestError("the prompt is empty")
-        return ids
-
-    def _check_vocab(self, what: str, ids: Seq[int]) -> None:
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise RequestError(
-                f"{what} {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})"
-            )
 
     def cancel_request(self, request_id: int) -> bool:
         """Cancel a queued or running request (applied at the next step; frees its blocks).
@@ -281,26 +249,8 @@ class Executor:
         apply_chat_template: bool = False,
     ) -> list[RequestOutput]:
         """Blocking: run every prompt (text, token ids or a Request) to completion."""
-        if isinstance(prompts, (str, Request)) or (
-            isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
-        if sampling is None or isinstance(sampling, SamplingParams):
-            params = [sampling or SamplingParams()] * len(prompts)
-        else:
-            params = list(sampling)
-            if len(params) != len(prompts):
-                raise RequestError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        ids: list[int] = []
-        for p, sp in zip(prompts, params, strict=True):
-            if isinstance(p, Request):
-                req = p
-            elif isinstance(p, str):
-                req = Request(prompt=p, sampling=sp, apply_chat_template=apply_chat_template)
-            else:
-                req = Request(prompt_token_ids=list(p), sampling=sp)
-            ids.append(self.enqueue_request(req))
+        prompts, requests = requests_for(prompts, sampling, apply_chat_template)
+        ids = [self.enqueue_request(req) for req in requests]
         with self._cv:  # what the outputs need once the requests' states are gone
             info = {i: (self._states[i].request, self._states[i].seq) for i in ids}
         finals: dict[int, Response] = {}
