@@ -22,6 +22,11 @@ Padding rows: token 0 at position 0, cache slot -1 (the RoPE/KV-write kernel ski
 seq_len 0 (the attention kernels write zeros for it), block table row of -1, greedy
 neutral sampling columns; their sampled ids are never read back.
 
+Multi-step decoding (``ScheduledBatch.window``): with a ``WindowState``, each bucket also
+gets a graph of ``WindowState.advance`` over its staged inputs; a window of K steps is K
+times (the bucket's graph, its advance graph) and one copy of the ids
+(``llmc.runtime.decode_window``).
+
 Invariants: graphs are captured largest bucket first into ONE memory pool, after an eager
 warm-up of each bucket (module loads, cuBLAS handles) and after ``backend.reserve`` (the
 backend's scratch is allocated outside the graphs). A replay does one host→device copy
@@ -44,6 +49,7 @@ import torch
 from llmc.base.errors import ConfigError, EngineError
 from llmc.cuda.backend import AttentionMetadata, Backend, SamplingMetadata
 from llmc.runtime import sampling as smp
+from llmc.runtime.decode_window import WindowState
 from llmc.runtime.step_inputs import StepInputBuilder, StepInputs
 from llmc.runtime.types import ScheduledBatch
 
@@ -107,8 +113,11 @@ class DecodeGraphs:
         buckets: tuple[int, ...] | None = None,
         *,
         allow_cpu: bool = False,
+        window: WindowState | None = None,
     ) -> None:
-        """``allow_cpu``: for tests and host-time tools whose subclass replaces ``capture``."""
+        """``allow_cpu``: for tests and host-time tools whose subclass replaces ``capture``.
+        ``window``: multi-step decoding's state; its ``advance`` is captured per bucket too
+        (``advance``)."""
         if inputs.device.type != "cuda" and not allow_cpu:
             raise ConfigError("CUDA graphs need a CUDA device")
         most = min(inputs.limits.max_batch_size, inputs.limits.max_num_tokens)
@@ -122,7 +131,10 @@ class DecodeGraphs:
         self.device = inputs.device
         self.buckets = tuple(sorted(set(buckets)))
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.window = window
+        self.advance_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._layout: dict[int, Layout] = {}
+        self._dev: dict[int, dict[str, torch.Tensor]] = {}  # each bucket's staged views
         self._pool: Any = None
         n = self.buckets[-1]
         self._ar32 = torch.arange(n + 1, dtype=torch.int32, device=self.device)
@@ -184,6 +196,7 @@ class DecodeGraphs:
         dev = st.upload()
         if rows is None:
             self._layout[big] = _layout(dev)
+            self._dev[big] = dev
         return dev
 
     def _body(self, big: int, dev: dict[str, torch.Tensor]) -> None:
@@ -258,6 +271,14 @@ class DecodeGraphs:
             with torch.cuda.graph(g, pool=self._pool):
                 self._body(big, dev)
             self.graphs[big] = g
+            if self.window is not None:  # multi-step decoding's token feedback, per bucket
+                self.window.step.zero_()  # the warm-up writes output row 0 only
+                self._advance_eagerly(big)  # warm-up
+                torch.cuda.synchronize(self.device)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self._pool):
+                    self._advance_eagerly(big)
+                self.advance_graphs[big] = g
         torch.cuda.synchronize(self.device)
 
     # ---- replay ----------------------------------------------------------------------
@@ -274,12 +295,15 @@ class DecodeGraphs:
             and graph_eligible(batch)
         )
 
-    def stage(self, batch: ScheduledBatch, src_rows: list[int] | None = None) -> tuple[int, int]:
+    def stage(
+        self, batch: ScheduledBatch, src_rows: list[int] | None = None, span: int = 1
+    ) -> tuple[int, int]:
         """Stage a decode-only ``batch`` (``can_run`` true) for its bucket's graph; returns
         (rows ``b``, bucket). ``src_rows[i] >= 0``: row ``i``'s input token is row
         ``src_rows[i]`` of the previous step's sampled ids, still on the device (async
-        scheduling); its sampling offset then counts that token too."""
-        rows, cols, _ = self.inputs.decode_step(batch, src_rows)
+        scheduling); its sampling offset then counts that token too. ``span``: a
+        multi-step window's steps (``StepInputBuilder.decode_step``)."""
+        rows, cols, _ = self.inputs.decode_step(batch, src_rows, span)
         b = len(rows[0])
         big = self.bucket_for(b)
         assert big is not None
@@ -287,6 +311,27 @@ class DecodeGraphs:
         if _layout(dev) != self._layout[big]:
             raise EngineError(f"CUDA graph bucket {big}: staging layout changed since capture")
         return b, big
+
+    def advance(self, big: int) -> None:
+        """Multi-step decoding, after a replay of bucket ``big``: ``WindowState.advance``
+        over the bucket's staged inputs (the next replay reads them), as its captured graph
+        when there is one."""
+        g = self.advance_graphs.get(big)
+        if g is not None:
+            g.replay()
+        else:
+            self._advance_eagerly(big)
+
+    def _advance_eagerly(self, big: int) -> None:
+        assert self.window is not None
+        dev, mbs = self._dev[big], self.inputs.limits.max_blocks_per_seq
+        names = ("input_ids", "positions", "slot_mapping", "seq_lens", "offsets")
+        self.window.advance(
+            big,
+            self.inputs.workspace["sampled_ids"][:big],
+            {name: dev[name] for name in names},
+            dev["block_tables"].view(big, mbs),
+        )
 
     def replay(self, big: int) -> None:
         """Launch bucket ``big``'s graph on what ``stage`` staged; the sampled ids land in

@@ -43,6 +43,8 @@ from llmc.runtime.tokenizer import Tokenizer
 
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "torch", "cuda")
+MAX_DECODE_STEPS_PER_ITERATION = 64
+"""Most decode steps of one multi-step window (its id buffer is K x max_batch_size)."""
 CPU_DEFAULT_KV_BYTES = 1 << 30
 """KV pool cap on CPU when max_kv_tokens is not given (it is at least one max_seq_len)."""
 
@@ -68,6 +70,9 @@ class RuntimeConfig:
     async_scheduling: bool = True
     """Schedule and launch decode step N+1 while step N runs on the GPU (CUDA device only;
     CPU runs stay synchronous). See docs/RUNTIME.md."""
+    decode_steps_per_iteration: int = 1
+    """Multi-step decoding: decode steps run on the device per host iteration when every
+    scheduled row decodes (``Scheduler.plan_window``); 1 = one step per iteration."""
 
     def __post_init__(self) -> None:
         for name, allowed in (("device", DEVICES), ("backend", BACKENDS)):
@@ -84,6 +89,12 @@ class RuntimeConfig:
         for name in ("max_batch_size", "max_num_tokens", "max_kv_tokens"):
             if getattr(self, name) is not None:
                 check_positive_int(name, getattr(self, name))
+        check_positive_int("decode_steps_per_iteration", self.decode_steps_per_iteration)
+        if self.decode_steps_per_iteration > MAX_DECODE_STEPS_PER_ITERATION:
+            raise ConfigError(
+                f"decode_steps_per_iteration {self.decode_steps_per_iteration} is above "
+                f"{MAX_DECODE_STEPS_PER_ITERATION}"
+            )
         if not 0.0 < self.kv_cache_free_gpu_mem_fraction <= 1.0:
             raise ConfigError(
                 "kv_cache_free_gpu_mem_fraction must be in (0, 1], got "
@@ -173,6 +184,7 @@ class EngineRuntime:
         self.engine = engine
         self.vocab_size = self.spec.vocab_size
         self.async_scheduling = False
+        self.decode_steps_per_iteration = 1
 
     # ---- construction --------------------------------------------------------------
     @classmethod
@@ -282,10 +294,12 @@ class EngineRuntime:
             workspace=workspace,
             layouts=layouts,
         )
+        steps = config.decode_steps_per_iteration
         if config.cuda_graphs and backend == "cuda" and device == "cuda":
-            runner.capture_cuda_graphs()
+            runner.capture_cuda_graphs(decode_steps_per_iteration=steps)
         rt = cls(runner, scheduler, tokenizer, device=device, backend=backend, engine=engine)
         rt.async_scheduling = config.async_scheduling and device == "cuda"  # Executor reads it
+        rt.decode_steps_per_iteration = steps  # the Executor reads it too
         return rt
 
     @staticmethod
@@ -326,4 +340,5 @@ class EngineRuntime:
             "scheduler_policy": self.scheduler.config.policy,
             "cuda_graphs": getattr(self.runner, "graphs", None) is not None,
             "async_scheduling": self.async_scheduling,
+            "decode_steps_per_iteration": self.decode_steps_per_iteration,
         }

@@ -13,6 +13,10 @@ what is decided about, and made from, a single step:
   only one that needs the text: a stop string, found by the detokenizer, finishes the
   sequence through ``Scheduler.finish``.
 - ``step_record``: a computed step's StepRecord (runtime/records.py).
+- A multi-step window (``ScheduledBatch.window``) is caught up by the same
+  ``emit_step_responses``: each row's new tokens go out in one burst; a request with stop
+  strings has them detokenized one token at a time (``_window_text``), so a stop string
+  inside the window cuts the output exactly where one step at a time would.
 - ``request_output``: one request's Responses → the RequestOutput ``Executor.generate``
   returns.
 
@@ -54,6 +58,8 @@ class Finisher(Protocol):
     """The one Scheduler method post-processing needs (a stop string ends a sequence)."""
 
     def finish(self, request_id: int, reason: FinishReason, branch: int | None = None) -> Any: ...
+
+    def stop_inside_window(self, seq: Sequence, num_outputs: int) -> None: ...
 
 
 @dataclass
@@ -102,6 +108,8 @@ def ahead_ok(batch: ScheduledBatch) -> bool:
     (``Sequence.is_last_by_length``: a client that replaces a finished request, as a closed
     loop does, would otherwise wait for the speculative step before its prompt is
     scheduled)."""
+    if batch.window is not None:  # a window's rows stop on the device: the host decides
+        return False
     checked = None  # rows of one request share a params object: test it once per run
     for ss in batch.sequences:
         seq = ss.seq
@@ -128,6 +136,9 @@ def step_record(
         "update": end - update_start,
     }
     num_tokens, num_decode = token_counts(batch)
+    steps = batch.window.num_steps if batch.window is not None else 1
+    if steps > 1:  # a window: every row computed each of its steps (decode rows only)
+        num_tokens = num_decode = num_tokens * steps
     return StepRecord(
         step_id=batch.step_id,
         start_time=cur.start,
@@ -140,6 +151,7 @@ def step_record(
         kv_blocks_total=kv_blocks_total,
         num_preempted=len(batch.preempted_request_ids),
         phase_times=phases,
+        num_steps=steps,
     )
 
 
@@ -283,16 +295,21 @@ def _emit_row(
     """One sampled row of ``emit_step_responses`` that has something to show (not the inline
     deferred decode row): its timings, text delta, responses."""
     finished = SequenceStatus.FINISHED
-    new, new_lp = state.take_new_tokens(logprob, now)
-    reason = seq.finish_reason if seq.status is finished else None
-    text_ids = seq.output_token_ids[state.num_text :] if state.deferred else new
-    # finished by update on this step's token: an EOS / stop token id (new[-1])
-    stop_token = reason is not None and seq.stop_token_id is not None and new
-    if stop_token:
-        text_ids = text_ids[:-1]  # the EOS / stop token has no text in the output
-    delta = state.detokenize(text_ids)
-    if stop_token:
-        state.num_text += 1
+    if len(seq.output_token_ids) - state.num_seen > 1 and state.has_stop_strings:
+        delta = _window_text(seq, state, scheduler)  # a multi-step window's tokens
+        new, new_lp = state.take_new_tokens(logprob, now)
+        reason = seq.finish_reason if seq.status is finished else None
+    else:
+        new, new_lp = state.take_new_tokens(logprob, now)
+        reason = seq.finish_reason if seq.status is finished else None
+        text_ids = seq.output_token_ids[state.num_text :] if state.deferred else new
+        # finished by update on this step's token: an EOS / stop token id (new[-1])
+        stop_token = reason is not None and seq.stop_token_id is not None and new
+        if stop_token:
+            text_ids = text_ids[:-1]  # the EOS / stop token has no text in the output
+        delta = state.detokenize(text_ids)
+        if stop_token:
+            state.num_text += 1
     if reason is None and state.stopped_by_string:  # the one stop decided here
         if seq.group is None:
             scheduler.finish(seq.request_id, FinishReason.STOP)
@@ -304,6 +321,27 @@ def _emit_row(
             emit(response)
     elif state.request.streaming and (new or delta):
         emit(state.delta_response(new, delta, new_lp))
+
+
+def _window_text(seq: Sequence, state: RequestState, scheduler: Finisher) -> str:
+    """The text delta of a window's new tokens for a request with stop strings, fed to the
+    detokenizer one token at a time as single steps feed them. A stop string completed
+    before the last new token ends the sequence there (``stop_inside_window`` discards the
+    later tokens, which one step at a time would never have made)."""
+    out = seq.output_token_ids
+    # a finishing EOS / stop token id (the last token) has no text in the output
+    stop_token = seq.status is SequenceStatus.FINISHED and seq.stop_token_id is not None
+    end = len(out) - 1 if stop_token else len(out)
+    delta = ""
+    for i in range(state.num_seen, end):
+        delta += state.detokenize(out[i : i + 1])
+        if state.stopped_by_string:
+            if i + 1 < len(out):
+                scheduler.stop_inside_window(seq, i + 1)
+            return delta
+    if stop_token:
+        state.num_text += 1
+    return delta
 
 
 def request_output(

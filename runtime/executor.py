@@ -1,8 +1,9 @@
 """Executor: requests in, streamed responses out, one in-flight-batching engine loop.
 
 The loop has three verbs: ``Scheduler.schedule()`` → ``ModelRunner.step(batch)`` →
-``Scheduler.update(batch, token_ids)``, then post-processing (detokenize, stop strings,
-responses, records: runtime/engine_step.py, which also holds the async-scheduling rule
+``Scheduler.update(batch, token_ids)`` (multi-step decoding: a decode-only batch may be a
+window of K steps, ``plan_window`` / ``update_window``), then post-processing (detokenize,
+stop strings, responses, records: runtime/engine_step.py, which also holds the async-scheduling rule
 ``ahead_ok``). This module owns requests, the lock and the loop. It runs in the caller's
 thread (``step``, ``run_until_complete``, ``await_responses`` and ``generate`` drive it) or
 in a background thread (``start`` / ``shutdown``), as TensorRT-LLM's Executor does.
@@ -38,6 +39,7 @@ from collections.abc import Sequence as Seq
 from typing import Any, Protocol
 
 from llmc.base.errors import EngineError, LlmcError, RequestError
+from llmc.compiler.limits import check_positive_int
 from llmc.runtime.detokenizer import IncrementalDetokenizer
 from llmc.runtime.engine_step import (
     InFlight,
@@ -77,10 +79,22 @@ class Executor:
     ``vocab_size`` attributes: an ``EngineRuntime`` or an ``ExecutorParts``.
     """
 
-    def __init__(self, engine: Any, *, async_scheduling: bool | None = None) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        async_scheduling: bool | None = None,
+        decode_steps_per_iteration: int | None = None,
+    ) -> None:
+        """``decode_steps_per_iteration`` (None: the engine's, else 1): K of multi-step
+        decoding (``Scheduler.plan_window``); the runner must serve window batches."""
         self.engine = engine
         if async_scheduling is None:  # the runtime's choice (RuntimeConfig, CUDA only)
             async_scheduling = bool(getattr(engine, "async_scheduling", False))
+        if decode_steps_per_iteration is None:
+            decode_steps_per_iteration = int(getattr(engine, "decode_steps_per_iteration", 1))
+        check_positive_int("decode_steps_per_iteration", decode_steps_per_iteration)
+        self.decode_steps = decode_steps_per_iteration
         self.runner: Runner = engine.runner
         self.async_scheduling = async_scheduling and hasattr(self.runner, "launch")
         self._inflight: InFlight | None = None
@@ -297,6 +311,8 @@ class Executor:
             if not self.scheduler.has_unfinished():
                 return None
             batch = self.scheduler.schedule()
+            if self.decode_steps > 1:  # multi-step decoding, when the batch allows it
+                batch = self.scheduler.plan_window(batch, self.decode_steps)
             for ss in batch.sequences:
                 rec = self._states[ss.seq.request_id].record
                 if rec.scheduled_time is None:
@@ -365,7 +381,11 @@ class Executor:
         batch = cur.batch
         t2 = _now()
         with self._cv:
-            self.scheduler.update(batch, list(out.token_ids), getattr(out, "branch_steps", ()))
+            if batch.window is None:
+                self.scheduler.update(batch, list(out.token_ids), getattr(out, "branch_steps", ()))
+            else:  # a cancel during the window ends its request now, with no window token
+                self._apply_cancels()
+                self.scheduler.update_window(batch, out.window_token_ids)
             emit_step_responses(batch, out, t2, self._states, self.scheduler, self._emit)
             t3 = _now()
             self.step_records.append(step_record(cur, out, t2, t3, self.scheduler.kv.total_blocks))

@@ -36,6 +36,7 @@ the scored prompt rows' hidden states (llmc.runtime.prompt_logprobs).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -56,6 +57,7 @@ from llmc.runtime import prompt_logprobs as plp
 from llmc.runtime import sampling as smp
 from llmc.runtime.branches import BranchStep
 from llmc.runtime.cuda_graphs import DecodeGraphs
+from llmc.runtime.decode_window import WindowState
 from llmc.runtime.kv_tensors import KVCacheTensors, allocate_kv_cache
 from llmc.runtime.layers import DecoderLayers
 from llmc.runtime.rope import cos_sin_tables
@@ -74,6 +76,8 @@ class StepOutput:
     """The prompt-logprob entries this step computed (``prompt_logprobs``), else None."""
     branch_steps: list[BranchStep] = field(default_factory=list)
     """Forks and beam steps of requests with several sequences (``llmc.runtime.beam_search``)."""
+    window_token_ids: list[list[int]] | None = None
+    """A multi-step window: each row's tokens, in the batch's order (``token_ids`` empty)."""
     phase_times: dict[str, float] = field(default_factory=dict)
     """Seconds of 'prepare', 'forward' and 'sample' (prompt logprobs included)."""
 
@@ -123,13 +127,20 @@ class ModelRunner:
         self._launches = 0
         self._unread = 0  # launched steps whose ids were not read back yet
         self.graphs: DecodeGraphs | None = None  # once captured
+        self.window: WindowState | None = None  # multi-step decoding's, once needed
 
-    def capture_cuda_graphs(self, buckets: tuple[int, ...] | None = None) -> float:
+    def capture_cuda_graphs(
+        self, buckets: tuple[int, ...] | None = None, decode_steps_per_iteration: int = 1
+    ) -> float:
         """Capture decode-only CUDA graphs per batch-size bucket (default
         ``cuda_graphs.default_buckets``); later decode-only steps replay them. Returns the
         capture time in seconds. Needs a CUDA device and a backend whose launches are
-        capturable (the CudaBackend)."""
-        graphs = DecodeGraphs(self.inputs, self.forward, self.backend, buckets)
+        capturable (the CudaBackend). ``decode_steps_per_iteration`` > 1: multi-step
+        windows of up to that many steps replay them too, with a captured token feedback
+        (``llmc.runtime.decode_window``)."""
+        if decode_steps_per_iteration > 1:
+            self.window = WindowState(self.limits, self.device, decode_steps_per_iteration)
+        graphs = DecodeGraphs(self.inputs, self.forward, self.backend, buckets, window=self.window)
         graphs.capture()
         self.graphs = graphs
         return graphs.capture_seconds
@@ -223,6 +234,8 @@ class ModelRunner:
             return PendingStep(self, None, None, {}, token_ids=[])
         if batch.block_copies:  # copy-on-write of forked sequences' last blocks, first
             self._copy_blocks(batch.block_copies)
+        if batch.window is not None:
+            return self._launch_window(batch)
         if self.graphs is not None and self.graphs.can_run(batch):
             t0 = time.perf_counter()
             b, big = self.graphs.stage(batch, src_rows)
@@ -250,6 +263,52 @@ class ModelRunner:
                 raise
             times["sample"] = time.perf_counter() - t2
         return pending
+
+    def _launch_window(self, batch: ScheduledBatch) -> PendingStep:
+        """Start a multi-step window (``ScheduledBatch.window``): its inputs staged once,
+        then K times forward + sample (or the bucket's CUDA graph) and the device-side
+        token feedback (``WindowState.advance``); one copy of the ids at the end."""
+        assert batch.window is not None
+        k, eos = batch.window.num_steps, batch.window.eos_token_ids
+        win = self.window
+        if win is None or win.max_steps < k:
+            if self.graphs is not None and win is not None:
+                raise EngineError(f"a {k}-step window exceeds the captured {win.max_steps}")
+            win = self.window = WindowState(self.limits, self.device, k)
+        t0 = time.perf_counter()
+        graphs = self.graphs
+        if graphs is not None and graphs.window is win and graphs.can_run(batch):
+            b, big = graphs.stage(batch, None, k)
+            win.stage(batch.sequences, big, eos)
+            t1 = time.perf_counter()
+            for _ in range(k):
+                graphs.replay(big)
+                graphs.advance(big)
+        else:
+            inp = self.inputs.prepare(batch, None, k)
+            b = inp.num_sampled
+            win.stage(batch.sequences, b, eos)
+            t1 = time.perf_counter()
+            attn, meta = inp.attn, inp.sampling
+            assert meta is not None and b == len(batch.sequences)
+            sampled = self.workspace["sampled_ids"][:b]
+            feed = {
+                "input_ids": inp.input_ids,
+                "positions": attn.positions,
+                "slot_mapping": attn.slot_mapping,
+                "seq_lens": attn.seq_lens,
+                "offsets": meta.offsets,
+            }
+            for j in range(k):  # step j's longest context is the first's + j
+                step = dataclasses.replace(attn, max_seq_len=attn.max_seq_len + j)
+                logits = self.forward(dataclasses.replace(inp, attn=step))
+                assert logits is not None
+                sampled.copy_(self.backend.sample(logits, meta))
+                win.advance(b, sampled, feed, attn.block_tables)
+        host, event = win.read_back(k)
+        self._unread += 1
+        times = {"prepare": t1 - t0, "forward": time.perf_counter() - t1}
+        return PendingStep(self, host, event, times, window=(win, b))
 
     def _copy_blocks(self, copies: tuple[tuple[int, int], ...]) -> None:
         """KV blocks ``dst = src`` in every layer (K and V), before the step writes."""
@@ -312,8 +371,11 @@ class PendingStep:
         *,
         token_ids: list[int] | None = None,
         logprobs: list[smp.TokenLogprobs | None] | None = None,
+        window: tuple[WindowState, int] | None = None,
     ) -> None:
+        """``window``: a multi-step window's (state, rows); ``host`` is its [K, rows] ids."""
         self._runner, self._host, self._event = runner, host, event
+        self._window = window
         self.times = times
         self._ids, self._logprobs = token_ids, logprobs
         self.prompt_logprobs: list[plp.PromptSpan] | None = None
@@ -324,17 +386,23 @@ class PendingStep:
 
     def result(self) -> StepOutput:
         if self._out is None:
-            ids = self._ids
+            ids, window_ids = self._ids, None
             if ids is None:  # wait for the ids' device→host copy
                 t0 = time.perf_counter()
                 if self._event is not None:
                     self._event.synchronize()
                 assert self._host is not None
-                ids = self._host.tolist()
+                if self._window is not None:
+                    win, rows = self._window
+                    window_ids = win.row_tokens(self._host, rows)
+                    ids = []
+                else:
+                    ids = self._host.tolist()
                 self._runner._unread -= 1
                 self.times["sample"] = self.times.get("sample", 0.0) + time.perf_counter() - t0
             self._out = StepOutput(
                 token_ids=ids,
+                window_token_ids=window_ids,
                 logprobs=self._logprobs,
                 prompt_logprobs=self.prompt_logprobs,
                 branch_steps=self.branch_steps,

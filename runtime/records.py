@@ -43,6 +43,9 @@ class StepRecord:
     num_preempted: int = 0
     phase_times: dict[str, float] = field(default_factory=dict)
     """Seconds per phase: schedule, prepare, forward, sample, update."""
+    num_steps: int = 1
+    """Decode steps the device ran in this host iteration (multi-step decoding: K; its
+    ``num_tokens`` count every step's rows)."""
 
 
 # ---- per-request latencies (seconds; None: no data) -----------------------------------

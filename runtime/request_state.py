@@ -270,6 +270,10 @@ class RequestState:
                 self.detokenize(rest)
 
     @property
+    def has_stop_strings(self) -> bool:
+        return self.detok is not None and bool(self.request.sampling.stop)
+
+    @property
     def stopped_by_string(self) -> bool:
         return self.detok is not None and self.detok.stopped
 

@@ -29,6 +29,10 @@ guaranteed_no_evict, blocks for all their lives). Samples run and stop independe
 run in lockstep (scheduled together or not at all; a preempted group goes back whole and
 re-prefills up to the last token, which its beams then compute together).
 
+Multi-step decoding (``plan_window`` / ``update_window``, the mixin
+``llmc.runtime.scheduler_window``): a decode-only step of every running sequence may become
+a window of K decode steps computed in one host iteration.
+
 Stop decisions: ``update`` decides every stop that the tokens show (EOS, stop token ids,
 length; see there) and records it on the Sequence (``finish_reason``, ``stop_token_id``);
 ``finish`` applies the ones decided outside (cancel, stop string). Nobody re-derives them.
@@ -57,12 +61,14 @@ from llmc.runtime.admission import (
 from llmc.runtime.branches import BranchStep, SequenceGroup
 from llmc.runtime.kv_cache import KVCacheManager
 from llmc.runtime.scheduler_branches import BranchScheduling
+from llmc.runtime.scheduler_window import WindowScheduling
 from llmc.runtime.types import (
     FinishReason,
     ScheduledBatch,
     ScheduledSequence,
     Sequence,
     SequenceStatus,
+    stop_ids,
 )
 
 _new = object.__new__
@@ -81,7 +87,7 @@ def decode_slice(seq: Sequence, start: int) -> ScheduledSequence:
     return ss
 
 
-class Scheduler(BranchScheduling):
+class Scheduler(BranchScheduling, WindowScheduling):
     """In-flight batching over one KVCacheManager; see the module docstring for the rules."""
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
@@ -390,7 +396,7 @@ class Scheduler(BranchScheduling):
         reuse = self.kv.enable_block_reuse
         running = SequenceStatus.RUNNING
         last_sp: Any = None
-        stop_ids: frozenset[int] = frozenset()
+        stops: frozenset[int] = frozenset()
         for ss in seqs:
             seq = ss.seq
             token = next(tokens) if ss.sample else None
@@ -422,8 +428,8 @@ class Scheduler(BranchScheduling):
             out.append(token)
             if seq.sampling is not last_sp:  # consecutive rows often share one params object
                 last_sp = seq.sampling
-                stop_ids = self._stop_ids(last_sp)
-            reason = self._token_stop(seq, token, stop_ids)
+                stops = self._stop_ids(last_sp)
+            reason = self._token_stop(seq, token, stops)
             if reason is None:
                 continue  # most tokens end nothing
             self._running.remove(seq)
@@ -441,7 +447,7 @@ class Scheduler(BranchScheduling):
         hit = self._stop_cache.get(id(sp))
         if hit is not None and hit[0] is sp:
             return hit[1]
-        ids = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else self._eos)
+        ids = stop_ids(sp, self._eos)
         if len(self._stop_cache) >= 4096:
             self._stop_cache.clear()
         self._stop_cache[id(sp)] = (sp, ids)

@@ -35,6 +35,7 @@ from llmc.compiler.spec import ModelSpec
 from llmc.cuda.backend import AttentionMetadata, SamplingMetadata
 from llmc.runtime import prompt_logprobs as plp
 from llmc.runtime import sampling as smp
+from llmc.runtime.decode_window import tokens_left
 from llmc.runtime.types import RequestFault, ScheduledBatch, ScheduledSequence, Sequence
 from llmc.runtime.workspace import Staging, Workspace
 
@@ -256,7 +257,7 @@ class StepInputBuilder:
         return self.decode_step(batch, src_rows)[0]
 
     def decode_step(
-        self, batch: ScheduledBatch, src_rows: list[int] | None = None
+        self, batch: ScheduledBatch, src_rows: list[int] | None = None, span: int = 1
     ) -> tuple[
         tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray],
         dict[str, np.ndarray],
@@ -264,7 +265,12 @@ class StepInputBuilder:
     ]:
         """(``decode_rows``' rows, the rows' sampling columns as numpy arrays keyed like
         ``sampling.sampling_columns``, per-row "plain sampling" flags [b] bool: no
-        penalty, no logprobs). Per-sequence state comes from ``row_cache``."""
+        penalty, no logprobs). Per-sequence state comes from ``row_cache``.
+
+        ``span`` > 1 (a multi-step window): each row's block table covers its next
+        ``min(span, tokens it may still make)`` positions, whose blocks the scheduler
+        reserved (``Scheduler.plan_window``); positions, slots and columns are the first
+        step's."""
         sched = batch.sequences
         b = len(sched)
         if b > self.limits.max_batch_size or b > self.limits.max_num_tokens:
@@ -283,7 +289,10 @@ class StepInputBuilder:
         have = cache.filled[rows]  # blocks of each table (up to max_blocks_per_seq)
         known = cache.prompt_len[rows] + nout
         tpb = self.limits.tokens_per_block
-        nblk = p // tpb + 1
+        if span > 1:  # the window's last position of each row
+            nblk = (p + np.minimum(span, tokens_left(seqs)) - 1) // tpb + 1
+        else:
+            nblk = p // tpb + 1
         rows_ok = (p == known) if ahead else (p >= 0) & (p < known)
         ok = bool((rows_ok & (new == 1) & (p < self.limits.max_seq_len) & (have >= nblk)).all())
         if not ok:
@@ -333,14 +342,17 @@ class StepInputBuilder:
         prev = self.workspace["sampled_ids"].index_select(0, src.clamp(min=0))
         torch.where(src >= 0, prev, staged, out=out)
 
-    def prepare(self, batch: ScheduledBatch, src_rows: list[int] | None = None) -> StepInputs:
+    def prepare(
+        self, batch: ScheduledBatch, src_rows: list[int] | None = None, span: int = 1
+    ) -> StepInputs:
         """Check ``batch``, stage its inputs (one host→device copy) and copy them into the
-        static workspace; ``src_rows`` as in ``decode_rows`` (async scheduling)."""
+        static workspace; ``src_rows`` as in ``decode_rows`` (async scheduling), ``span``
+        as in ``decode_step`` (a multi-step window's decode-only batch)."""
         seqs = list(batch.sequences)
         tpb = self.limits.tokens_per_block
-        if src_rows is not None or set(map(_NEW, seqs)) <= {1}:
+        if src_rows is not None or span > 1 or set(map(_NEW, seqs)) <= {1}:
             order = seqs
-            rows, dcols, plain = self.decode_step(batch, src_rows)
+            rows, dcols, plain = self.decode_step(batch, src_rows, span)
             flat_ids, positions, slots, src, tables = rows
             b = len(order)
             nb = tables.shape[1]

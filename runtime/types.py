@@ -256,6 +256,32 @@ class ScheduledSequence:
         return [self.seq.token_at(i) for i in range(s, s + self.num_new_tokens)]
 
 
+MAX_WINDOW_STOP_IDS = 16
+"""Most stop ids (EOS included) a row of a multi-step window may have: the device checks
+them in a fixed-width table. A row with more decodes one step per host iteration."""
+
+
+def stop_ids(sp: SamplingParams, eos_token_ids: frozenset[int]) -> frozenset[int]:
+    """Every id that ends a request with params ``sp``: its ``stop_token_ids`` and, unless
+    ``ignore_eos``, the model's EOS ids. The one statement of the rule (the scheduler's
+    ``update`` and the device's check of a multi-step window both use it)."""
+    ids = frozenset(sp.stop_token_ids)
+    return ids if sp.ignore_eos else ids | eos_token_ids
+
+
+@dataclass(frozen=True)
+class DecodeWindow:
+    """Multi-step decoding: a decode-only batch whose rows run ``num_steps`` decode steps on
+    the device in one host iteration, each step's sampled token fed back on the device.
+    The scheduler reserved the KV blocks of every row's next ``min(num_steps, tokens it
+    may still make)`` tokens (``WindowScheduling.plan_window``); the device stops a row at
+    its stop ids (``stop_ids(sampling, eos_token_ids)``) or its last token by length, and
+    the host catches up once (``WindowScheduling.update_window``)."""
+
+    num_steps: int
+    eos_token_ids: frozenset[int]
+
+
 @dataclass(frozen=True)
 class ScheduledBatch:
     """The output of Scheduler.schedule(): what one engine step computes."""
@@ -269,6 +295,8 @@ class ScheduledBatch:
     branching: bool = False
     """Some row forks (its request's first token, with several outputs) or is a beam: the
     runner's fork and beam work applies (``llmc.runtime.beam_search``)."""
+    window: DecodeWindow | None = None
+    """Multi-step decoding: the decode steps this batch runs per host iteration (None: one)."""
 
     @property
     def num_tokens(self) -> int:

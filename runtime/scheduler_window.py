@@ -1,0 +1,173 @@
+"""The Scheduler's multi-step decoding (no torch): K decode steps per host iteration.
+
+A mixin of ``Scheduler`` (runtime/scheduler.py, whose module docstring states the rules),
+as vLLM's multi-step scheduling and TensorRT-LLM's on-device loop: ``plan_window`` turns the
+decode-only batch ``schedule()`` just made into a ``DecodeWindow`` batch (or returns it as it
+is); the runner then computes K decode steps with each sampled token fed back on the device;
+``update_window`` applies the window's tokens at catch-up; ``stop_inside_window`` applies a
+stop string the detokenizer found inside a window.
+
+A batch becomes a window only when all of these hold (else it stays one step):
+- every running sequence is in it as a decode row (one new token past the prompt, sampled):
+  no prefill chunk, no sequence the budget skipped, no preemption or block copy this step;
+- no sequence waits while a batch slot is free (admissions interleave at iteration
+  boundaries, so an arrival waits at most one window for its first chunk);
+- every row is plain (``SamplingParams.is_plain``: no logprobs, penalties, min_tokens, beams,
+  n / best_of forks), has at most ``MAX_WINDOW_STOP_IDS`` stop ids and owns its last block.
+
+K = min(``max_steps``, the most tokens a row may still make), halved until every row's
+blocks for its next ``min(K, tokens it may still make)`` tokens fit in the free pool (below
+two: one step). Under guaranteed_no_evict those blocks are within each row's reservation.
+
+Invariants: ``update_window`` accepts a row's tokens in order up to its first stop, each
+decided by ``_token_stop`` exactly as ``update`` decides a single step's token, so the tokens
+equal those of K single steps; the window's later tokens of a stopped row are discarded and
+its blocks (the reserved ones included) are freed at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from llmc.runtime.types import (
+    MAX_WINDOW_STOP_IDS,
+    DecodeWindow,
+    FinishReason,
+    ScheduledBatch,
+    Sequence,
+    SequenceStatus,
+)
+
+
+class WindowScheduling:
+    """Scheduler methods of multi-step decoding (see the module docstring)."""
+
+    _running: list[Sequence]
+    _waiting: dict
+    _eos: frozenset[int]
+    _num_tokens: int
+    kv: Any
+    limits: Any
+    # and Scheduler's _stop_ids / _finish, BranchScheduling's _token_stop
+
+    def plan_window(self, batch: ScheduledBatch, max_steps: int) -> ScheduledBatch:
+        """``batch`` (just scheduled) as a window of up to ``max_steps`` decode steps with
+        their KV blocks allocated, or ``batch`` unchanged when it must stay one step."""
+        running = self._running
+        rows = batch.sequences
+        if (
+            max_steps < 2
+            or batch.preempted_request_ids
+            or batch.block_copies
+            or batch.branching
+            or len(rows) != len(running)
+            or (self._waiting and len(running) < self.limits.max_batch_size)
+        ):
+            return batch
+        left: list[int] = []
+        checked = None  # rows of one request share a params object: test it once per run
+        for ss in rows:
+            seq = ss.seq
+            if (
+                ss.num_new_tokens != 1
+                or not ss.sample
+                or seq.group is not None
+                or seq.shares_last_block
+                or ss.start_position < len(seq.prompt_token_ids)
+            ):
+                return batch
+            p = seq.sampling
+            if p is not checked:
+                if not p.is_plain or len(self._stop_ids(p)) > MAX_WINDOW_STOP_IDS:
+                    return batch
+                checked = p
+            left.append(seq.max_new_tokens - len(seq.output_token_ids))
+        k = min(max_steps, max(left, default=0))
+        tpb, free = self.kv.tokens_per_block, self.kv.num_free_blocks
+        while k >= 2:
+            grow = [
+                max(0, -(-(ss.start_position + min(k, n)) // tpb) - len(ss.seq.block_table))
+                for ss, n in zip(rows, left, strict=True)
+            ]
+            if sum(grow) <= free:
+                break
+            k //= 2
+        if k < 2:
+            return batch
+        for ss, n, g in zip(rows, left, grow, strict=True):
+            if g and not self.kv.append_slots(ss.seq, min(k, n)):
+                raise RuntimeError(f"request {ss.seq.request_id}: block count was wrong (bug)")
+        self._num_tokens += (k - 1) * len(rows)
+        return dataclasses.replace(batch, window=DecodeWindow(k, self._eos))
+
+    def update_window(self, batch: ScheduledBatch, row_tokens: list[list[int]]) -> list[Sequence]:
+        """Apply a computed window: ``row_tokens[i]`` are the tokens row ``i`` of ``batch``
+        made (the device stopped it after its stop id or its last token by length). Returns
+        the sequences that finished; see the module docstring for the rule."""
+        rows = batch.sequences
+        window = batch.window
+        if window is None or len(row_tokens) != len(rows):
+            raise ValueError(
+                f"step {batch.step_id}: update_window takes a window batch and one token list "
+                f"per row ({len(rows)}), got {len(row_tokens)}"
+            )
+        k = window.num_steps
+        tpb = self.kv.tokens_per_block
+        reuse = self.kv.enable_block_reuse
+        running = SequenceStatus.RUNNING
+        finished: list[Sequence] = []
+        last_sp: Any = None
+        stops: frozenset[int] = frozenset()
+        for ss, toks in zip(rows, row_tokens, strict=True):
+            seq = ss.seq
+            if seq.status is not running:
+                continue  # finished (cancelled) between plan_window() and now
+            before = seq.num_computed_tokens
+            if before != ss.start_position:
+                raise RuntimeError(
+                    f"request {seq.request_id}: step {batch.step_id} is stale (computed "
+                    f"{before} tokens, step started at {ss.start_position})"
+                )
+            if seq.sampling is not last_sp:
+                last_sp = seq.sampling
+                stops = self._stop_ids(last_sp)
+            out = seq.output_token_ids
+            reason = None
+            if stops.isdisjoint(toks) and len(out) + len(toks) < seq.max_new_tokens:
+                out.extend(toks)  # the common row: no stop inside the window
+                n = len(toks)
+            else:
+                n = 0
+                for token in toks:
+                    out.append(token)
+                    n += 1
+                    reason = self._token_stop(seq, token, stops)
+                    if reason is not None:
+                        break
+            if reason is None and n != k:
+                raise RuntimeError(
+                    f"request {seq.request_id}: step {batch.step_id} made {n} of {k} tokens "
+                    "without a stop (runner bug)"
+                )
+            after = seq.num_computed_tokens = before + n
+            if reuse and after // tpb != before // tpb:  # a block filled up in the window
+                self.kv.register_full_blocks(seq)
+            if reason is not None:
+                self._running.remove(seq)
+                self._finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def stop_inside_window(self, seq: Sequence, num_outputs: int) -> None:
+        """A stop string ended ``seq`` at output token ``num_outputs`` of a window: the
+        window's later tokens are discarded (one step at a time would never have made them)
+        and it finishes with STOP (its blocks freed), whatever stop ``update_window``
+        decided for a later token."""
+        del seq.output_token_ids[num_outputs:]
+        seq.stop_token_id = None
+        if seq.status is SequenceStatus.RUNNING:
+            self._running.remove(seq)
+            self._finish(seq, FinishReason.STOP)
+        else:
+            seq.finish_reason = FinishReason.STOP
