@@ -296,13 +296,16 @@ class DecodeGraphs:
         )
 
     def stage(
-        self, batch: ScheduledBatch, src_rows: list[int] | None = None, span: int = 1
+        self,
+        batch: ScheduledBatch,
+        src_rows: list[int] | None = None,
+        span: np.ndarray | None = None,
     ) -> tuple[int, int]:
         """Stage a decode-only ``batch`` (``can_run`` true) for its bucket's graph; returns
         (rows ``b``, bucket). ``src_rows[i] >= 0``: row ``i``'s input token is row
         ``src_rows[i]`` of the previous step's sampled ids, still on the device (async
         scheduling); its sampling offset then counts that token too. ``span``: a
-        multi-step window's steps (``StepInputBuilder.decode_step``)."""
+        multi-step window's positions per row (``StepInputBuilder.decode_step``)."""
         rows, cols, _ = self.inputs.decode_step(batch, src_rows, span)
         b = len(rows[0])
         big = self.bucket_for(b)

@@ -10,7 +10,7 @@ device, with no host synchronisation:
   already stopped: its later tokens are discarded);
 - stops a row whose id is one of its stop ids (``types.stop_ids``: a fixed-width table of
   ``MAX_WINDOW_STOP_IDS``, -1 padded) or that made its last token by length (``remaining``:
-  the tokens it may still make when the window starts);
+  the tokens it makes at most in the window, ``window_span``);
 - advances the next step's inputs in place: input id = the sampled id, position and
   seq_len + 1, cache slot from the block table, RNG offset + 1 (a row's seed stream is
   indexed by its output token number, so the tokens equal those of single steps); a
@@ -36,22 +36,20 @@ import torch
 
 from llmc.base.errors import EngineError
 from llmc.compiler.limits import EngineLimits
+from llmc.runtime.scheduler_window import tokens_left
 from llmc.runtime.types import MAX_WINDOW_STOP_IDS, ScheduledSequence, stop_ids
 from llmc.runtime.workspace import Staging
 
 _SEQ = operator.attrgetter("seq")
 _PARAMS = operator.attrgetter("sampling")
-_MAX_NEW = operator.attrgetter("max_new_tokens")
-_OUT = operator.attrgetter("output_token_ids")
 
 STOP_WIDTH = MAX_WINDOW_STOP_IDS
 
 
-def tokens_left(seqs: list[Any]) -> np.ndarray:
-    """[b] int64: the tokens each sequence may still make (``max_new_tokens`` - outputs)."""
-    b = len(seqs)
-    most = np.fromiter(map(_MAX_NEW, seqs), dtype=np.int64, count=b)
-    return most - np.fromiter(map(len, map(_OUT, seqs)), dtype=np.int64, count=b)
+def window_span(rows: tuple[ScheduledSequence, ...], num_steps: int) -> np.ndarray:
+    """[b] int64: the tokens each row of a ``num_steps`` window makes at most (its steps, or
+    fewer when its max_tokens comes first): the positions it computes."""
+    return np.minimum(num_steps, tokens_left(list(map(_SEQ, rows))))
 
 
 class WindowState:
@@ -91,10 +89,17 @@ class WindowState:
         self._stop_rows[id(params)] = (params, row)
         return row
 
-    def stage(self, rows: tuple[ScheduledSequence, ...], n: int, eos: frozenset[int]) -> None:
+    def stage(
+        self,
+        rows: tuple[ScheduledSequence, ...],
+        n: int,
+        eos: frozenset[int],
+        span: np.ndarray,
+    ) -> None:
         """Start a window over ``rows`` (``n >= len(rows)`` rows computed; the rest are
-        padding, stopped from the start): remaining tokens and stop tables uploaded, rows
-        not stopped, step counter 0."""
+        padding, stopped from the start) of which row ``i`` makes at most ``span[i]`` tokens
+        (``window_span``): those counts and the stop tables uploaded, rows not stopped,
+        step counter 0."""
         if self.unread:
             raise EngineError("a multi-step window is launched while the last is unread")
         seqs = list(map(_SEQ, rows))
@@ -102,7 +107,7 @@ class WindowState:
         st = self.staging
         st.begin()
         left = st.reserve("remaining", n, "int64")
-        left[:b] = tokens_left(seqs)
+        left[:b] = span
         left[b:] = 0
         table = st.reserve("stop", n * STOP_WIDTH, "int64").reshape(n, STOP_WIDTH)
         params = list(map(_PARAMS, seqs))

@@ -192,14 +192,17 @@ def emit_step_responses(
                 # the common decode row, inline (no call per row): nothing to show until
                 # the end, only the token's time (take_new_tokens)
                 n = len(seq.output_token_ids)
-                if n - state.num_seen == 1:
-                    rec = state.record
+                new = n - state.num_seen
+                rec = state.record
+                if new == 1:
                     rec.token_times.append(now)
-                    state.num_seen = n
-                    if rec.first_token_time is None:
-                        rec.first_token_time = now
+                elif new:  # a multi-step window's burst
+                    rec.token_times.extend([now] * new)
                 else:
-                    state.take_new_tokens(None, now)
+                    continue
+                state.num_seen = n
+                if rec.first_token_time is None:
+                    rec.first_token_time = now
                 continue
             _emit_row(seq, state, logprob, now, scheduler, emit)
         except Exception as e:  # this request's tokens broke post-processing: it alone fails

@@ -57,7 +57,7 @@ from llmc.runtime import prompt_logprobs as plp
 from llmc.runtime import sampling as smp
 from llmc.runtime.branches import BranchStep
 from llmc.runtime.cuda_graphs import DecodeGraphs
-from llmc.runtime.decode_window import WindowState
+from llmc.runtime.decode_window import WindowState, window_span
 from llmc.runtime.kv_tensors import KVCacheTensors, allocate_kv_cache
 from llmc.runtime.layers import DecoderLayers
 from llmc.runtime.rope import cos_sin_tables
@@ -276,18 +276,19 @@ class ModelRunner:
                 raise EngineError(f"a {k}-step window exceeds the captured {win.max_steps}")
             win = self.window = WindowState(self.limits, self.device, k)
         t0 = time.perf_counter()
+        span = window_span(batch.sequences, k)
         graphs = self.graphs
         if graphs is not None and graphs.window is win and graphs.can_run(batch):
-            b, big = graphs.stage(batch, None, k)
-            win.stage(batch.sequences, big, eos)
+            b, big = graphs.stage(batch, None, span)
+            win.stage(batch.sequences, big, eos, span)
             t1 = time.perf_counter()
             for _ in range(k):
                 graphs.replay(big)
                 graphs.advance(big)
         else:
-            inp = self.inputs.prepare(batch, None, k)
+            inp = self.inputs.prepare(batch, None, span)
             b = inp.num_sampled
-            win.stage(batch.sequences, b, eos)
+            win.stage(batch.sequences, b, eos, span)
             t1 = time.perf_counter()
             attn, meta = inp.attn, inp.sampling
             assert meta is not None and b == len(batch.sequences)

@@ -28,7 +28,10 @@ its blocks (the reserved ones included) are freed at once.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any
+
+import numpy as np
 
 from llmc.runtime.types import (
     MAX_WINDOW_STOP_IDS,
@@ -38,6 +41,25 @@ from llmc.runtime.types import (
     Sequence,
     SequenceStatus,
 )
+
+_SEQ = operator.attrgetter("seq")
+_START = operator.attrgetter("start_position")
+_NEW = operator.attrgetter("num_new_tokens")
+_SAMPLE = operator.attrgetter("sample")
+_GROUP = operator.attrgetter("group")
+_SHARES = operator.attrgetter("shares_last_block")
+_PARAMS = operator.attrgetter("sampling")
+_PROMPT = operator.attrgetter("prompt_token_ids")
+_TABLE = operator.attrgetter("block_table")
+_MAX_NEW = operator.attrgetter("max_new_tokens")
+_OUT = operator.attrgetter("output_token_ids")
+
+
+def tokens_left(seqs: list[Sequence]) -> np.ndarray:
+    """[b] int64: the tokens each sequence may still make (``max_new_tokens`` - outputs)."""
+    b = len(seqs)
+    most = np.fromiter(map(_MAX_NEW, seqs), dtype=np.int64, count=b)
+    return most - np.fromiter(map(len, map(_OUT, seqs)), dtype=np.int64, count=b)
 
 
 class WindowScheduling:
@@ -65,39 +87,37 @@ class WindowScheduling:
             or (self._waiting and len(running) < self.limits.max_batch_size)
         ):
             return batch
-        left: list[int] = []
-        checked = None  # rows of one request share a params object: test it once per run
-        for ss in rows:
-            seq = ss.seq
-            if (
-                ss.num_new_tokens != 1
-                or not ss.sample
-                or seq.group is not None
-                or seq.shares_last_block
-                or ss.start_position < len(seq.prompt_token_ids)
-            ):
-                return batch
-            p = seq.sampling
-            if p is not checked:
-                if not p.is_plain or len(self._stop_ids(p)) > MAX_WINDOW_STOP_IDS:
-                    return batch
-                checked = p
-            left.append(seq.max_new_tokens - len(seq.output_token_ids))
-        k = min(max_steps, max(left, default=0))
+        seqs = list(map(_SEQ, rows))
+        if (
+            any(map(_GROUP, seqs))
+            or any(map(_SHARES, seqs))
+            or not all(map(_SAMPLE, rows))
+            or any(n != 1 for n in map(_NEW, rows))
+        ):
+            return batch
+        params = dict(zip(map(id, map(_PARAMS, seqs)), map(_PARAMS, seqs), strict=True))
+        if not all(
+            p.is_plain and len(self._stop_ids(p)) <= MAX_WINDOW_STOP_IDS for p in params.values()
+        ):
+            return batch
+        b = len(rows)
+        start = np.fromiter(map(_START, rows), dtype=np.int64, count=b)
+        if (start < np.fromiter(map(len, map(_PROMPT, seqs)), dtype=np.int64, count=b)).any():
+            return batch  # a re-prefill of outputs after preemption is not a decode row
+        left = tokens_left(seqs)
+        have = np.fromiter(map(len, map(_TABLE, seqs)), dtype=np.int64, count=b)
+        k = min(max_steps, int(left.max()))
         tpb, free = self.kv.tokens_per_block, self.kv.num_free_blocks
         while k >= 2:
-            grow = [
-                max(0, -(-(ss.start_position + min(k, n)) // tpb) - len(ss.seq.block_table))
-                for ss, n in zip(rows, left, strict=True)
-            ]
-            if sum(grow) <= free:
+            grow = np.maximum(0, -(-(start + np.minimum(k, left)) // tpb) - have)
+            if int(grow.sum()) <= free:
                 break
             k //= 2
         if k < 2:
             return batch
-        for ss, n, g in zip(rows, left, grow, strict=True):
-            if g and not self.kv.append_slots(ss.seq, min(k, n)):
-                raise RuntimeError(f"request {ss.seq.request_id}: block count was wrong (bug)")
+        for i in np.flatnonzero(grow).tolist():
+            if not self.kv.append_slots(seqs[i], min(k, int(left[i]))):
+                raise RuntimeError(f"request {seqs[i].request_id}: block count was wrong (bug)")
         self._num_tokens += (k - 1) * len(rows)
         return dataclasses.replace(batch, window=DecodeWindow(k, self._eos))
 

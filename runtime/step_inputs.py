@@ -35,7 +35,6 @@ from llmc.compiler.spec import ModelSpec
 from llmc.cuda.backend import AttentionMetadata, SamplingMetadata
 from llmc.runtime import prompt_logprobs as plp
 from llmc.runtime import sampling as smp
-from llmc.runtime.decode_window import tokens_left
 from llmc.runtime.types import RequestFault, ScheduledBatch, ScheduledSequence, Sequence
 from llmc.runtime.workspace import Staging, Workspace
 
@@ -257,7 +256,10 @@ class StepInputBuilder:
         return self.decode_step(batch, src_rows)[0]
 
     def decode_step(
-        self, batch: ScheduledBatch, src_rows: list[int] | None = None, span: int = 1
+        self,
+        batch: ScheduledBatch,
+        src_rows: list[int] | None = None,
+        span: np.ndarray | None = None,
     ) -> tuple[
         tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray],
         dict[str, np.ndarray],
@@ -267,10 +269,9 @@ class StepInputBuilder:
         ``sampling.sampling_columns``, per-row "plain sampling" flags [b] bool: no
         penalty, no logprobs). Per-sequence state comes from ``row_cache``.
 
-        ``span`` > 1 (a multi-step window): each row's block table covers its next
-        ``min(span, tokens it may still make)`` positions, whose blocks the scheduler
-        reserved (``Scheduler.plan_window``); positions, slots and columns are the first
-        step's."""
+        ``span`` [b] int64 (a multi-step window): each row's block table covers its next
+        ``span[i]`` positions, whose blocks the scheduler reserved
+        (``Scheduler.plan_window``); positions, slots and columns are the first step's."""
         sched = batch.sequences
         b = len(sched)
         if b > self.limits.max_batch_size or b > self.limits.max_num_tokens:
@@ -289,8 +290,8 @@ class StepInputBuilder:
         have = cache.filled[rows]  # blocks of each table (up to max_blocks_per_seq)
         known = cache.prompt_len[rows] + nout
         tpb = self.limits.tokens_per_block
-        if span > 1:  # the window's last position of each row
-            nblk = (p + np.minimum(span, tokens_left(seqs)) - 1) // tpb + 1
+        if span is not None:  # the window's last position of each row
+            nblk = (p + span - 1) // tpb + 1
         else:
             nblk = p // tpb + 1
         rows_ok = (p == known) if ahead else (p >= 0) & (p < known)
@@ -343,14 +344,17 @@ class StepInputBuilder:
         torch.where(src >= 0, prev, staged, out=out)
 
     def prepare(
-        self, batch: ScheduledBatch, src_rows: list[int] | None = None, span: int = 1
+        self,
+        batch: ScheduledBatch,
+        src_rows: list[int] | None = None,
+        span: np.ndarray | None = None,
     ) -> StepInputs:
         """Check ``batch``, stage its inputs (one host→device copy) and copy them into the
         static workspace; ``src_rows`` as in ``decode_rows`` (async scheduling), ``span``
         as in ``decode_step`` (a multi-step window's decode-only batch)."""
         seqs = list(batch.sequences)
         tpb = self.limits.tokens_per_block
-        if src_rows is not None or span > 1 or set(map(_NEW, seqs)) <= {1}:
+        if src_rows is not None or span is not None or set(map(_NEW, seqs)) <= {1}:
             order = seqs
             rows, dcols, plain = self.decode_step(batch, src_rows, span)
             flat_ids, positions, slots, src, tables = rows

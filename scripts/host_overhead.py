@@ -15,6 +15,10 @@ phase table names them: schedule, prepare, forward, sample, update, and the whol
 
     .venv/bin/python scripts/host_overhead.py --batch 128 --isl 128 --osl 256
     .venv/bin/python scripts/host_overhead.py --batch 256 --async_scheduling --profile
+    .venv/bin/python scripts/host_overhead.py --batch 1024 --decode_steps_per_iteration 4
+
+With ``--decode_steps_per_iteration K`` (multi-step decoding) the phases are per decode
+step: each full window's host time divided by its K steps.
 
 ``--latency`` instead runs a closed loop of one request at a time on a *simulated device*
 (``SimulatedDevice``: a step's ids reach the host only at launch time + a fixed GPU time per
@@ -38,6 +42,7 @@ import torch
 from llmc.compiler.limits import EngineLimits
 from llmc.compiler.spec import ModelSpec
 from llmc.runtime.cuda_graphs import DecodeGraphs
+from llmc.runtime.decode_window import WindowState
 from llmc.runtime.executor import Executor
 from llmc.runtime.kv_cache import KVCacheManager
 from llmc.runtime.model_runner import ModelRunner
@@ -170,12 +175,18 @@ class _NoopGraph:
 
 
 class MockGraphs(DecodeGraphs):
-    """DecodeGraphs on CPU whose 'graphs' replay nothing (host work of the graph path)."""
+    """DecodeGraphs on CPU whose 'graphs' replay nothing (host work of the graph path). With
+    a multi-step window, its token-feedback graphs replay nothing either: every window
+    token reads as the no-op sampler's id 7."""
 
     def capture(self) -> None:
         for big in sorted(self.buckets, reverse=True):
             self._stage(big, None, [])  # records the bucket's staging layout
             self.graphs[big] = _NoopGraph()
+            if self.window is not None:
+                self.advance_graphs[big] = _NoopGraph()
+        if self.window is not None:
+            self.window.out.fill_(7)
 
 
 def build(args: argparse.Namespace, wrap: Any = None) -> Executor:
@@ -213,15 +224,22 @@ def build(args: argparse.Namespace, wrap: Any = None) -> Executor:
         limits=limits,
         num_kv_blocks=num_blocks,
     )
+    steps = getattr(args, "decode_steps_per_iteration", 1)
     if args.path == "graph":
-        graphs = MockGraphs(runner.inputs, runner.forward, runner.backend, allow_cpu=True)
+        if steps > 1:
+            runner.window = WindowState(limits, runner.device, steps)
+        graphs = MockGraphs(
+            runner.inputs, runner.forward, runner.backend, allow_cpu=True, window=runner.window
+        )
         graphs.capture()
         runner.graphs = graphs
     kv = KVCacheManager(num_blocks, tpb, enable_block_reuse=True)
     sched = Scheduler(SchedulerConfig(limits, eos_token_ids=(128001,)), kv)
     drive = wrap(runner) if wrap is not None else runner
     return Executor(
-        ExecutorParts(drive, sched, spec.vocab_size), async_scheduling=args.async_scheduling
+        ExecutorParts(drive, sched, spec.vocab_size),
+        async_scheduling=args.async_scheduling,
+        decode_steps_per_iteration=steps,
     )
 
 
@@ -243,11 +261,14 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     decode = [r for r in ex.step_records if r.num_prefill_tokens == 0][args.warmup :]
     if getattr(args, "full_batch", False):  # only steps of the whole batch (no ramp-down)
         decode = [r for r in decode if r.batch_size == args.batch]
+    if getattr(args, "decode_steps_per_iteration", 1) > 1:  # the full windows only
+        decode = [r for r in decode if r.num_steps == args.decode_steps_per_iteration]
     stat = min if getattr(args, "stat", "median") == "min" else statistics.median
-    out = {p: stat(r.phase_times.get(p, 0.0) for r in decode) * 1e6 for p in PHASES}
-    steps = [r.end_time - r.start_time for r in decode]
+    # per decode step: a multi-step window's host time is shared by its K steps
+    out = {p: stat(r.phase_times.get(p, 0.0) / r.num_steps for r in decode) * 1e6 for p in PHASES}
+    steps = [(r.end_time - r.start_time) / r.num_steps for r in decode]
     out["step"] = stat(steps) * 1e6
-    out["decode_steps"] = len(decode)
+    out["decode_steps"] = sum(r.num_steps for r in decode)
     out["wall_s"] = wall
     if prof:
         pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
@@ -288,6 +309,12 @@ def main() -> None:
     ap.add_argument("--top_k", type=int, default=0)
     ap.add_argument("--streaming", action="store_true")
     ap.add_argument("--async_scheduling", action="store_true")
+    ap.add_argument(
+        "--decode_steps_per_iteration",
+        type=int,
+        default=1,
+        help="multi-step decoding: K decode steps per host iteration (default 1)",
+    )
     ap.add_argument("--profile", action="store_true", help="print a cProfile of the run")
     ap.add_argument(
         "--stat",
@@ -311,7 +338,8 @@ def main() -> None:
     res = run(args)
     print(
         f"batch {args.batch}, isl {args.isl}, osl {args.osl}, path {args.path}, "
-        f"async {args.async_scheduling}: {res['decode_steps']} decode steps, "
+        f"async {args.async_scheduling}, K {args.decode_steps_per_iteration}: "
+        f"{res['decode_steps']} decode steps, "
         f"wall {res['wall_s']:.2f} s"
     )
     print("µs per decode step: " + "  ".join(f"{p} {res[p]:.0f}" for p in (*PHASES, "step")))

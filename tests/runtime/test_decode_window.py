@@ -9,7 +9,7 @@ import torch
 
 from helpers.engines import make_limits
 from helpers.fakes import make_scheduler
-from llmc.runtime.decode_window import STOP_WIDTH, WindowState
+from llmc.runtime.decode_window import STOP_WIDTH, WindowState, window_span
 from llmc.runtime.types import (
     FinishReason,
     SamplingParams,
@@ -17,7 +17,6 @@ from llmc.runtime.types import (
     Sequence,
     SequenceStatus,
 )
-
 
 LIM = dict(max_batch_size=4, tokens_per_block=4, max_seq_len=96, max_num_tokens=64)
 
@@ -47,7 +46,9 @@ def test_advance_feeds_tokens_stops_rows_and_freezes_them():
         ScheduledSequence(seq(1, max_new=2, outputs=[9]), 3, 1, True),  # 1 token left
         ScheduledSequence(seq(2, max_new=10, outputs=[9], stop_token_ids=(77,)), 3, 1, True),
     )
-    win.stage(rows, 4, frozenset({5}))  # row 3: padding
+    span = window_span(rows, 3)
+    assert span.tolist() == [3, 1, 3]
+    win.stage(rows, 4, frozenset({5}), span)  # row 3: padding
     assert win.done.tolist() == [False, False, False, True]
     assert win.stop[2, :2].tolist() == [5, 77] and win.stop[0, 0].item() == 5
     feed = {
@@ -77,10 +78,10 @@ def test_advance_feeds_tokens_stops_rows_and_freezes_them():
 def test_a_second_window_before_the_first_is_read_is_refused():
     win = WindowState(make_limits(**LIM), torch.device("cpu"), 2)
     row = (ScheduledSequence(seq(0, outputs=[1]), 3, 1, True),)
-    win.stage(row, 1, frozenset())
+    win.stage(row, 1, frozenset(), window_span(row, 2))
     win.read_back(2)
     with pytest.raises(Exception, match="unread"):
-        win.stage(row, 1, frozenset())
+        win.stage(row, 1, frozenset(), window_span(row, 2))
 
 
 def test_stop_table_width_is_the_scheduler_bound():
