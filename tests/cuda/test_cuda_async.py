@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
-from helpers.engines import load_engine_weights, make_limits
-from llmc.runtime.engine_runtime import EngineRuntime, RuntimeConfig
+from helpers.engines import load_engine_weights
+from helpers.runner import gpu_runtime
 from llmc.runtime.types import SamplingParams
 
 pytestmark = pytest.mark.cuda
@@ -26,29 +26,13 @@ def model(tiny_llama_dir):
 
 
 def _run(model, sampling, *, async_scheduling, graphs=True, num_blocks=64, policy=None):
-    spec, weights = model
-    limits = make_limits(
-        max_batch_size=8,
-        max_input_len=64,
-        max_seq_len=128,
-        max_num_tokens=128,
-        tokens_per_block=8,
-    )
-    config = RuntimeConfig(
-        device="cuda",
-        backend="cuda",
+    spec = model[0]
+    rt = gpu_runtime(
+        model,
+        num_blocks=num_blocks,
         cuda_graphs=graphs,
         async_scheduling=async_scheduling,
         scheduler_policy=policy or "guaranteed_no_evict",
-    )
-    rt = EngineRuntime.from_weights(
-        spec,
-        weights,
-        limits=limits,
-        num_kv_blocks=num_blocks,
-        device="cuda",
-        backend="cuda",
-        config=config,
     )
     assert rt.async_scheduling is async_scheduling
     ex = rt.executor()

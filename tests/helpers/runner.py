@@ -59,6 +59,68 @@ class EagerGraphs(DecodeGraphs):
             self.graphs[big] = _EagerReplay(self, big, dev)
 
 
+def tiny_runtime(tiny, *, graphs=False, num_blocks=64, max_num_tokens=64, **config):
+    """A CPU torch-backend EngineRuntime of ``tiny`` = (spec, weights, tokenizer): 6 rows,
+    4-token blocks; ``graphs``: the decode-graph path replayed eagerly (``EagerGraphs``,
+    with the multi-step window's token feedback when ``decode_steps_per_iteration`` > 1);
+    ``config``: RuntimeConfig fields."""
+    from llmc.runtime.decode_window import WindowState
+    from llmc.runtime.engine_runtime import EngineRuntime, RuntimeConfig
+
+    spec, weights, tok = tiny
+    limits = make_limits(
+        max_batch_size=6,
+        max_input_len=48,
+        max_seq_len=96,
+        max_num_tokens=max_num_tokens,
+        tokens_per_block=4,
+    )
+    rt = EngineRuntime.from_weights(
+        spec,
+        weights,
+        limits=limits,
+        num_kv_blocks=num_blocks,
+        tokenizer=tok,
+        config=RuntimeConfig(device="cpu", backend="torch", **config),
+    )
+    assert rt.async_scheduling is False  # CPU runs stay synchronous unless asked
+    if graphs:
+        r = rt.runner
+        steps = rt.decode_steps_per_iteration
+        if steps > 1:
+            r.window = WindowState(r.limits, r.device, steps)
+        g = EagerGraphs(
+            r.inputs, r.forward, r.backend, (1, 2, 4, 6), allow_cpu=True, window=r.window
+        )
+        g.capture()
+        r.graphs = g
+    return rt
+
+
+def gpu_runtime(model, *, backend="cuda", num_blocks=64, **config):
+    """A CUDA EngineRuntime of ``model`` = (spec, weights): 8 rows, 8-token blocks, prompts
+    up to 64 tokens; ``config``: RuntimeConfig fields (the GPU tests of the runtime)."""
+    from llmc.runtime.engine_runtime import EngineRuntime, RuntimeConfig
+
+    spec, weights = model
+    limits = make_limits(
+        max_batch_size=8,
+        max_input_len=64,
+        max_seq_len=128,
+        max_num_tokens=128,
+        tokens_per_block=8,
+    )
+    return EngineRuntime.from_weights(
+        spec,
+        weights,
+        limits=limits,
+        num_kv_blocks=num_blocks,
+        device="cuda",
+        backend=backend,
+        config=RuntimeConfig(device="cuda", backend=backend, **config),
+    )
+
+
 class BlockAllocator:
     """Hands out block ids in a shuffled order; never frees (tests are short). Keeps the
     KVCacheManager's contract: an appended block bumps ``seq.block_table_version``."""

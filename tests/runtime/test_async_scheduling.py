@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers.engines import make_limits
-from helpers.runner import EagerGraphs
-from llmc.runtime.engine_runtime import EngineRuntime, RuntimeConfig
+from helpers.runner import tiny_runtime
 from llmc.runtime.executor import Executor
 from llmc.runtime.types import Request, SamplingParams
 
@@ -23,30 +21,8 @@ def tiny(tiny_llama_weights, tiny_tok):
     return (*tiny_llama_weights, tiny_tok)
 
 
-def make_runtime(tiny, *, graphs=False, num_blocks=64, max_num_tokens=64, **config):
-    spec, weights, tok = tiny
-    limits = make_limits(
-        max_batch_size=6,
-        max_input_len=48,
-        max_seq_len=96,
-        max_num_tokens=max_num_tokens,
-        tokens_per_block=4,
-    )
-    rt = EngineRuntime.from_weights(
-        spec,
-        weights,
-        limits=limits,
-        num_kv_blocks=num_blocks,
-        tokenizer=tok,
-        config=RuntimeConfig(device="cpu", backend="torch", **config),
-    )
-    assert rt.async_scheduling is False  # CPU runs stay synchronous unless asked
-    if graphs:
-        r = rt.runner
-        g = EagerGraphs(r.inputs, r.forward, r.backend, (1, 2, 4, 6), allow_cpu=True)
-        g.capture()
-        rt.runner.graphs = g
-    return rt
+def make_runtime(tiny, **kw):
+    return tiny_runtime(tiny, **kw)
 
 
 PROMPTS = [[5 + (7 * i + j) % 90 for j in range(n)] for i, n in enumerate((3, 11, 25, 7, 1, 17))]

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from helpers.engines import make_limits
-from helpers.runner import EagerGraphs
+from helpers.runner import tiny_runtime
 from llmc.base.errors import ConfigError
-from llmc.runtime.decode_window import WindowState
-from llmc.runtime.engine_runtime import EngineRuntime, RuntimeConfig
+from llmc.runtime.engine_runtime import RuntimeConfig
 from llmc.runtime.executor import Executor
 from llmc.runtime.types import Request, SamplingParams
 
@@ -28,35 +26,9 @@ def tiny(tiny_llama_weights, tiny_tok):
     return (*tiny_llama_weights, tiny_tok)
 
 
-def make_runtime(tiny, *, graphs=False, num_blocks=64, max_num_tokens=64, steps=1, **config):
-    spec, weights, tok = tiny
-    limits = make_limits(
-        max_batch_size=6,
-        max_input_len=48,
-        max_seq_len=96,
-        max_num_tokens=max_num_tokens,
-        tokens_per_block=4,
-    )
-    rt = EngineRuntime.from_weights(
-        spec,
-        weights,
-        limits=limits,
-        num_kv_blocks=num_blocks,
-        tokenizer=tok,
-        config=RuntimeConfig(
-            device="cpu", backend="torch", decode_steps_per_iteration=steps, **config
-        ),
-    )
+def make_runtime(tiny, *, steps=1, **kw):
+    rt = tiny_runtime(tiny, decode_steps_per_iteration=steps, **kw)
     assert rt.decode_steps_per_iteration == steps
-    if graphs:
-        r = rt.runner
-        if steps > 1:
-            r.window = WindowState(r.limits, r.device, steps)
-        g = EagerGraphs(
-            r.inputs, r.forward, r.backend, (1, 2, 4, 6), allow_cpu=True, window=r.window
-        )
-        g.capture()
-        r.graphs = g
     return rt
 
 
