@@ -23,7 +23,7 @@ step: each full window's host time divided by its K steps.
 ``--latency`` instead runs a closed loop of one request at a time on a *simulated device*
 (``SimulatedDevice``: a step's ids reach the host only at launch time + a fixed GPU time per
 step, steps executed in order on one simulated stream) and prints TTFT and ITL with async
-scheduling off and on:
+scheduling off and on (a multi-step window takes K decode times of the simulated device):
 
     .venv/bin/python scripts/host_overhead.py --latency --isl 128 --osl 64
 """
@@ -102,7 +102,9 @@ class SimulatedDevice:
         if host > 0:
             time.sleep(host)
         start = max(t0, self._free_at)
-        end = max(start + (self.prefill_s if prefill else self.decode_s), time.perf_counter())
+        steps = batch.window.num_steps if batch.window is not None else 1  # multi-step
+        gpu = self.prefill_s if prefill else self.decode_s * steps
+        end = max(start + gpu, time.perf_counter())
         self._free_at = end
         self.launches.append((t0, end))
         if self.blocking_launch and end > time.perf_counter():
@@ -114,17 +116,25 @@ class SimulatedDevice:
 
 
 def closed_loop_latency(
-    ex: Executor, num_requests: int, isl: int, osl: int, concurrency: int = 1
+    ex: Executor,
+    num_requests: int,
+    isl: int,
+    osl: int,
+    concurrency: int = 1,
+    vary_osl: bool = False,
 ) -> tuple[list[float], list[float]]:
     """(TTFT, ITL) seconds per request of a closed loop in the caller's thread, as ``llmc
-    bench --concurrency N`` drives it: a finished request is replaced before the next step."""
-    sp = SamplingParams(max_new_tokens=osl, temperature=0.0, ignore_eos=True)
+    bench --concurrency N`` drives it: a finished request is replaced before the next step.
+    ``vary_osl``: request ``i`` makes between osl/2 and 3·osl/2 tokens, so replacements
+    arrive while the others decode (a multi-step window's arrival case)."""
     todo = list(range(num_requests))
     inflight: set[int] = set()
     first = len(ex.request_records)
     while todo or inflight:
         while todo and len(inflight) < concurrency:
             i = todo.pop(0)
+            n = osl // 2 + (i * 37) % max(1, osl) if vary_osl else osl
+            sp = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
             ids = [(i * 7919 + j * 104729) % 128000 + 1 for j in range(isl)]
             inflight.add(ex.enqueue_request(Request(prompt_token_ids=ids, sampling=sp)))
         for r in ex.await_responses(list(inflight)):
@@ -290,9 +300,12 @@ def latency(args: argparse.Namespace) -> None:
             )
 
         ex = build(args, wrap)
-        ttft, itl = closed_loop_latency(ex, args.requests, args.isl, args.osl, args.concurrency)
+        ttft, itl = closed_loop_latency(
+            ex, args.requests, args.isl, args.osl, args.concurrency, args.vary_osl
+        )
         print(
-            f"async {asy!s:5}: TTFT p50 {statistics.median(ttft) * 1e3:.2f} ms "
+            f"async {asy!s:5}, K {getattr(args, 'decode_steps_per_iteration', 1)}: "
+            f"TTFT p50 {statistics.median(ttft) * 1e3:.2f} ms "
             f"(max {max(ttft) * 1e3:.2f}), ITL p50 {statistics.median(itl) * 1e3:.2f} ms, "
             f"ahead steps {ex.num_ahead_steps}"
         )
@@ -330,6 +343,9 @@ def main() -> None:
     ap.add_argument("--decode_ms", type=float, default=5.0)
     ap.add_argument("--launch_ms", type=float, nargs=2, default=(0.0, 0.0))
     ap.add_argument("--blocking_launch", action="store_true")
+    ap.add_argument(
+        "--vary_osl", action="store_true", help="--latency: output lengths osl/2 .. 3·osl/2"
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.latency:
