@@ -19,7 +19,9 @@
 # 14: weight-only int4_wo / int8_wo engines of the 8B profile, dummy weights quantized at
 # build, batch 1 128/512 and 128/128 offline; beside the bf16 rows b1 / 128), beam4 (issue 16:
 # an 8B engine built with --max_beam_width 4, 128/128 at --beam_width 4, N_BEAM requests,
-# default N_128; beside the greedy row 128). SKIP_TESTS=1
+# default N_128; beside the greedy row 128), smolkK / 128kK / b1kK (issue 17: the smol, 128
+# and b1 rows with --decode_steps_per_iteration K, e.g. smolk4, 128k8, b1k4: multi-step
+# decoding). SKIP_TESTS=1
 # skips step 2; PYTEST_ARGS
 # (absolute paths: Python runs outside the checkout) replaces its test files. LLMC_COMMIT names
 # the commit in env.txt and every result (the device tool's copy of the tree keeps a stale .git:
@@ -169,6 +171,12 @@ for r in $ROWS; do
             --concurrency 1 --warmup 1 --no_async_scheduling ;;
     nographs) bench llama8b_b1_nographs "$L8" 60 --num_requests 2 --isl 128 --osl 512 \
             --concurrency 1 --warmup 1 --no_cuda_graphs ;;
+    smolk*) k=${r#smolk}; bench "smollm2_128_128_k$k" "$SM" 200 --num_requests "$N_SMOL" \
+            --isl 128 --osl 128 --decode_steps_per_iteration "$k" ;;
+    128k*) k=${r#128k}; bench "llama8b_128_128_k$k" "$L8" 200 --num_requests "$N_128" \
+            --isl 128 --osl 128 --decode_steps_per_iteration "$k" ;;
+    b1k*) k=${r#b1k}; bench "llama8b_b1_k$k" "$L8" 90 --num_requests "$N_B1" --isl 128 \
+            --osl 512 --concurrency 1 --warmup 1 --decode_steps_per_iteration "$k" ;;
     esac
 done
 pack
