@@ -31,8 +31,6 @@ import dataclasses
 import operator
 from typing import Any
 
-import numpy as np
-
 from llmc.runtime.types import (
     MAX_WINDOW_STOP_IDS,
     DecodeWindow,
@@ -55,8 +53,11 @@ _MAX_NEW = operator.attrgetter("max_new_tokens")
 _OUT = operator.attrgetter("output_token_ids")
 
 
-def tokens_left(seqs: list[Sequence]) -> np.ndarray:
-    """[b] int64: the tokens each sequence may still make (``max_new_tokens`` - outputs)."""
+def tokens_left(seqs: list[Sequence]) -> Any:
+    """[b] int64 numpy array: the tokens each sequence may still make (``max_new_tokens`` -
+    outputs)."""
+    import numpy as np  # lazily: the CLI imports the scheduler, ``llmc --version`` no numpy
+
     b = len(seqs)
     most = np.fromiter(map(_MAX_NEW, seqs), dtype=np.int64, count=b)
     return most - np.fromiter(map(len, map(_OUT, seqs)), dtype=np.int64, count=b)
@@ -100,6 +101,8 @@ class WindowScheduling:
             p.is_plain and len(self._stop_ids(p)) <= MAX_WINDOW_STOP_IDS for p in params.values()
         ):
             return batch
+        import numpy as np  # lazily (see tokens_left)
+
         b = len(rows)
         start = np.fromiter(map(_START, rows), dtype=np.int64, count=b)
         if (start < np.fromiter(map(len, map(_PROMPT, seqs)), dtype=np.int64, count=b)).any():

@@ -101,3 +101,27 @@ def test_multi_step_under_preemption(model):
     roomy = _run(model, sp, steps=1)
     tight = _run(model, sp, steps=K, num_blocks=14, policy="max_utilization")
     assert [o.token_ids for o in tight] == [o.token_ids for o in roomy]
+
+
+def test_a_window_launch_never_synchronizes_with_the_device(model):
+    """Between a window's K graph replays and its token feedback the host never waits for
+    the device: torch's sync debug mode turns any implicit synchronisation into an error."""
+    rt = gpu_runtime(model, decode_steps_per_iteration=K)
+    runner, launched = rt.runner, []
+    inner = runner._launch_window
+
+    def checked(batch):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return inner(batch)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            launched.append(batch.window.num_steps)
+
+    runner._launch_window = checked
+    sp = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (24, 9, 30, 15, 6)]
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, model[0].vocab_size) for _ in range(n)] for n in (5, 9, 3, 7, 2)]
+    outs = rt.executor().generate(prompts, sp)
+    assert all(o.ok for o in outs) and [len(o.token_ids) for o in outs] == [24, 9, 30, 15, 6]
+    assert launched and max(launched) == K

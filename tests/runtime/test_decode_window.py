@@ -71,8 +71,10 @@ def test_advance_feeds_tokens_stops_rows_and_freezes_them():
     host, event = win.read_back(3)
     assert event is None
     assert win.row_tokens(host, 3) == [[20, 30, 40], [21], [77]]
-    assert feed["positions"].tolist() == [6, 3, 3, 0]
-    assert feed["slot_mapping"].tolist() == [18, -1, -1, -1]
+    # row 0 made its span's last token at the window's last step: it stops there too
+    assert feed["positions"].tolist() == [5, 3, 3, 0]
+    assert feed["slot_mapping"].tolist() == [-1, -1, -1, -1]
+    assert win.done.tolist() == [True] * 4
 
 
 def test_a_second_window_before_the_first_is_read_is_refused():
