@@ -118,6 +118,18 @@ def test_stream_deltas_add_up_to_the_text(engine):
     assert text.stdout.startswith(doc["outputs"][0]["text"])
 
 
+def test_decode_steps_per_iteration_streams_the_same_tokens_in_bursts(engine):
+    args = ("--engine_dir", str(engine), "--prompt", "stream me", "--prompt", "b")
+    args += ("--max_new_tokens", "11", "--ignore_eos", "--stream")
+    one = run_json(*args)
+    multi = run_json(*args, "--decode_steps_per_iteration", "4")
+    assert multi["runtime"]["decode_steps_per_iteration"] == 4
+    for a, b in zip(multi["outputs"], one["outputs"], strict=True):
+        assert a["token_ids"] == b["token_ids"] and a["text"] == b["text"]
+        assert "".join(a["deltas"]) == a["text"]
+    assert len(multi["outputs"][0]["deltas"]) < len(one["outputs"][0]["deltas"])
+
+
 def test_chat_applies_the_template(engine, tiny_llama_dir):
     doc = run_json("--engine_dir", str(engine), "--prompt", "hi", "--chat", "--max_new_tokens", "2")
     tok = Tokenizer.from_dir(tiny_llama_dir)
@@ -221,6 +233,11 @@ def test_text_input_file_one_prompt_per_line(engine, tmp_path):
             ("--engine_dir", "{engine}", "--prompt", "a", "--stop_token_ids", "x"),
             2,
             "--stop_token_ids takes integers",
+        ),
+        (
+            ("--engine_dir", "{engine}", "--prompt", "a", "--decode_steps_per_iteration", "0"),
+            3,
+            "decode_steps_per_iteration must be a positive integer, got 0",
         ),
     ],
 )
