@@ -380,9 +380,9 @@ RUNTIME_FLAGS: tuple[Flag, ...] = (
     Flag("decode_steps_per_iteration", int, "Multi-step decoding: decode steps (1 to 64) the "
          "device runs per host iteration, sampled tokens fed back on the device, when every "
          "running request decodes and none waits for a free slot; streaming then comes in "
-         "bursts of up to this many tokens. Requests with logprobs, penalties, min_tokens, "
-         "n/best_of > 1, beam search or more than 16 stop ids (EOS included) decode one "
-         "step per iteration. Default: 1."),
+         "bursts of up to this many tokens. A step holding a request with logprobs, "
+         "penalties, min_tokens, n/best_of > 1, beam search or more than 16 stop ids (EOS "
+         "included) runs one decode step per iteration. Default: 1."),
 )
 # fmt: on
 """The runtime flags of ``llmc run``, ``bench`` and ``profile`` (``RuntimeConfig`` fields)."""
