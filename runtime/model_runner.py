@@ -25,6 +25,11 @@ sampling) instead replay the CUDA graph of their batch-size bucket
 (``llmc.runtime.cuda_graphs.DecodeGraphs``, built on the runner's StepInputBuilder,
 ``forward`` and backend): one staging copy, one graph launch, one copy of the ids.
 
+A multi-step window (``ScheduledBatch.window``, ``--decode_steps_per_iteration``) is staged
+once and runs K forward + sample steps (or K replays of its bucket's graph), each followed by
+the device-side token feedback of ``llmc.runtime.decode_window``; its ids come back with one
+copy, per row (``StepOutput.window_token_ids``).
+
 Invariants: tokens are returned in the batch's order (one per sequence with ``sample``);
 the KV-cache tensors (``kv_cache``) are written only at the step's slots; on CUDA the only
 synchronisation is the final device→host copy, so ``phase_times['forward']`` measures
@@ -271,9 +276,7 @@ class ModelRunner:
         assert batch.window is not None
         k, eos = batch.window.num_steps, batch.window.eos_token_ids
         win = self.window
-        if win is None or win.max_steps < k:
-            if self.graphs is not None and win is not None:
-                raise EngineError(f"a {k}-step window exceeds the captured {win.max_steps}")
+        if win is None or win.max_steps < k:  # (graphs keep theirs: this window runs eagerly)
             win = self.window = WindowState(self.limits, self.device, k)
         t0 = time.perf_counter()
         span = window_span(batch.sequences, k)

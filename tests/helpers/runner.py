@@ -121,6 +121,17 @@ def gpu_runtime(model, *, backend="cuda", num_blocks=64, **config):
     )
 
 
+def host_overhead_script():
+    """scripts/host_overhead.py (its SimulatedDevice, builder and closed-loop driver), by path."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "host_overhead.py"
+    spec = importlib.util.spec_from_file_location("llmc_host_overhead", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 class BlockAllocator:
     """Hands out block ids in a shuffled order; never frees (tests are short). Keeps the
     KVCacheManager's contract: an appended block bumps ``seq.block_table_version``."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers.runner import tiny_runtime
+from helpers.runner import host_overhead_script, tiny_runtime
 from llmc.runtime.executor import Executor
 from llmc.runtime.types import Request, SamplingParams
 
@@ -182,18 +182,6 @@ def test_runner_refuses_a_third_unread_launch(tiny):
     rt.runner.launch(batch).result()  # one slot free again
 
 
-def _host_overhead():
-    """scripts/host_overhead.py (its SimulatedDevice and closed-loop driver), by path."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "scripts" / "host_overhead.py"
-    spec = importlib.util.spec_from_file_location("llmc_host_overhead", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.mark.parametrize("blocking_launch", [False, True])
 def test_async_never_delays_the_first_token_on_a_simulated_device(blocking_launch):
     """Closed loop, one request at a time, on a simulated device (prefill 8 ms, decode 5 ms;
@@ -203,7 +191,7 @@ def test_async_never_delays_the_first_token_on_a_simulated_device(blocking_launc
     import argparse
     import statistics
 
-    ho = _host_overhead()
+    ho = host_overhead_script()
     got = {}
     for asy in (False, True):
         args = argparse.Namespace(

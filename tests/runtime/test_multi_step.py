@@ -283,6 +283,35 @@ def test_window_records_count_every_step(tiny):
     assert sum(r.num_steps for r in ex.step_records) >= 12
 
 
+def test_an_arrival_waits_at_most_one_window_for_its_first_token(tiny):
+    """Admissions interleave at iteration boundaries: a request that arrives while a window
+    of K = 8 steps runs is prefilled by the very next step, and its first token comes from
+    that step (not after the long request's remaining windows)."""
+    rt = make_runtime(tiny, steps=8)
+    ex = Executor(rt)
+    long = SamplingParams(max_new_tokens=60, ignore_eos=True)
+    ex.enqueue_request(Request(prompt_token_ids=PROMPTS[1], sampling=long))
+    runner, arrived = rt.runner, []
+
+    def launch(batch, src_rows=None):
+        pending = type(runner).launch(runner, batch, src_rows)
+        if batch.window is not None and len(arrived) < 2 and len(ex.step_records) % 3 == 1:
+            short = SamplingParams(max_new_tokens=3, ignore_eos=True)
+            rid = ex.enqueue_request(Request(prompt_token_ids=PROMPTS[3], sampling=short))
+            arrived.append((rid, len(ex.step_records)))  # the window in flight's record
+        return pending
+
+    runner.launch = launch
+    ex.run_until_complete()
+    assert len(arrived) == 2
+    for rid, n in arrived:
+        window, nxt = ex.step_records[n], ex.step_records[n + 1]
+        assert window.num_steps == 8 and nxt.num_prefill_tokens > 0 and nxt.num_steps == 1
+        first = ex.request_record(rid).first_token_time
+        assert nxt.start_time <= first <= nxt.end_time
+    assert rt.kv.num_free_blocks == rt.kv.total_blocks
+
+
 @pytest.mark.parametrize("bad", [0, -1, 65, 2.5])
 def test_bad_decode_steps_per_iteration_is_refused(bad):
     with pytest.raises(ConfigError, match="decode_steps_per_iteration"):
