@@ -4,13 +4,11 @@ stop tokens that end requests mid-stream, and forced preemption; and it really o
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 from helpers.engines import load_engine_weights
-from helpers.runner import gpu_runtime
+from helpers.runner import generate_checked, gpu_runtime
 from llmc.runtime.types import SamplingParams
 
 pytestmark = pytest.mark.cuda
@@ -26,7 +24,6 @@ def model(tiny_llama_dir):
 
 
 def _run(model, sampling, *, async_scheduling, graphs=True, num_blocks=64, policy=None):
-    spec = model[0]
     rt = gpu_runtime(
         model,
         num_blocks=num_blocks,
@@ -35,14 +32,7 @@ def _run(model, sampling, *, async_scheduling, graphs=True, num_blocks=64, polic
         scheduler_policy=policy or "guaranteed_no_evict",
     )
     assert rt.async_scheduling is async_scheduling
-    ex = rt.executor()
-    rng = random.Random(0)
-    prompts = [[rng.randrange(3, spec.vocab_size) for _ in range(n)] for n in (3, 11, 25, 40, 1)]
-    outs = ex.generate(prompts, sampling)
-    assert all(o.ok for o in outs), [o.error for o in outs if not o.ok]
-    rt.kv.check_invariants()
-    assert rt.kv.num_free_blocks == rt.kv.total_blocks
-    return outs, ex
+    return generate_checked(rt, sampling)
 
 
 def _same(model, sampling, **kw):

@@ -7,13 +7,11 @@ backend's device-tensor loop on the GPU."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 from helpers.engines import load_engine_weights
-from helpers.runner import gpu_runtime
+from helpers.runner import generate_checked, gpu_runtime
 from llmc.runtime.types import SamplingParams
 
 pytestmark = pytest.mark.cuda
@@ -30,7 +28,6 @@ def model(tiny_llama_dir):
 
 
 def _run(model, sampling, *, steps, backend="cuda", graphs=True, num_blocks=64, policy=None):
-    spec = model[0]
     rt = gpu_runtime(
         model,
         backend=backend,
@@ -39,13 +36,7 @@ def _run(model, sampling, *, steps, backend="cuda", graphs=True, num_blocks=64, 
         scheduler_policy=policy or "guaranteed_no_evict",
         decode_steps_per_iteration=steps,
     )
-    ex = rt.executor()
-    rng = random.Random(0)
-    prompts = [[rng.randrange(3, spec.vocab_size) for _ in range(n)] for n in (3, 11, 25, 40, 1)]
-    outs = ex.generate(prompts, sampling)
-    assert all(o.ok for o in outs), [o.error for o in outs if not o.ok]
-    rt.kv.check_invariants()
-    assert rt.kv.num_free_blocks == rt.kv.total_blocks
+    outs, ex = generate_checked(rt, sampling)
     windows = sum(1 for r in ex.step_records if r.num_steps > 1)
     assert (windows > 0) is (steps > 1), windows
     if steps > 1 and graphs and backend == "cuda":
@@ -120,8 +111,6 @@ def test_a_window_launch_never_synchronizes_with_the_device(model):
 
     runner._launch_window = checked
     sp = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (24, 9, 30, 15, 6)]
-    rng = random.Random(1)
-    prompts = [[rng.randrange(3, model[0].vocab_size) for _ in range(n)] for n in (5, 9, 3, 7, 2)]
-    outs = rt.executor().generate(prompts, sp)
-    assert all(o.ok for o in outs) and [len(o.token_ids) for o in outs] == [24, 9, 30, 15, 6]
+    outs, _ = generate_checked(rt, sp, lengths=(5, 9, 3, 7, 2), seed=1)
+    assert [len(o.token_ids) for o in outs] == [24, 9, 30, 15, 6]
     assert launched and max(launched) == K

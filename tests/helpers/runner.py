@@ -121,6 +121,20 @@ def gpu_runtime(model, *, backend="cuda", num_blocks=64, **config):
     )
 
 
+def generate_checked(rt, sampling, lengths=(3, 11, 25, 40, 1), seed=0):
+    """Random prompts of ``lengths`` tokens through a new Executor of ``rt``: every output
+    ok and the KV pool whole and free afterwards; returns (outputs, executor)."""
+    rng = random.Random(seed)
+    vocab = rt.spec.vocab_size
+    prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+    ex = rt.executor()
+    outs = ex.generate(prompts, sampling)
+    assert all(o.ok for o in outs), [o.error for o in outs if not o.ok]
+    rt.kv.check_invariants()
+    assert rt.kv.num_free_blocks == rt.kv.total_blocks
+    return outs, ex
+
+
 def host_overhead_script():
     """scripts/host_overhead.py (its SimulatedDevice, builder and closed-loop driver), by path."""
     import importlib.util

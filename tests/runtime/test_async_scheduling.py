@@ -10,6 +10,15 @@ from __future__ import annotations
 import pytest
 
 from helpers.runner import host_overhead_script, tiny_runtime
+from helpers.scenarios import (
+    PROMPTS,
+    SHARED_PREFIX_PROMPTS,
+    greedy,
+    mixed_sampling,
+    model_eos,
+    stop_id_params,
+    stop_string_params,
+)
 from llmc.runtime.executor import Executor
 from llmc.runtime.types import Request, SamplingParams
 
@@ -23,9 +32,6 @@ def tiny(tiny_llama_weights, tiny_tok):
 
 def make_runtime(tiny, **kw):
     return tiny_runtime(tiny, **kw)
-
-
-PROMPTS = [[5 + (7 * i + j) % 90 for j in range(n)] for i, n in enumerate((3, 11, 25, 7, 1, 17))]
 
 
 def run(tiny, sampling, *, async_scheduling, prompts=PROMPTS, **kw):
@@ -51,10 +57,6 @@ def same(tiny, sampling, prompts=PROMPTS, **kw):
     return sync, asyn, ex_a
 
 
-def greedy(n=(9, 14, 5, 20, 12, 7), **kw):
-    return [SamplingParams(max_new_tokens=k, ignore_eos=True, **kw) for k in n]
-
-
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-path"])
 def test_greedy_lengths_equal_sync(tiny, graphs):
     sync, _, ex = same(tiny, greedy(), graphs=graphs)
@@ -65,22 +67,13 @@ def test_greedy_lengths_equal_sync(tiny, graphs):
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-path"])
 def test_seeded_and_unseeded_sampling_equal_sync(tiny, graphs):
-    sp = [
-        SamplingParams(max_new_tokens=16, temperature=0.9, top_k=20, seed=11, ignore_eos=True),
-        SamplingParams(max_new_tokens=12, temperature=1.0, top_p=0.9, ignore_eos=True),
-        SamplingParams(max_new_tokens=18, temperature=0.7, min_p=0.05, seed=3, ignore_eos=True),
-        *greedy((10, 6, 15)),
-    ]
-    same(tiny, sp, graphs=graphs)
+    same(tiny, mixed_sampling(), graphs=graphs)
 
 
 def test_stop_token_mid_stream_discards_the_extra_token(tiny):
     ref, _ = run(tiny, greedy((20,) * 6), async_scheduling=False)
     # each request stops at a token it really produces (the unknown-at-schedule-time case)
-    sp = [
-        SamplingParams(max_new_tokens=20, ignore_eos=True, stop_token_ids=(o.token_ids[3 + i],))
-        for i, o in enumerate(ref)
-    ]
+    sp = stop_id_params(ref, 3)
     sync, _, _ = same(tiny, sp)
     assert all(o.finish_reason.value == "stop" for o in sync)
     assert any(len(o.token_ids) < 20 for o in sync)
@@ -88,18 +81,13 @@ def test_stop_token_mid_stream_discards_the_extra_token(tiny):
 
 def test_stop_strings_equal_sync(tiny):
     ref, _ = run(tiny, greedy((24,) * 6), async_scheduling=False)
-    stops = [o.text[len(o.text) // 2 : len(o.text) // 2 + 2] for o in ref]
-    sp = [
-        SamplingParams(max_new_tokens=24, ignore_eos=True, stop=(s,)) if s.strip() else greedy()[0]
-        for s in stops
-    ]
+    sp = stop_string_params(ref)
     sync, _, _ = same(tiny, sp)
     assert any(o.finish_reason.value == "stop" for o in sync)
 
 
 def test_eos_of_the_model_equals_sync(tiny):
-    sp = [SamplingParams(max_new_tokens=30, temperature=1.2, seed=i) for i in range(6)]
-    same(tiny, sp)
+    same(tiny, model_eos())
 
 
 def test_preemption_tiny_pool_equals_roomy_sync(tiny):
@@ -114,9 +102,7 @@ def test_preemption_tiny_pool_equals_roomy_sync(tiny):
 
 
 def test_chunked_prefill_and_prefix_reuse_equal_sync(tiny):
-    shared = [9 + j % 50 for j in range(21)]
-    prompts = [shared + [60 + i] * (1 + i) for i in range(6)]
-    _, _, ex = same(tiny, greedy(), prompts=prompts, max_num_tokens=10)
+    _, _, ex = same(tiny, greedy(), prompts=SHARED_PREFIX_PROMPTS, max_num_tokens=10)
     assert any(0 < r.num_prefill_tokens < r.num_tokens for r in ex.step_records)  # mixed steps
     assert ex.kv_stats().reuse_hits > 0
 

@@ -11,6 +11,15 @@ from __future__ import annotations
 import pytest
 
 from helpers.runner import tiny_runtime
+from helpers.scenarios import (
+    PROMPTS,
+    SHARED_PREFIX_PROMPTS,
+    greedy,
+    mixed_sampling,
+    model_eos,
+    stop_id_params,
+    stop_string_params,
+)
 from llmc.base.errors import ConfigError
 from llmc.runtime.engine_runtime import RuntimeConfig
 from llmc.runtime.executor import Executor
@@ -30,9 +39,6 @@ def make_runtime(tiny, *, steps=1, **kw):
     rt = tiny_runtime(tiny, decode_steps_per_iteration=steps, **kw)
     assert rt.decode_steps_per_iteration == steps
     return rt
-
-
-PROMPTS = [[5 + (7 * i + j) % 90 for j in range(n)] for i, n in enumerate((3, 11, 25, 7, 1, 17))]
 
 
 def windows(ex: Executor) -> int:
@@ -63,10 +69,6 @@ def same(tiny, sampling, prompts=PROMPTS, **kw):
     return one, multi, exk
 
 
-def greedy(n=(9, 14, 5, 20, 12, 7), **kw):
-    return [SamplingParams(max_new_tokens=k, ignore_eos=True, **kw) for k in n]
-
-
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-path"])
 def test_greedy_lengths_equal_single_step(tiny, graphs):
     one, _, ex = same(tiny, greedy(), graphs=graphs)
@@ -77,23 +79,14 @@ def test_greedy_lengths_equal_single_step(tiny, graphs):
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-path"])
 def test_seeded_and_unseeded_sampling_equal_single_step(tiny, graphs):
-    sp = [
-        SamplingParams(max_new_tokens=16, temperature=0.9, top_k=20, seed=11, ignore_eos=True),
-        SamplingParams(max_new_tokens=12, temperature=1.0, top_p=0.9, ignore_eos=True),
-        SamplingParams(max_new_tokens=18, temperature=0.7, min_p=0.05, seed=3, ignore_eos=True),
-        *greedy((10, 6, 15)),
-    ]
-    same(tiny, sp, graphs=graphs)
+    same(tiny, mixed_sampling(), graphs=graphs)
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-path"])
 def test_stop_ids_inside_a_window(tiny, graphs):
     ref, _ = run(tiny, greedy((20,) * 6), steps=1)
     # each request stops at a token it really produces, at varied places in a window
-    sp = [
-        SamplingParams(max_new_tokens=20, ignore_eos=True, stop_token_ids=(o.token_ids[2 + i],))
-        for i, o in enumerate(ref)
-    ]
+    sp = stop_id_params(ref, 2)
     one, _, _ = same(tiny, sp, graphs=graphs)
     assert all(o.finish_reason.value == "stop" for o in one)
     assert any(len(o.token_ids) < 20 for o in one)
@@ -101,11 +94,7 @@ def test_stop_ids_inside_a_window(tiny, graphs):
 
 def test_stop_strings_inside_a_window(tiny):
     ref, _ = run(tiny, greedy((24,) * 6), steps=1)
-    stops = [o.text[len(o.text) // 2 : len(o.text) // 2 + 2] for o in ref]
-    sp = [
-        SamplingParams(max_new_tokens=24, ignore_eos=True, stop=(s,)) if s.strip() else greedy()[0]
-        for s in stops
-    ]
+    sp = stop_string_params(ref)
     one, _, _ = same(tiny, sp)
     cut = [o for o in one if o.finish_reason.value == "stop"]
     assert cut and any(len(o.token_ids) % K for o in cut)  # some cut inside a window
@@ -126,8 +115,7 @@ def test_stop_string_and_stop_id_in_one_window(tiny):
 
 
 def test_eos_of_the_model_equals_single_step(tiny):
-    sp = [SamplingParams(max_new_tokens=30, temperature=1.2, seed=i) for i in range(6)]
-    same(tiny, sp)
+    same(tiny, model_eos())
 
 
 def test_streaming_comes_in_bursts_of_at_most_k(tiny):
@@ -208,9 +196,7 @@ def test_preemption_tiny_pool_equals_roomy_single_step(tiny):
 
 
 def test_chunked_prefill_and_prefix_reuse_equal_single_step(tiny):
-    shared = [9 + j % 50 for j in range(21)]
-    prompts = [shared + [60 + i] * (1 + i) for i in range(6)]
-    _, _, ex = same(tiny, greedy(), prompts=prompts, max_num_tokens=10)
+    _, _, ex = same(tiny, greedy(), prompts=SHARED_PREFIX_PROMPTS, max_num_tokens=10)
     assert any(0 < r.num_prefill_tokens < r.num_tokens for r in ex.step_records)  # mixed steps
     assert ex.kv_stats().reuse_hits > 0
 
