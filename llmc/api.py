@@ -133,6 +133,8 @@ class LLM:
     ``max_batch_size`` and ``max_num_tokens`` (the per-step token budget, TensorRT-LLM
     semantics; the KV pool is ``max_kv_tokens`` or ``kv_cache_free_gpu_mem_fraction``) may
     lower the engine's build limits for this run, never raise them.
+    ``decode_steps_per_iteration``: K decode steps per host iteration when every running
+    row decodes (multi-step decoding, docs/RUNTIME.md; 1 = one step at a time).
     ``enable_inflight_batching`` is accepted for compatibility with TensorRT-LLM scripts:
     llmc always batches in flight, so False is an error. ``runtime_config``: a whole
     ``RuntimeConfig`` (every runtime setting, as ``llmc run`` builds it from its flags and
@@ -154,6 +156,7 @@ class LLM:
         max_kv_tokens: int | None = None,
         enable_block_reuse: bool = True,
         scheduler_policy: str = "guaranteed_no_evict",
+        decode_steps_per_iteration: int = 1,
         enable_inflight_batching: bool = True,
         runtime_config: RuntimeConfig | None = None,
     ) -> None:
@@ -173,6 +176,7 @@ class LLM:
             max_kv_tokens=max_kv_tokens,
             enable_block_reuse=enable_block_reuse,
             scheduler_policy=scheduler_policy,
+            decode_steps_per_iteration=decode_steps_per_iteration,
         )
         if model is not None:
             engine, ckpt = resolve_model(model)

@@ -130,6 +130,15 @@ def test_runtime_limits_can_be_lowered_never_raised(engine_dir):
         LLM(engine_dir, checkpoint_dir=engine_dir)
     with pytest.raises(ConfigError, match="scheduler_policy"):
         LLM(engine_dir, scheduler_policy="fifo")
+    with pytest.raises(ConfigError, match="decode_steps_per_iteration"):
+        LLM(engine_dir, device="cpu", decode_steps_per_iteration=0)
+    sp = SamplingParams(max_new_tokens=9, ignore_eos=True)
+    with LLM(engine_dir, device="cpu", decode_steps_per_iteration=4) as multi:
+        assert multi.config.decode_steps_per_iteration == 4
+        windowed = [o.token_ids for o in multi.generate(["hi", "a longer prompt"], sp)]
+        assert max(r.num_steps for r in multi.step_records) == 4  # windows ran
+    with LLM(engine_dir, device="cpu") as single:
+        assert [o.token_ids for o in single.generate(["hi", "a longer prompt"], sp)] == windowed
     with LLM(
         engine_dir, device="cpu", max_batch_size=2, max_num_tokens=32, max_kv_tokens=256
     ) as small:
