@@ -42,10 +42,25 @@ WO_ACT_DTYPES = (torch.float16, torch.bfloat16)  # gemv_wo.cu: 16-bit mma operan
 # count it), small enough that the chunk the dequantize kernel writes is still in L2 (50 MB)
 # when the GEMM reads it (not yet measured: the bench's ``wo linear`` rows).
 WO_CHUNK_BYTES = 24 << 20
+# Chunk rows are a multiple of this: each chunk's torch.mm writes the columns out[:, n0:n1],
+# whose base must stay 16-byte aligned (and n1 - n0 a multiple of cuBLAS's tiles) or cuBLAS
+# falls back to its unaligned kernels. Before, the chunk was 24 MB // (2 K) rows: 877 for
+# down_proj (K = 14336), so every chunk after the first wrote from a 2-byte-aligned base
+# (n0 = 877, 1754, ...): 13 % of bf16 cuBLAS on the H200 at M = 8192, against 88 % for
+# gate_up, whose K = 4096 gives 3072-row chunks.
+WO_CHUNK_ALIGN = 128
 WO_SMEM_MARGIN = 1024  # gemv_wo.cu's static shared memory (8.7 KB) is ~0.5 KB above gemv.cu's
 WO_ROWS_THREADS = 256  # wo_rows_kernel block
 _MODES = ("norm", "norm_silu", "add", "linear")
 _NULL = np.uint64(0)
+
+
+def wo_chunk_rows(n: int, k: int, elem: int) -> int:
+    """Weight rows per dequantize-then-cuBLAS chunk: the rows of ``WO_CHUNK_BYTES`` split
+    evenly over the chunks they need, rounded up to ``WO_CHUNK_ALIGN`` (see there)."""
+    chunks = max(1, -(-n * k * elem // WO_CHUNK_BYTES))
+    rows = -(-n // chunks)
+    return min(n, -(-rows // WO_CHUNK_ALIGN) * WO_CHUNK_ALIGN)
 
 
 def wo_kstep_cols(bits: int) -> int:
@@ -231,7 +246,7 @@ class WoOps:
                 r1 = min(t, r0 + GEMV_MAX_TOKENS)
                 self._wo_gemv(3, x[r0:r1], None, 0.0, weight, bias, out[r0:r1], n)
             return out
-        rows = max(16, WO_CHUNK_BYTES // (k * x.element_size()))
+        rows = wo_chunk_rows(n, k, x.element_size())
         for n0 in range(0, n, rows):
             n1 = min(n, n0 + rows)
             wd = torch.empty(n1 - n0, k, dtype=x.dtype, device=self.device)
