@@ -1,4 +1,5 @@
-"""Weight-only ops of the CudaBackend on ``PackedWeight``s (cuda/gemv_wo.cu, cuda/wo_dequant.cu).
+"""Weight-only ops of the CudaBackend on ``PackedWeight``s (cuda/gemv_wo.cu, cuda/wo_dequant.cu,
+cuda/gemm_wo.cu).
 
 The CudaBackend dispatches on the weight's type: ``norm_linear``, ``norm_gate_up_silu`` and
 ``linear_residual_add`` (this mixin, ahead of ``GemvOps`` in the MRO: a tensor weight goes
@@ -9,6 +10,8 @@ on to the BF16 kernels), ``linear`` and ``embedding`` (CudaBackend's own, which 
   per op, dequantizing in registers, with the norm prologue and the SiLU / residual / bias
   epilogues; the scale mode from the group size (``wo_scale_mode``), the activations staged
   in shared memory (``wo_smem_bytes``);
+- larger steps where ``WoGemmOps.wo_mma`` picks it: gemm_wo.cu, codes dequantized into
+  shared memory ahead of tensor-core MMAs (llmc.cuda.gemm_wo_ops: the plan and its table);
 - anything else (T > 8, float32 activations, a staging that exceeds the shared-memory
   budget, a group size that is not a multiple of 16): dequantize-then-cuBLAS, the weight
   dequantized (wo_dequant.cu, bit-exact, rounded once into the activation dtype) in row
@@ -31,6 +34,7 @@ import numpy as np
 import torch
 
 from llmc.base.errors import UnsupportedError
+from llmc.cuda.gemm_wo_ops import WoGemmOps
 from llmc.cuda.gemv_ops import GEMV_MAX_TOKENS, GEMV_THREADS, check_token_rows
 from llmc.cuda.launch_args import i32 as _i
 from llmc.cuda.launch_args import need as _need
@@ -126,7 +130,7 @@ def _scale_flags(w: PackedWeight) -> int:
     return 1 if w.scales.dtype == torch.float32 else 0
 
 
-class WoOps:
+class WoOps(WoGemmOps):
     """The weight-only ops (mixin; see the module docstring for what it needs).
 
     ``wo_gemv_passes`` (most passes for 4-bit, 8-bit codes): ``linear`` with T > 8 rows runs
@@ -245,6 +249,9 @@ class WoOps:
             for r0 in range(0, t, GEMV_MAX_TOKENS):  # the weight read once per 8 rows
                 r1 = min(t, r0 + GEMV_MAX_TOKENS)
                 self._wo_gemv(3, x[r0:r1], None, 0.0, weight, bias, out[r0:r1], n)
+            return out
+        if self._wo_mma_serves(x, weight):  # gemm_wo.cu (llmc.cuda.gemm_wo_ops)
+            self._wo_mma(x, weight, bias, out)
             return out
         rows = wo_chunk_rows(n, k, x.element_size())
         for n0 in range(0, n, rows):

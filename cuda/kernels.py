@@ -50,6 +50,7 @@ FAMILIES: dict[str, tuple[str, bool]] = {
     "gemv_fp8": ("gemv_fp8.cu", False),
     "gemv_wo": ("gemv_wo.cu", False),
     "wo_dequant": ("wo_dequant.cu", False),
+    "gemm_wo": ("gemm_wo.cu", False),
 }
 WO_QUANTIZATIONS = ("int8_wo", "int4_wo", "gguf")
 # Families an engine needs only under some ``--quantization`` values (engine builds compile
@@ -58,6 +59,7 @@ QUANTIZED_FAMILIES: dict[str, tuple[str, ...]] = {
     "gemv_fp8": ("fp8",),
     "gemv_wo": WO_QUANTIZATIONS,
     "wo_dequant": WO_QUANTIZATIONS,
+    "gemm_wo": WO_QUANTIZATIONS,
 }
 
 
@@ -136,7 +138,7 @@ def has_kernels(family: str, cfg: KernelConfig, arch: str | None = None) -> bool
         return False
     if family == "prefill_sm90" and not cfg.sm90_prefill:
         return False
-    if family == "gemv_wo" and cfg.dtype == "float32":  # 16-bit mma operands only
+    if family in ("gemv_wo", "gemm_wo") and cfg.dtype == "float32":  # 16-bit mma operands
         return False
     wanted = QUANTIZED_FAMILIES.get(family)
     if wanted is not None and cfg.quantization is not None and cfg.quantization not in wanted:

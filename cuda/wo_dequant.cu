@@ -1,7 +1,7 @@
 // wo_dequant.cu: rows of a weight-only quantized matrix (llmc.cuda.reference_wo.PackedWeight)
 // dequantized into the activation dtype, bit-exact to PackedWeight.dequantize rounded once:
 //   w[n, k] = fl32(fl32(s[n, g] * float(q[n, k] - code_zero)) + o[n, g]),  g = k / gs
-// (__fmul_rn / __fadd_rn: never contracted into an FMA), then from_float.
+// (__fmul_rn / __fadd_rn: never contracted into an FMA; wo_dequant.cuh), then from_float.
 //
 // One kernel, two uses:
 //   embedding   out[t, :] = dequantize(row ids[t]) (ids outside [0, V): a zero row, as
@@ -14,25 +14,7 @@
 // Launch: grid (ceil(K / (8 * 256)) or ceil(K / 256), min(T, 65535)), block 256; vec = 1
 // when K % 8 == 0, gs % 8 == 0 and the output base is 16-byte aligned (each thread then
 // writes 8 columns of one group with one 16-byte store), else one column per thread.
-#include "common.cuh"
-
-__device__ __forceinline__ float wod_scale(const void* p, long long i, bool f32) {
-    if (f32) return static_cast<const float*>(p)[i];
-    const unsigned short h = static_cast<const unsigned short*>(p)[i];
-#ifdef LLMC_HOST_EMULATION
-    return emu_half_to_float(h);
-#else
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-#endif
-}
-
-__device__ __forceinline__ int wod_code(const unsigned char* row, int k, int bits) {
-    if (bits == 8) return row[k];
-    const int b = row[k >> 1];
-    return (k & 1) ? (b >> 4) : (b & 15);
-}
+#include "wo_dequant.cuh"
 
 extern "C" __global__ void wo_rows_kernel(const long long* __restrict__ ids,
                                           const unsigned char* __restrict__ codes,
@@ -57,19 +39,11 @@ extern "C" __global__ void wo_rows_kernel(const long long* __restrict__ ids,
             const float s = wod_scale(scales, n * G + g, f32);
             const float o = offsets != nullptr ? wod_scale(offsets, n * G + g, f32) : 0.f;
             unsigned int q[8];
-            if (bits == 4) {
-                const unsigned int w = *reinterpret_cast<const unsigned int*>(row + c0 / 2);
+            wod_codes8(row, c0, bits, q);
+            wod_values8(q, s, o, offsets != nullptr, code_zero, f);
+            if (!valid) {
 #pragma unroll
-                for (int e = 0; e < 8; ++e) q[e] = (w >> (4 * e)) & 15u;
-            } else {
-                const v2u w = *reinterpret_cast<const v2u*>(row + c0);
-#pragma unroll
-                for (int e = 0; e < 8; ++e) q[e] = ((e < 4 ? w.x : w.y) >> (8 * (e & 3))) & 255u;
-            }
-#pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                const float v = __fmul_rn(s, (float)((int)q[e] - code_zero));
-                f[e] = valid ? (offsets != nullptr ? __fadd_rn(v, o) : v) : 0.f;
+                for (int e = 0; e < 8; ++e) f[e] = 0.f;
             }
             store_vec<8>(dst + c0, f);
         } else {

@@ -1,0 +1,264 @@
+// gemm_wo.cu: the weight-only linear of larger steps on tensor cores,
+//   out[m, n] = round(sum_k x[m, k] * w16[n, k] (+ bias[n])),  x [M, K] 16-bit, w = PackedWeight
+// where w16 = the PackedWeight formula (wo_dequant.cuh) rounded once into the activation
+// dtype: the same weight values as dequantize-then-cuBLAS (wo_dequant.cu + torch.mm), without
+// the 16-bit weight's round trip through memory: the codes (0.5 / 1 byte a weight) are read
+// once per M-tile, dequantized into shared memory, and multiplied with mma.sync m16n8k16
+// (bf16 / f16 operands, float32 accumulation); the sum is rounded once (float32 ``out``:
+// the rounded values, as llmc.cuda.gemv_wo_ops.linear_wo promises).
+//
+// CTA tile BM x BN (128x128, 64x128, 32x64), BK = 64 columns a k-tile, 256 threads = 8 warps
+// as 2 (M) x 4 (N), each warp (BM / 2) x (BN / 4) of m16n8 accumulators. Per k-tile:
+//   1. cp.async of the next k-tile's X rows [BM][64] and code rows [BN][64 * BITS / 8] into
+//      the other of two stages (zero-filled past M, N, K);
+//   2. the current stage's codes -> W tile [BN][64] 16-bit (8 columns of one group a thread
+//      unit: one scale / offset load, one 16-byte shared store; zeros past N and K);
+//   3. ldmatrix A fragments from X, B fragments from W (W is [n][k]: the mma's col-major B),
+//      4 k16 steps of mma.
+// Shared rows are padded by 8 elements (row stride 144 bytes: the 8 rows of an ldmatrix
+// phase fall in distinct banks). CTAs are numbered in groups of GW_GROUP_M M-tiles (the
+// weight tile of one N-tile is fetched from DRAM once and served from L2 to the group's
+// other M-tiles; X rows of a group stay in L2 too).
+//
+// Requirements (the host falls back to dequantize-then-cuBLAS otherwise): 16-bit
+// activations, K % 32 == 0 (whole 16-byte chunks of X and of code rows), group_size % 8 == 0,
+// 16-byte-aligned x / codes bases, x contiguous. Any M >= 1 and N >= 1.
+// Launch: grid (ceil(M / BM) * ceil(N / BN)), block 256, dynamic shared memory
+// gw_smem_bytes (llmc.cuda.gemm_wo_ops). flags: 1 f32 scales, 2 float32 out.
+// Arguments: x, codes, scales, offsets|null, bias|null, out, M, N, K, code_zero, gs, G, flags.
+// The PTX helpers are host code under LLMC_HOST_EMULATION (tests/cuda/kernel_emulator.h).
+#include "common.cuh"
+#include "wo_dequant.cuh"
+
+#if LLMC_DTYPE != 0
+
+#define GW_THREADS 256
+#define GW_BK 64
+#define GW_LDS (GW_BK + 8)
+#define GW_GROUP_M 8
+
+#ifndef LLMC_HOST_EMULATION
+#if LLMC_DTYPE == 2
+#define GW_AB "bf16"
+#else
+#define GW_AB "f16"
+#endif
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    unsigned r;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ void mma16816(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32." GW_AB "." GW_AB ".f32 {%0,%1,%2,%3}, "
+        "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void ldsm_x4(unsigned addr, unsigned* r) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+__device__ __forceinline__ void cp_async16(unsigned saddr, const void* g, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(saddr), "l"(g),
+                 "r"(bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+__device__ __forceinline__ void cp_async_wait_all() {
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+}
+// all but the most recent group complete (the stage being computed; the next in flight)
+__device__ __forceinline__ void gw_wait_prev() {
+    asm volatile("cp.async.wait_group 1;" ::: "memory");
+}
+#else
+inline void gw_wait_prev() {}  // the emulator's cp.async copies at once
+#endif  // LLMC_HOST_EMULATION
+
+struct GwArgs {
+    const scalar_t* x;
+    const unsigned char* codes;
+    const void* scales;
+    const void* offsets;
+    const scalar_t* bias;
+    void* out;
+    int M, N, K, code_zero, gs, G, flags;
+};
+
+// cp.async of k-tile kt into one stage: X rows [BM][GW_BK], code rows [BN][CB bytes].
+template <int BITS, int BM, int BN>
+__device__ __forceinline__ void gw_load(const GwArgs& a, scalar_t* xd, unsigned char* cd, int m0,
+                                        int n0, int kt) {
+    constexpr int CB = GW_BK * BITS / 8, CCH = CB / 16, KPC = 128 / BITS;
+    const int k0 = kt * GW_BK;
+    for (int c = threadIdx.x; c < BM * (GW_BK / 8); c += GW_THREADS) {
+        const int r = c >> 3, k = k0 + (c & 7) * 8;
+        const bool ok = m0 + r < a.M && k < a.K;
+        const scalar_t* src = ok ? a.x + (long long)(m0 + r) * a.K + k : a.x;
+        cp_async16(smem_addr(xd + r * GW_LDS + (c & 7) * 8), src, ok ? 16 : 0);
+    }
+    const long long rowbytes = (long long)a.K * BITS / 8;
+    for (int c = threadIdx.x; c < BN * CCH; c += GW_THREADS) {
+        const int r = c / CCH, ch = c % CCH, k = k0 + ch * KPC;
+        const bool ok = n0 + r < a.N && k < a.K;
+        const unsigned char* src = ok ? a.codes + (n0 + r) * rowbytes + k * BITS / 8 : a.codes;
+        cp_async16(smem_addr(cd + r * CB + ch * 16), src, ok ? 16 : 0);
+    }
+}
+
+// The stage's codes -> the 16-bit W tile [BN][GW_LDS] (zeros past N and K).
+template <int BITS, int BN>
+__device__ __forceinline__ void gw_dequant(const GwArgs& a, const unsigned char* cd, scalar_t* ws,
+                                           int n0, int kt) {
+    constexpr int CB = GW_BK * BITS / 8;
+    const bool f32 = (a.flags & 1) != 0, has_o = a.offsets != nullptr;
+    for (int u = threadIdx.x; u < BN * (GW_BK / 8); u += GW_THREADS) {
+        const int r = u >> 3, c0 = (u & 7) * 8, n = n0 + r, k = kt * GW_BK + c0;
+        float f[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        if (n < a.N && k < a.K) {
+            const long long gi = (long long)n * a.G + k / a.gs;
+            const float s = wod_scale(a.scales, gi, f32);
+            const float o = has_o ? wod_scale(a.offsets, gi, f32) : 0.f;
+            unsigned int q[8];
+            wod_codes8(cd + r * CB, c0, BITS, q);
+            wod_values8(q, s, o, has_o, a.code_zero, f);
+        }
+        store_vec<8>(ws + r * GW_LDS + c0, f);
+    }
+}
+
+template <int BITS, int BM, int BN>
+__device__ __forceinline__ void gemm_wo_body(const GwArgs& a) {
+    constexpr int WM = BM / 2, WN = BN / 4, MT = WM / 16, NT = WN / 8;
+    constexpr int XS = BM * GW_LDS, CS = BN * (GW_BK * BITS / 8);
+    static_assert(MT >= 1 && NT % 2 == 0, "tile: 16-row warp tiles, pairs of n8 tiles");
+#ifdef LLMC_HOST_EMULATION
+    unsigned char* smem = emu_dyn_smem;
+#else
+    extern __shared__ v4u gw_smem_raw[];
+    unsigned char* smem = reinterpret_cast<unsigned char*>(gw_smem_raw);
+#endif
+    scalar_t* xs = reinterpret_cast<scalar_t*>(smem);
+    scalar_t* ws = xs + 2 * XS;
+    unsigned char* cs = reinterpret_cast<unsigned char*>(ws + BN * GW_LDS);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wm = warp >> 2, wn = warp & 3;
+
+    // grouped tile order (see the header)
+    const int tm = (a.M + BM - 1) / BM, tn = (a.N + BN - 1) / BN;
+    const int pid = blockIdx.x, in_group = GW_GROUP_M * tn;
+    const int first = (pid / in_group) * GW_GROUP_M, gsz = min(tm - first, GW_GROUP_M);
+    const int m0 = (first + (pid % in_group) % gsz) * BM, n0 = ((pid % in_group) / gsz) * BN;
+
+    float acc[MT][NT][4];
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+
+    const int KT = (a.K + GW_BK - 1) / GW_BK;
+    gw_load<BITS, BM, BN>(a, xs, cs, m0, n0, 0);
+    cp_async_commit();
+    for (int kt = 0; kt < KT; ++kt) {
+        const int st = kt & 1;
+        if (kt + 1 < KT) {  // the other stage was last read before the previous trailing sync
+            gw_load<BITS, BM, BN>(a, xs + (st ^ 1) * XS, cs + (st ^ 1) * CS, m0, n0, kt + 1);
+            cp_async_commit();
+            gw_wait_prev();
+        } else {
+            cp_async_wait_all();
+        }
+        __syncthreads();
+        gw_dequant<BITS, BN>(a, cs + st * CS, ws, n0, kt);
+        __syncthreads();
+        const scalar_t* xt = xs + st * XS;
+#pragma unroll
+        for (int kk = 0; kk < GW_BK / 16; ++kk) {
+            unsigned af[MT][4], bf[NT][2];
+#pragma unroll
+            for (int i = 0; i < MT; ++i) {  // matrices (rows 0-7 | 8-15) x (k 0-7 | 8-15)
+                const int row = wm * WM + i * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+                ldsm_x4(smem_addr(xt + row * GW_LDS + kk * 16 + (lane >> 4) * 8), af[i]);
+            }
+#pragma unroll
+            for (int j = 0; j < NT / 2; ++j) {  // matrices (n 0-7: b0, b1) (n 8-15: b0, b1)
+                const int row = wn * WN + j * 16 + (lane & 7) + (lane >> 4) * 8;
+                unsigned r[4];
+                ldsm_x4(smem_addr(ws + row * GW_LDS + kk * 16 + ((lane >> 3) & 1) * 8), r);
+                bf[2 * j][0] = r[0];
+                bf[2 * j][1] = r[1];
+                bf[2 * j + 1][0] = r[2];
+                bf[2 * j + 1][1] = r[3];
+            }
+#pragma unroll
+            for (int i = 0; i < MT; ++i)
+#pragma unroll
+                for (int j = 0; j < NT; ++j) mma16816(acc[i][j], af[i], bf[j][0], bf[j][1]);
+        }
+        __syncthreads();  // W and this stage are rewritten next
+    }
+
+    // epilogue: c0, c1 = (row g, cols 2t, 2t+1), c2, c3 = (row g + 8, ...); rounded once
+    const bool f32out = (a.flags & 2) != 0;
+    const int g = lane >> 2, t4 = lane & 3;
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int m = m0 + wm * WM + i * 16 + g + 8 * h;
+                const int n = n0 + wn * WN + j * 8 + 2 * t4;
+                if (m >= a.M || n >= a.N) continue;
+                float v[2];
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float b = a.bias != nullptr && n + e < a.N ? to_float(a.bias[n + e]) : 0.f;
+                    v[e] = to_float(from_float(acc[i][j][2 * h + e] + b));
+                }
+                const long long o = (long long)m * a.N + n;
+                const bool pair = n + 1 < a.N && (o & 1) == 0;
+                if (f32out) {
+                    float* dst = static_cast<float*>(a.out) + o;
+                    if (pair) {
+                        *reinterpret_cast<v2u*>(dst) = v2u{__float_as_uint(v[0]), __float_as_uint(v[1])};
+                    } else {
+                        dst[0] = v[0];
+                        if (n + 1 < a.N) dst[1] = v[1];
+                    }
+                } else {
+                    scalar_t* dst = static_cast<scalar_t*>(a.out) + o;
+                    if (pair) {
+                        *reinterpret_cast<unsigned int*>(dst) = pack2(v[0], v[1]);
+                    } else {
+                        dst[0] = from_float(v[0]);
+                        if (n + 1 < a.N) dst[1] = from_float(v[1]);
+                    }
+                }
+            }
+}
+
+#define GW_KERNEL(BITS, BM, BN)                                                                   \
+    extern "C" __global__ void __launch_bounds__(GW_THREADS) gemm_wo##BITS##_##BM##x##BN(        \
+        const scalar_t* __restrict__ x, const unsigned char* __restrict__ codes,                  \
+        const void* __restrict__ scales, const void* __restrict__ offsets,                        \
+        const scalar_t* __restrict__ bias, void* __restrict__ out, int M, int N, int K,           \
+        int code_zero, int gs, int G, int flags) {                                                \
+        const GwArgs a{x, codes, scales, offsets, bias, out, M, N, K, code_zero, gs, G, flags};   \
+        gemm_wo_body<BITS, BM, BN>(a);                                                            \
+    }
+
+GW_KERNEL(4, 128, 128)
+GW_KERNEL(4, 64, 128)
+GW_KERNEL(4, 32, 64)
+GW_KERNEL(8, 128, 128)
+GW_KERNEL(8, 64, 128)
+GW_KERNEL(8, 32, 64)
+
+#endif  // LLMC_DTYPE != 0
