@@ -15,10 +15,9 @@
 //      unit: one scale / offset load, one 16-byte shared store; zeros past N and K);
 //   3. ldmatrix A fragments from X, B fragments from W (W is [n][k]: the mma's col-major B),
 //      4 k16 steps of mma.
-// Shared rows are padded by 8 elements (row stride 144 bytes: the 8 rows of an ldmatrix
-// phase fall in distinct banks). CTAs are numbered in groups of GW_GROUP_M M-tiles (the
-// weight tile of one N-tile is fetched from DRAM once and served from L2 to the group's
-// other M-tiles; X rows of a group stay in L2 too).
+// Shared rows are padded by 8 elements (gemm_wo.cuh's plain layout: the 8 rows of an
+// ldmatrix phase fall in distinct banks); staging, dequantization, the grouped tile order
+// and the stores are gemm_wo.cuh's, shared with the wgmma kernel (gemm_wo_sm90.cu).
 //
 // Requirements (the host falls back to dequantize-then-cuBLAS otherwise): 16-bit
 // activations, K % 32 == 0 (whole 16-byte chunks of X and of code rows), group_size % 8 == 0,
@@ -28,14 +27,8 @@
 // Arguments: x, codes, scales, offsets|null, bias|null, out, M, N, K, code_zero, gs, G, flags.
 // The PTX helpers are host code under LLMC_HOST_EMULATION (tests/cuda/kernel_emulator.h).
 #include "common.cuh"
-#include "wo_dequant.cuh"
 
 #if LLMC_DTYPE != 0
-
-#define GW_THREADS 256
-#define GW_BK 64
-#define GW_LDS (GW_BK + 8)
-#define GW_GROUP_M 8
 
 #ifndef LLMC_HOST_EMULATION
 #if LLMC_DTYPE == 2
@@ -80,57 +73,7 @@ __device__ __forceinline__ void gw_wait_prev() {
 inline void gw_wait_prev() {}  // the emulator's cp.async copies at once
 #endif  // LLMC_HOST_EMULATION
 
-struct GwArgs {
-    const scalar_t* x;
-    const unsigned char* codes;
-    const void* scales;
-    const void* offsets;
-    const scalar_t* bias;
-    void* out;
-    int M, N, K, code_zero, gs, G, flags;
-};
-
-// cp.async of k-tile kt into one stage: X rows [BM][GW_BK], code rows [BN][CB bytes].
-template <int BITS, int BM, int BN>
-__device__ __forceinline__ void gw_load(const GwArgs& a, scalar_t* xd, unsigned char* cd, int m0,
-                                        int n0, int kt) {
-    constexpr int CB = GW_BK * BITS / 8, CCH = CB / 16, KPC = 128 / BITS;
-    const int k0 = kt * GW_BK;
-    for (int c = threadIdx.x; c < BM * (GW_BK / 8); c += GW_THREADS) {
-        const int r = c >> 3, k = k0 + (c & 7) * 8;
-        const bool ok = m0 + r < a.M && k < a.K;
-        const scalar_t* src = ok ? a.x + (long long)(m0 + r) * a.K + k : a.x;
-        cp_async16(smem_addr(xd + r * GW_LDS + (c & 7) * 8), src, ok ? 16 : 0);
-    }
-    const long long rowbytes = (long long)a.K * BITS / 8;
-    for (int c = threadIdx.x; c < BN * CCH; c += GW_THREADS) {
-        const int r = c / CCH, ch = c % CCH, k = k0 + ch * KPC;
-        const bool ok = n0 + r < a.N && k < a.K;
-        const unsigned char* src = ok ? a.codes + (n0 + r) * rowbytes + k * BITS / 8 : a.codes;
-        cp_async16(smem_addr(cd + r * CB + ch * 16), src, ok ? 16 : 0);
-    }
-}
-
-// The stage's codes -> the 16-bit W tile [BN][GW_LDS] (zeros past N and K).
-template <int BITS, int BN>
-__device__ __forceinline__ void gw_dequant(const GwArgs& a, const unsigned char* cd, scalar_t* ws,
-                                           int n0, int kt) {
-    constexpr int CB = GW_BK * BITS / 8;
-    const bool f32 = (a.flags & 1) != 0, has_o = a.offsets != nullptr;
-    for (int u = threadIdx.x; u < BN * (GW_BK / 8); u += GW_THREADS) {
-        const int r = u >> 3, c0 = (u & 7) * 8, n = n0 + r, k = kt * GW_BK + c0;
-        float f[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        if (n < a.N && k < a.K) {
-            const long long gi = (long long)n * a.G + k / a.gs;
-            const float s = wod_scale(a.scales, gi, f32);
-            const float o = has_o ? wod_scale(a.offsets, gi, f32) : 0.f;
-            unsigned int q[8];
-            wod_codes8(cd + r * CB, c0, BITS, q);
-            wod_values8(q, s, o, has_o, a.code_zero, f);
-        }
-        store_vec<8>(ws + r * GW_LDS + c0, f);
-    }
-}
+#include "gemm_wo.cuh"
 
 template <int BITS, int BM, int BN>
 __device__ __forceinline__ void gemm_wo_body(const GwArgs& a) {
@@ -143,16 +86,14 @@ __device__ __forceinline__ void gemm_wo_body(const GwArgs& a) {
     extern __shared__ v4u gw_smem_raw[];
     unsigned char* smem = reinterpret_cast<unsigned char*>(gw_smem_raw);
 #endif
+    // X [2][BM][GW_LDS] | W [BN][GW_LDS] (16-bit) | codes [2][CS bytes]
     scalar_t* xs = reinterpret_cast<scalar_t*>(smem);
     scalar_t* ws = xs + 2 * XS;
     unsigned char* cs = reinterpret_cast<unsigned char*>(ws + BN * GW_LDS);
+    unsigned char* xb = reinterpret_cast<unsigned char*>(xs);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wm = warp >> 2, wn = warp & 3;
-
-    // grouped tile order (see the header)
-    const int tm = (a.M + BM - 1) / BM, tn = (a.N + BN - 1) / BN;
-    const int pid = blockIdx.x, in_group = GW_GROUP_M * tn;
-    const int first = (pid / in_group) * GW_GROUP_M, gsz = min(tm - first, GW_GROUP_M);
-    const int m0 = (first + (pid % in_group) % gsz) * BM, n0 = ((pid % in_group) / gsz) * BN;
+    int m0, n0;
+    gw_origin<BM, BN>(a, m0, n0);
 
     float acc[MT][NT][4];
 #pragma unroll
@@ -163,19 +104,20 @@ __device__ __forceinline__ void gemm_wo_body(const GwArgs& a) {
             for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
 
     const int KT = (a.K + GW_BK - 1) / GW_BK;
-    gw_load<BITS, BM, BN>(a, xs, cs, m0, n0, 0);
+    gw_load<BITS, BM, BN, false>(a, xb, cs, m0, n0, 0);
     cp_async_commit();
     for (int kt = 0; kt < KT; ++kt) {
         const int st = kt & 1;
         if (kt + 1 < KT) {  // the other stage was last read before the previous trailing sync
-            gw_load<BITS, BM, BN>(a, xs + (st ^ 1) * XS, cs + (st ^ 1) * CS, m0, n0, kt + 1);
+            gw_load<BITS, BM, BN, false>(a, xb + (st ^ 1) * XS * 2, cs + (st ^ 1) * CS, m0, n0,
+                                         kt + 1);
             cp_async_commit();
             gw_wait_prev();
         } else {
             cp_async_wait_all();
         }
         __syncthreads();
-        gw_dequant<BITS, BN>(a, cs + st * CS, ws, n0, kt);
+        gw_dequant<BITS, BN, false>(a, cs + st * CS, reinterpret_cast<unsigned char*>(ws), n0, kt);
         __syncthreads();
         const scalar_t* xt = xs + st * XS;
 #pragma unroll
@@ -204,54 +146,22 @@ __device__ __forceinline__ void gemm_wo_body(const GwArgs& a) {
         __syncthreads();  // W and this stage are rewritten next
     }
 
-    // epilogue: c0, c1 = (row g, cols 2t, 2t+1), c2, c3 = (row g + 8, ...); rounded once
-    const bool f32out = (a.flags & 2) != 0;
+    // c0, c1 = (row g, cols 2t, 2t+1), c2, c3 = (row g + 8, ...)
     const int g = lane >> 2, t4 = lane & 3;
 #pragma unroll
     for (int i = 0; i < MT; ++i)
 #pragma unroll
-        for (int j = 0; j < NT; ++j)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int m = m0 + wm * WM + i * 16 + g + 8 * h;
-                const int n = n0 + wn * WN + j * 8 + 2 * t4;
-                if (m >= a.M || n >= a.N) continue;
-                float v[2];
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const float b = a.bias != nullptr && n + e < a.N ? to_float(a.bias[n + e]) : 0.f;
-                    v[e] = to_float(from_float(acc[i][j][2 * h + e] + b));
-                }
-                const long long o = (long long)m * a.N + n;
-                const bool pair = n + 1 < a.N && (o & 1) == 0;
-                if (f32out) {
-                    float* dst = static_cast<float*>(a.out) + o;
-                    if (pair) {
-                        *reinterpret_cast<v2u*>(dst) = v2u{__float_as_uint(v[0]), __float_as_uint(v[1])};
-                    } else {
-                        dst[0] = v[0];
-                        if (n + 1 < a.N) dst[1] = v[1];
-                    }
-                } else {
-                    scalar_t* dst = static_cast<scalar_t*>(a.out) + o;
-                    if (pair) {
-                        *reinterpret_cast<unsigned int*>(dst) = pack2(v[0], v[1]);
-                    } else {
-                        dst[0] = from_float(v[0]);
-                        if (n + 1 < a.N) dst[1] = from_float(v[1]);
-                    }
-                }
-            }
+        for (int j = 0; j < NT; ++j) {
+            const int m = m0 + wm * WM + i * 16 + g, n = n0 + wn * WN + j * 8 + 2 * t4;
+            gw_store2(a, m, n, acc[i][j][0], acc[i][j][1]);
+            gw_store2(a, m + 8, n, acc[i][j][2], acc[i][j][3]);
+        }
 }
 
 #define GW_KERNEL(BITS, BM, BN)                                                                   \
-    extern "C" __global__ void __launch_bounds__(GW_THREADS) gemm_wo##BITS##_##BM##x##BN(        \
-        const scalar_t* __restrict__ x, const unsigned char* __restrict__ codes,                  \
-        const void* __restrict__ scales, const void* __restrict__ offsets,                        \
-        const scalar_t* __restrict__ bias, void* __restrict__ out, int M, int N, int K,           \
-        int code_zero, int gs, int G, int flags) {                                                \
-        const GwArgs a{x, codes, scales, offsets, bias, out, M, N, K, code_zero, gs, G, flags};   \
-        gemm_wo_body<BITS, BM, BN>(a);                                                            \
+    extern "C" __global__ void __launch_bounds__(GW_THREADS)                                      \
+        gemm_wo##BITS##_##BM##x##BN(GW_PARAMS) {                                                  \
+        gemm_wo_body<BITS, BM, BN>(GW_ARGS);                                                      \
     }
 
 GW_KERNEL(4, 128, 128)
