@@ -28,7 +28,7 @@ import torch
 
 from llmc.cuda.bench_gemv8 import fp8_gemv
 from llmc.cuda.bench_sampling import sampling_rows
-from llmc.cuda.bench_wo import wo_rows
+from llmc.cuda.bench_wo import wo_gemm_rows, wo_rows
 
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16
@@ -100,8 +100,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.only == "sampling":  # the sampling rows alone (seconds of GPU time)
         sampling_rows(be, mem_row, graph_ms, _cycle, bw)
         return _result(ceil, rows)
-    if args.only == "gemvwo":  # the weight-only rows alone (llmc.cuda.bench_wo)
-        wo_rows(be, rows, mem_row, flops_row, graph_ms, time_ms, _cycle)
+    if args.only in ("gemvwo", "gemmwo"):  # the weight-only rows alone (llmc.cuda.bench_wo)
+        if args.only == "gemvwo":
+            wo_rows(be, rows, mem_row, flops_row, graph_ms, time_ms, _cycle)
+        wo_gemm_rows(be, flops_row, time_ms)
         return _result(ceil, rows)
 
     # RMSNorm / fused add + RMSNorm: 16384 x 4096 bf16 (128 MiB per tensor)
@@ -157,6 +159,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     fused_gemv(be, rows, mem_row)
     fp8_gemv(be, rows, mem_row, graph_ms, _cycle)
     wo_rows(be, rows, mem_row, flops_row, graph_ms, time_ms, _cycle)
+    wo_gemm_rows(be, flops_row, time_ms)
 
     # Prefill attention: sm90 and mma.sync kernels, bf16 / fp8 KV, beside torch SDPA
     from llmc.cuda.bench_prefill import prefill_rows
@@ -369,10 +372,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=default, help="write results here")
     ap.add_argument(
         "--only",
-        choices=("gemv8", "sampling", "gemvwo"),
+        choices=("gemv8", "sampling", "gemvwo", "gemmwo"),
         default=None,
         help="gemv8: only the FP8 GEMV rows; sampling: only the sampling rows; gemvwo: only "
-        "the weight-only rows",
+        "the weight-only rows; gemmwo: only the weight-only large-step (GEMM plan) rows",
     )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

@@ -19,6 +19,14 @@ storage, g16, f32 scales).
   against the bf16 matmul ceiling, beside torch.mm on the bf16 weight (``bf16 cuBLAS``).
 
 CUDA-graph replays cycling over enough weight copies (>= 256 MB per op) that L2 serves none.
+
+``wo_gemm_rows`` (also ``--only gemmwo`` alone): the large-step plans of linear
+(llmc.cuda.gemm_wo_ops) for M in ``GEMM_PLAN_TOKENS`` x the four 8B projections x int4 g128
+and int8, ``wo gemm M=<M> <layout> <op> <plan>`` with plan mma (gemm_wo.cu), sm90
+(gemm_wo_sm90.cu, sm_90 only) and dequant (dequantize-then-cuBLAS), each in TFLOP/s beside
+``wo gemm M=<M> bf16 cuBLAS <op>`` (torch.mm on the bf16 weight of the same shape; the
+``fraction`` column is against the 8192^3 matmul ceiling of the run): the rows that set
+``WO_GEMM_TABLE``.
 """
 
 from __future__ import annotations
@@ -41,6 +49,8 @@ LAYOUTS = {  # name -> (bits, group_size (0 = K), offsets, scale dtype, code_zer
 }
 TOKENS = (1, 8)
 GEMM_TOKENS = (16, 32, 64, 128, 1024, 8192)
+GEMM_PLAN_TOKENS = (16, 64, 256, 512, 1024, 8192)
+GEMM_PLAN_LAYOUTS = ("int4_g128", "int8")
 COPY_BYTES = 256 << 20  # weight bytes cycled per op, so that L2 (50 MB) serves none
 LAYERS, LM_HEAD = 32, (128256, 4096)  # lm_head rows, K
 
@@ -162,3 +172,39 @@ def wo_rows(
                     flops_row(f"wo linear M={m} {name} {op} (dequant+cuBLAS)", f"{m}x{k}->{r}",
                               flops, time_ms(fn, repeats=10), None)  # fmt: skip
                     del be.wo_gemv_passes  # back to the class default
+
+
+def wo_gemm_rows(
+    be: Any,
+    flops_row: Callable,
+    time_ms: Callable[..., float],
+    tokens: tuple[int, ...] = GEMM_PLAN_TOKENS,
+) -> None:
+    """Append the ``wo gemm`` rows of the module docstring (``flops_row`` and ``time_ms``
+    are llmc.cuda.bench's). The GEMV passes are off (``wo_gemv_passes`` (1, 1)) so that
+    M = 16 reaches the large-step plans; both attributes are restored afterwards."""
+    g = torch.Generator(device=DEV).manual_seed(11)
+    sm90 = torch.cuda.get_device_capability(DEV) == (9, 0) if DEV.type == "cuda" else False
+    plans = ("mma", "sm90", "dequant") if sm90 else ("mma", "dequant")
+    be.wo_gemv_passes = (1, 1)
+    try:
+        for op, (r, k) in SHAPES.items():
+            dense = (torch.randn(r, k, device=DEV, generator=g) / k**0.5).to(BF16)
+            packs = {name: random_packed(r, k, LAYOUTS[name], g) for name in GEMM_PLAN_LAYOUTS}
+            for m in tokens:
+                x = torch.randn(m, k, device=DEV, generator=g).to(BF16)
+                out = torch.empty(m, r, device=DEV, dtype=BF16)
+                flops, shape = 2 * m * r * k, f"{m}x{k}->{r}"
+                ms = time_ms(lambda x=x, out=out, d=dense: torch.mm(x, d.t(), out=out), repeats=10)
+                flops_row(f"wo gemm M={m} bf16 cuBLAS {op}", shape, flops, ms, None)
+                for name, w in packs.items():
+                    for plan in plans:
+                        be.wo_gemm = plan
+                        fn = lambda x=x, out=out, w=w: be.linear(x, w, out=out)  # noqa: E731
+                        flops_row(f"wo gemm M={m} {name} {op} {plan}", shape, flops,
+                                  time_ms(fn, repeats=10), None)  # fmt: skip
+            del dense, packs
+    finally:
+        for attr in ("wo_gemm", "wo_gemv_passes"):  # back to the class defaults
+            if attr in vars(be):
+                delattr(be, attr)

@@ -1,18 +1,24 @@
-"""The tensor-core plan of the weight-only ``linear`` for larger steps (cuda/gemm_wo.cu).
+"""The tensor-core plans of the weight-only ``linear`` for larger steps (cuda/gemm_wo.cu,
+cuda/gemm_wo_sm90.cu).
 
-``linear(x [M, K], PackedWeight)`` past the small-step GEMV passes runs either
-dequantize-then-cuBLAS (llmc.cuda.gemv_wo_ops: the 16-bit weight written to a temporary in
-row chunks, then torch.mm) or gemm_wo.cu, which streams the codes once per M-tile,
-dequantizes them into shared memory (the same bit-exact formula, rounded once into the
-activation dtype: the same weight values) and multiplies on tensor cores (mma.sync
-m16n8k16, float32 accumulation, rounded once).
+``linear(x [M, K], PackedWeight)`` past the small-step GEMV passes runs one of three plans:
 
-Which one: ``WoGemmOps.wo_mma`` — False (the default until the bench's ``wo gemm`` rows
-are measured on the H200): dequantize-then-cuBLAS everywhere; True: gemm_wo.cu wherever
-it applies (``gw_unsupported``); None: the table ``WO_MMA_TABLE`` by rows M.
+- ``dequant``: dequantize-then-cuBLAS (llmc.cuda.gemv_wo_ops: the 16-bit weight written to
+  a temporary in row chunks, then torch.mm);
+- ``mma``: gemm_wo.cu (any sm_80+ GPU): the codes staged once per M-tile with cp.async,
+  dequantized into shared memory (the same bit-exact formula, rounded once into the
+  activation dtype: the same weight values), mma.sync m16n8k16, float32 accumulation,
+  rounded once; tiles 128x128 / 64x128 / 32x64 (``gw_tile``);
+- ``sm90``: gemm_wo_sm90.cu (sm_90 devices; elsewhere ``mma``): the same staging and
+  dequantization, wgmma m64n128k16 on 128x128 tiles, six stages.
 
-Invariant: the two plans compute the same rounded weights; they differ only in the order
-of the float32 accumulation (tolerance of a float32-accumulated GEMM). ``WoGemmOps`` is a
+Which one: ``WoGemmOps.wo_gemm`` — one of the plans for every step it applies to
+(``gw_unsupported``: else ``dequant``), or ``auto``: the table ``WO_GEMM_TABLE`` by rows M.
+The default stays ``dequant`` until the bench's ``wo gemm`` rows are measured on the H200
+(then ``auto``, with the table's bounds from those rows).
+
+Invariant: every plan computes the same rounded weights; they differ only in the order of
+the float32 accumulation (tolerance of a float32-accumulated GEMM). ``WoGemmOps`` is a
 mixin of ``WoOps`` (which provides ``device``, ``_lib``, ``_launch``, ``_sm_count`` and
 the ``_gemv_kernels`` cache).
 """
@@ -25,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from llmc.base.errors import UnsupportedError
 from llmc.cuda.launch_args import i32 as _i
 from llmc.cuda.launch_args import ptr as _p
 from llmc.cuda.reference_wo import PackedWeight
@@ -36,14 +43,17 @@ GW_TILES = ((128, 128), (64, 128), (32, 64))  # (BM, BN) the file instantiates, 
 GW_STATIC_SMEM = 48 * 1024  # above this a kernel needs its dynamic-shared-memory attribute
 _NULL = np.uint64(0)
 
-# The plan by rows M when ``wo_mma`` is None: the first entry whose bound holds (None: any
-# M). Reasons: up to ~1024 rows the step is bound by weight bytes or near it and gemm_wo.cu
-# reads 0.5 (int4) / 1 (int8) byte a weight once per M-tile, where dequantize-then-cuBLAS
-# reads the codes, writes and re-reads a 16-bit weight (~4.5 / 5 bytes); past that the GEMM
-# is compute-bound, cuBLAS's wgmma kernels outrun mma.sync, and the dequantize is a small
-# share of the step. The bound is the brief's starting point, to be replaced by the H200
-# rows (``python -m llmc.cuda.bench --only gemvwo``: ``wo gemm`` rows).
-WO_MMA_TABLE: tuple[tuple[int | None, str], ...] = ((1024, "mma"), (None, "dequant"))
+# The plan by rows M under ``wo_gemm = "auto"``: the first entry whose bound holds (None:
+# any M). Reasons: up to ~1024 rows a step is bound by weight bytes or near it, and the
+# kernels read 0.5 (int4) / 1 (int8) byte a weight once per M-tile where
+# dequantize-then-cuBLAS reads the codes, writes and re-reads a 16-bit weight (~4.5 / 5
+# bytes); at M <= 64 a 128-row wgmma tile is mostly padding, so mma.sync's 32 / 64-row tiles;
+# past ~1024 rows the step is compute-bound and cuBLAS's tuned kernels plus a dequantize
+# that is a small share of the step are the safe choice. The bounds are the brief's starting
+# point, to be replaced by the H200 rows (``python -m llmc.cuda.bench --only gemvwo``).
+WO_GEMM_TABLE: tuple[tuple[int | None, str], ...] = ((64, "mma"), (1024, "sm90"), (None, "dequant"))
+WO_GEMM_PLANS = ("dequant", "mma", "sm90", "auto")
+GS_STAGES, GS_TILE = 6, 128 * 128  # gemm_wo_sm90.cu: stages, bytes of an X slot / W tile
 
 
 def gw_kernel_name(bits: int, bm: int, bn: int) -> str:
@@ -84,20 +94,50 @@ def gw_unsupported(x: torch.Tensor, w: PackedWeight) -> str | None:
     return None
 
 
-def wo_mma_planned(choice: bool | None, m: int) -> bool:
-    """Whether ``wo_mma`` = ``choice`` picks gemm_wo.cu for M rows (support aside)."""
-    if choice is not None:
-        return choice
-    for bound, plan in WO_MMA_TABLE:
-        if bound is None or m <= bound:
-            return plan == "mma"
-    return False
+def wo_gemm_planned(choice: str, m: int, sm90: bool) -> str:
+    """The plan ``wo_gemm`` = ``choice`` picks for M rows (support aside); ``sm90`` is
+    ``mma`` off sm_90 devices."""
+    if choice not in WO_GEMM_PLANS:
+        raise UnsupportedError(
+            f"CudaBackend.wo_gemm = {choice!r}: choose one of {', '.join(WO_GEMM_PLANS)}"
+        )
+    plan = choice
+    if choice == "auto":
+        plan = next(p for bound, p in WO_GEMM_TABLE if bound is None or m <= bound)
+    return "mma" if plan == "sm90" and not sm90 else plan
+
+
+def gs_smem_bytes(bits: int) -> int:
+    """Dynamic shared memory of a gemm_wo_sm90.cu launch: X slots, two W tiles, code slots,
+    and 1024 bytes to round the base up to the swizzle's alignment."""
+    return (GS_STAGES + 2) * GS_TILE + GS_STAGES * 128 * GW_BK * bits // 8 + 1024
+
+
+def gw_launch(
+    x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, out: torch.Tensor, sms: int,
+    plan: str = "mma",
+) -> tuple[str, str, int, int, tuple[Any, ...]]:  # fmt: skip
+    """(family, kernel, grid, dynamic shared bytes, arguments: tensors, None for null, ints)
+    of the ``plan`` (mma or sm90) launch for x [M, K] against ``w`` into ``out`` [M, N]."""
+    m, k = x.shape
+    n = w.shape[0]
+    flags = (1 if w.scales.dtype == torch.float32 else 0) | (2 if out.dtype == torch.float32 else 0)
+    args = (
+        x, w.codes, w.scales, w.offsets, bias, out, m, n, k, w.code_zero, w.group_size,
+        w.scales.shape[1], flags,
+    )  # fmt: skip
+    if plan == "sm90":
+        grid = gw_grid(m, n, (128, 128))
+        return "gemm_wo_sm90", f"gemm_wo{w.bits}_sm90", grid, gs_smem_bytes(w.bits), args
+    tile = gw_tile(m, n, sms)
+    name = gw_kernel_name(w.bits, *tile)
+    return "gemm_wo", name, gw_grid(m, n, tile), gw_smem_bytes(w.bits, *tile), args
 
 
 class WoGemmOps:
-    """gemm_wo.cu's plan and launch (mixin; see the module docstring)."""
+    """The tensor-core plans and their launch (mixin; see the module docstring)."""
 
-    wo_mma: bool | None = False
+    wo_gemm: str = "dequant"
 
     device: torch.device
     _sm_count: int
@@ -105,18 +145,22 @@ class WoGemmOps:
     _lib: Any
     _launch: Any
 
-    def _wo_mma_serves(self, x: torch.Tensor, w: PackedWeight) -> bool:
-        return wo_mma_planned(self.wo_mma, x.shape[0]) and gw_unsupported(x, w) is None
+    def _wo_gemm_plan(self, x: torch.Tensor, w: PackedWeight) -> str:
+        """``dequant``, ``mma`` or ``sm90`` for x [M, K] against ``w``."""
+        sm90 = torch.cuda.get_device_capability(self.device) == (9, 0)
+        plan = wo_gemm_planned(self.wo_gemm, x.shape[0], sm90)
+        return "dequant" if plan == "dequant" or gw_unsupported(x, w) else plan
 
-    def _wo_mma(
-        self, x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, out: torch.Tensor
-    ) -> None:
-        """out = x @ dequantize(w).T (+ bias), rounded once (gemm_wo.cu); x, w, bias and
-        out checked by the caller (linear_wo)."""
-        name, grid, smem, args = gw_launch(x, w, bias, out, self._sm_count)
+    def _wo_gemm(
+        self, plan: str, x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None,
+        out: torch.Tensor,
+    ) -> None:  # fmt: skip
+        """out = x @ dequantize(w).T (+ bias), rounded once, by ``plan`` (mma or sm90); x,
+        w, bias and out checked by the caller (linear_wo)."""
+        family, name, grid, smem, args = gw_launch(x, w, bias, out, self._sm_count, plan)
         kern = self._gemv_kernels.get((x.dtype, name))
         if kern is None:
-            kern = self._lib(x.dtype).get("gemm_wo", name)
+            kern = self._lib(x.dtype).get(family, name)
             if smem > GW_STATIC_SMEM:
                 kern.max_dynamic_shared_size_bytes = smem
             self._gemv_kernels[(x.dtype, name)] = kern
@@ -124,19 +168,3 @@ class WoGemmOps:
             _NULL if a is None else _p(a) if isinstance(a, torch.Tensor) else _i(a) for a in args
         )
         self._launch(kern, (grid,), (GW_THREADS,), cargs, shared_mem=smem)
-
-
-def gw_launch(
-    x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, out: torch.Tensor, sms: int
-) -> tuple[str, int, int, tuple[Any, ...]]:
-    """(kernel, grid, dynamic shared bytes, arguments: tensors, None for null, ints) of
-    the gemm_wo.cu launch for x [M, K] against ``w`` into ``out`` [M, N]."""
-    m, k = x.shape
-    n = w.shape[0]
-    tile = gw_tile(m, n, sms)
-    flags = (1 if w.scales.dtype == torch.float32 else 0) | (2 if out.dtype == torch.float32 else 0)
-    args = (
-        x, w.codes, w.scales, w.offsets, bias, out, m, n, k, w.code_zero, w.group_size,
-        w.scales.shape[1], flags,
-    )  # fmt: skip
-    return gw_kernel_name(w.bits, *tile), gw_grid(m, n, tile), gw_smem_bytes(w.bits, *tile), args

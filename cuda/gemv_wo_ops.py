@@ -10,8 +10,9 @@ on to the BF16 kernels), ``linear`` and ``embedding`` (CudaBackend's own, which 
   per op, dequantizing in registers, with the norm prologue and the SiLU / residual / bias
   epilogues; the scale mode from the group size (``wo_scale_mode``), the activations staged
   in shared memory (``wo_smem_bytes``);
-- larger steps where ``WoGemmOps.wo_mma`` picks it: gemm_wo.cu, codes dequantized into
-  shared memory ahead of tensor-core MMAs (llmc.cuda.gemm_wo_ops: the plan and its table);
+- larger steps where ``WoGemmOps.wo_gemm`` picks it: gemm_wo.cu (mma.sync) or
+  gemm_wo_sm90.cu (wgmma), codes dequantized into shared memory ahead of tensor-core MMAs
+  (llmc.cuda.gemm_wo_ops: the plans and their table);
 - anything else (T > 8, float32 activations, a staging that exceeds the shared-memory
   budget, a group size that is not a multiple of 16): dequantize-then-cuBLAS, the weight
   dequantized (wo_dequant.cu, bit-exact, rounded once into the activation dtype) in row
@@ -250,8 +251,9 @@ class WoOps(WoGemmOps):
                 r1 = min(t, r0 + GEMV_MAX_TOKENS)
                 self._wo_gemv(3, x[r0:r1], None, 0.0, weight, bias, out[r0:r1], n)
             return out
-        if self._wo_mma_serves(x, weight):  # gemm_wo.cu (llmc.cuda.gemm_wo_ops)
-            self._wo_mma(x, weight, bias, out)
+        plan = self._wo_gemm_plan(x, weight)  # llmc.cuda.gemm_wo_ops
+        if plan != "dequant":
+            self._wo_gemm(plan, x, weight, bias, out)
             return out
         rows = wo_chunk_rows(n, k, x.element_size())
         for n0 in range(0, n, rows):

@@ -51,6 +51,7 @@ FAMILIES: dict[str, tuple[str, bool]] = {
     "gemv_wo": ("gemv_wo.cu", False),
     "wo_dequant": ("wo_dequant.cu", False),
     "gemm_wo": ("gemm_wo.cu", False),
+    "gemm_wo_sm90": ("gemm_wo_sm90.cu", False),
 }
 WO_QUANTIZATIONS = ("int8_wo", "int4_wo", "gguf")
 # Families an engine needs only under some ``--quantization`` values (engine builds compile
@@ -60,6 +61,7 @@ QUANTIZED_FAMILIES: dict[str, tuple[str, ...]] = {
     "gemv_wo": WO_QUANTIZATIONS,
     "wo_dequant": WO_QUANTIZATIONS,
     "gemm_wo": WO_QUANTIZATIONS,
+    "gemm_wo_sm90": WO_QUANTIZATIONS,
 }
 
 
@@ -118,9 +120,13 @@ class KernelConfig:
         return self.dtype != "float32" and self.head_dim in (64, 128)
 
 
+_WO_MMA_FAMILIES = ("gemv_wo", "gemm_wo", "gemm_wo_sm90")  # 16-bit activations only
 # Families built only for one arch, with the arch-specific ("a") features their PTX uses
 # (wgmma, setmaxnreg exist on sm_90a and nowhere else): family -> (device arch, build arch).
-ARCH_SPECIFIC: dict[str, tuple[str, str]] = {"prefill_sm90": ("sm_90", "sm_90a")}
+ARCH_SPECIFIC: dict[str, tuple[str, str]] = {
+    "prefill_sm90": ("sm_90", "sm_90a"),
+    "gemm_wo_sm90": ("sm_90", "sm_90a"),
+}
 
 
 def family_arch(family: str, arch: str) -> str | None:
@@ -138,7 +144,7 @@ def has_kernels(family: str, cfg: KernelConfig, arch: str | None = None) -> bool
         return False
     if family == "prefill_sm90" and not cfg.sm90_prefill:
         return False
-    if family in ("gemv_wo", "gemm_wo") and cfg.dtype == "float32":  # 16-bit mma operands
+    if family in _WO_MMA_FAMILIES and cfg.dtype == "float32":  # 16-bit mma operands only
         return False
     wanted = QUANTIZED_FAMILIES.get(family)
     if wanted is not None and cfg.quantization is not None and cfg.quantization not in wanted:

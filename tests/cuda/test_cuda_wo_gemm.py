@@ -1,0 +1,148 @@
+"""The weight-only linear of larger steps on tensor cores (llmc.cuda.gemm_wo_ops:
+cuda/gemm_wo.cu, mma.sync; cuda/gemm_wo_sm90.cu, wgmma, sm_90 only) against
+llmc.cuda.reference on fresh random PackedWeights, on the GPU.
+
+Each plan (``CudaBackend.wo_gemm`` = ``mma`` / ``sm90``; the GEMV passes turned off so every
+T > 8 reaches it, and the plan asserted to be the one that runs) over every layout the
+engines write (4 / 8 bits, group sizes 16 .. K, offsets or none, f16 / f32 scales, the
+GGUF-like code_zeros), odd M, N not a multiple of the tiles, K of 1.5 k-tiles and the
+Llama-3-8B shapes, bias, float32 logits, bf16 and f16 activations; outputs poisoned with
+NaN; relative error below 1e-2 against the reference (the float32-accumulated GEMM of the
+exact weights, rounded once), and within one output rounding of the dequantize-then-cuBLAS
+plan's weights (the same 16-bit values). Also CUDA-graph capture. Run with
+``pytest -m cuda -o addopts=""`` on a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers.attention import rel_err
+from helpers.packed_weights import random_packed
+from llmc.cuda import reference as ref
+
+pytestmark = pytest.mark.cuda
+
+if not torch.cuda.is_available():  # pragma: no cover - CPU machines deselect these anyway
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+cupy = pytest.importorskip("cupy")
+
+DEV = torch.device("cuda")
+F16, F32, BF16 = torch.float16, torch.float32, torch.bfloat16
+PLANS = ["mma", "sm90"]
+
+# name -> (bits, group_size (0 = K), offsets, scale dtype, code_zero (None = default))
+LAYOUTS = {
+    "int4_g128_asym": (4, 128, True, F16, None),  # int4_wo default
+    "int4_g128_sym": (4, 128, False, F16, 8),
+    "int4_gK": (4, 0, False, F16, 8),
+    "int8_perchannel": (8, 0, False, F16, 128),  # int8_wo
+    "q8_0": (8, 32, False, F16, 128),
+    "q4_1": (4, 32, True, F16, 0),
+    "q4_k": (4, 32, True, F32, 0),
+    "q5_k": (8, 32, True, F32, 0),
+    "q6_k": (8, 16, False, F32, 32),
+    "int4_g64_sym": (4, 64, False, F16, 8),
+}
+
+
+@pytest.fixture(scope="module")
+def be():
+    from llmc.cuda.cuda_backend import CudaBackend
+
+    b = CudaBackend(DEV)
+    b.wo_gemv_passes = (1, 1)  # T > 8 rows: the large-step plan
+    return b
+
+
+def _plan(be, plan: str):
+    if plan == "sm90" and torch.cuda.get_device_capability(DEV) != (9, 0):
+        pytest.skip("gemm_wo_sm90.cu runs on sm_90 only")
+    be.wo_gemm = plan
+
+
+def packed(name: str, rows: int, k: int, seed: int = 0):
+    bits, gs, offs, sdt, cz = LAYOUTS[name]
+    return random_packed(
+        rows, k, bits, gs or k, offsets=offs, scale_dtype=sdt, code_zero=cz, seed=seed, device=DEV
+    )
+
+
+def check_linear(be, plan, w, m, dtype=BF16, bias=True, logits=False) -> None:
+    n, k = w.shape
+    g = torch.Generator(device=DEV).manual_seed(m * 1000 + k + n)
+    x = (3 * torch.randn(m, k, device=DEV, generator=g)).to(dtype)
+    b = torch.randn(n, device=DEV, generator=g).to(dtype) if bias else None
+    assert be._wo_gemm_plan(x, w) == plan
+    out = torch.full((m, n), float("nan"), device=DEV, dtype=F32 if logits else dtype)
+    got = be.linear(x, w, b, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    torch.cuda.synchronize()
+    assert not torch.isnan(out).any(), "an output was never written"
+    want = ref.linear(x, w, b)
+    assert rel_err(out.float(), want.float()) < 1e-2
+    w16 = w.dequantize().to(dtype).float()  # dequantize-then-cuBLAS's weight values
+    same = x.float() @ w16.T + (0 if b is None else b.float())
+    torch.testing.assert_close(out.float(), same.to(dtype).float(), rtol=2**-7, atol=2e-3)
+
+
+# (K, N): K of 1.5 k-tiles (96) and 18 (1152), N below / between the tiles (odd)
+SHAPES = [(96, 33), (1152, 97), (1152, 300)]
+
+
+@pytest.mark.parametrize("m", [9, 33, 130, 300])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("plan", PLANS)
+def test_layouts_vs_reference(be, plan, layout, shape, m):
+    _plan(be, plan)
+    k, n = shape
+    check_linear(be, plan, packed(layout, n, k, seed=k + n), m)
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("layout", ["int4_g128_asym", "int8_perchannel", "q4_k", "q6_k"])
+@pytest.mark.parametrize("plan", PLANS)
+def test_dtypes_bias_and_logits(be, plan, layout, dtype):
+    _plan(be, plan)
+    w = packed(layout, 200, 1024, seed=3)
+    for m, bias, logits in ((17, False, False), (129, True, True), (257, True, False)):
+        check_linear(be, plan, w, m, dtype, bias=bias, logits=logits)
+
+
+# the Llama-3-8B projections: qkv, o_proj, gate_up, down (N, K)
+SHAPES_8B = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096),
+             "down": (4096, 14336)}  # fmt: skip
+
+
+@pytest.mark.parametrize("m", [64, 512, 1024])
+@pytest.mark.parametrize("proj", list(SHAPES_8B))
+@pytest.mark.parametrize("layout", ["int4_g128_asym", "int8_perchannel"])
+@pytest.mark.parametrize("plan", PLANS)
+def test_8b_shapes(be, plan, layout, proj, m):
+    _plan(be, plan)
+    n, k = SHAPES_8B[proj]
+    check_linear(be, plan, packed(layout, n, k, seed=n), m, bias=False)
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_graph_capture_and_replay(be, plan):
+    """The large-step linear captured in a CUDA graph, replayed on fresh inputs."""
+    _plan(be, plan)
+    m, k, n = 200, 1024, 640
+    w = packed("int4_g128_asym", n, k, 5)
+    x = torch.zeros(m, k, device=DEV, dtype=BF16)
+    out = torch.empty(m, n, device=DEV, dtype=BF16)
+    be.linear(x, w, out=out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        be.linear(x, w, out=out)
+    for seed in (1, 2):
+        g = torch.Generator(device=DEV).manual_seed(seed)
+        x.copy_(torch.randn(m, k, device=DEV, generator=g))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, ref.linear(x, w, None)) < 1e-2

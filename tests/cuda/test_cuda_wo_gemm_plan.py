@@ -1,0 +1,55 @@
+"""The plans of the weight-only linear for larger steps (llmc.cuda.gemm_wo_ops), on the CPU:
+the tile each step size gets, the grid and shared memory of both tensor-core kernels, the
+``wo_gemm`` table and choices, and the shapes that fall back to dequantize-then-cuBLAS.
+The kernels themselves: tests/cuda/test_cuda_wo_gemm_emulated.py (CPU emulator) and
+tests/cuda/test_cuda_wo_gemm.py (GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers.packed_weights import random_packed
+from llmc.base.errors import UnsupportedError
+from llmc.cuda.gemm_wo_ops import gs_smem_bytes, gw_launch, gw_unsupported, wo_gemm_planned
+
+
+def test_plan_picks_each_tile():
+    """gw_launch's tiles: 32-row tiles for M <= 32, the largest tile filling 90 % of the
+    SMs otherwise (the 8B shapes on 132 SMs), the grid covering M x N."""
+    w = random_packed(4096, 64, 4, 32, offsets=False)
+    cases = {(16, 132): "32x64", (64, 16): "64x128", (512, 132): "128x128", (256, 132): "64x128"}
+    for (m, sms), tile in cases.items():
+        x = torch.zeros(m, 64, dtype=torch.bfloat16)
+        out = torch.empty(m, 4096, dtype=torch.bfloat16)
+        _, name, grid, _, _ = gw_launch(x, w, None, out, sms)
+        bm, bn = map(int, tile.split("x"))
+        assert name == f"gemm_wo4_{tile}" and grid == -(-m // bm) * (4096 // bn)
+    x = torch.zeros(300, 64, dtype=torch.bfloat16)
+    fam, name, grid, smem, _ = gw_launch(x, w, None, torch.empty(300, 4096), 132, "sm90")
+    assert (fam, name, grid) == ("gemm_wo_sm90", "gemm_wo4_sm90", 3 * 32)
+    assert smem == gs_smem_bytes(4) <= 227 * 1024  # the H200's opt-in shared memory
+
+
+def test_plan_table_and_choices():
+    """wo_gemm: a plan everywhere, or ``auto`` by the table; sm90 is mma off sm_90; a bad
+    name is refused."""
+    assert [wo_gemm_planned("auto", m, True) for m in (9, 64, 65, 1024, 1025)] == [
+        "mma", "mma", "sm90", "sm90", "dequant"
+    ]  # fmt: skip
+    assert wo_gemm_planned("auto", 512, False) == "mma"
+    assert wo_gemm_planned("dequant", 16, True) == "dequant"
+    assert wo_gemm_planned("sm90", 8192, True) == "sm90"
+    with pytest.raises(UnsupportedError, match="wo_gemm = 'wgmma'"):
+        wo_gemm_planned("wgmma", 16, True)
+
+
+def test_unsupported_shapes_fall_back():
+    w = random_packed(64, 96, 4, 32, offsets=True)
+    x = torch.zeros(20, 96, dtype=torch.bfloat16)
+    assert gw_unsupported(x, w) is None
+    assert "float32" in gw_unsupported(x.float(), w)
+    w2 = random_packed(64, 80, 8, 16, offsets=False)
+    assert "multiple of 32" in gw_unsupported(torch.zeros(20, 80, dtype=torch.bfloat16), w2)
+    w3 = random_packed(64, 96, 8, 12, offsets=False)
+    assert "group size 12" in gw_unsupported(x, w3)
