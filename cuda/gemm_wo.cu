@@ -8,13 +8,14 @@
 // the rounded values, as llmc.cuda.gemv_wo_ops.linear_wo promises).
 //
 // CTA tile BM x BN (128x128, 64x128, 32x64), BK = 64 columns a k-tile, 256 threads = 8 warps
-// as 2 (M) x 4 (N), each warp (BM / 2) x (BN / 4) of m16n8 accumulators. Per k-tile:
-//   1. cp.async of the next k-tile's X rows [BM][64] and code rows [BN][64 * BITS / 8] into
-//      the other of two stages (zero-filled past M, N, K);
-//   2. the current stage's codes -> W tile [BN][64] 16-bit (8 columns of one group a thread
-//      unit: one scale / offset load, one 16-byte shared store; zeros past N and K);
-//   3. ldmatrix A fragments from X, B fragments from W (W is [n][k]: the mma's col-major B),
-//      4 k16 steps of mma.
+// as 2 (M) x 4 (N), each warp (BM / 2) x (BN / 4) of m16n8 accumulators. A ring of S
+// cp.async stages (GW_STAGES: 3 for 128-row tiles, 4 for the others) holds X rows [BM][64]
+// and code rows [BN][64 * BITS / 8] of the next k-tiles (zero-filled past M, N, K). Per
+// k-tile kt: wait for tile kt's group; __syncthreads (every warp is done with tile kt - 1);
+// cp.async of tile kt + S - 1 into kt - 1's slot; tile kt's codes -> the W tile [BN][64]
+// 16-bit (8 columns of one group a thread unit: one scale / offset load, one 16-byte shared
+// store; zeros past N and K); __syncthreads; ldmatrix A fragments from X, B fragments from W
+// (W is [n][k]: the mma's col-major B), 4 k16 steps of mma.
 // Shared rows are padded by 8 elements (gemm_wo.cuh's plain layout: the 8 rows of an
 // ldmatrix phase fall in distinct banks); staging, dequantization, the grouped tile order
 // and the stores are gemm_wo.cuh's, shared with the wgmma kernel (gemm_wo_sm90.cu).
@@ -65,20 +66,25 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 __device__ __forceinline__ void cp_async_wait_all() {
     asm volatile("cp.async.wait_group 0;" ::: "memory");
 }
-// all but the most recent group complete (the stage being computed; the next in flight)
-__device__ __forceinline__ void gw_wait_prev() {
-    asm volatile("cp.async.wait_group 1;" ::: "memory");
+// all but the N most recent groups complete
+template <int N>
+__device__ __forceinline__ void gw_wait_stages() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 #else
-inline void gw_wait_prev() {}  // the emulator's cp.async copies at once
+template <int N>
+inline void gw_wait_stages() {}  // the emulator's cp.async copies at once
 #endif  // LLMC_HOST_EMULATION
 
 #include "gemm_wo.cuh"
 
+// cp.async stages (X and code slots): 3 for 128-row tiles (two CTAs an SM fit), else 4
+#define GW_STAGES(BM) ((BM) == 128 ? 3 : 4)
+
 template <int BITS, int BM, int BN>
 __device__ __forceinline__ void gemm_wo_body(const GwArgs& a) {
-    constexpr int WM = BM / 2, WN = BN / 4, MT = WM / 16, NT = WN / 8;
-    constexpr int XS = BM * GW_LDS, CS = BN * (GW_BK * BITS / 8);
+    constexpr int WM = BM / 2, WN = BN / 4, MT = WM / 16, NT = WN / 8, S = GW_STAGES(BM);
+    constexpr int XB = BM * GW_LDS * 2, CS = BN * (GW_BK * BITS / 8);  // bytes of a slot
     static_assert(MT >= 1 && NT % 2 == 0, "tile: 16-row warp tiles, pairs of n8 tiles");
 #ifdef LLMC_HOST_EMULATION
     unsigned char* smem = emu_dyn_smem;
@@ -86,11 +92,10 @@ __device__ __forceinline__ void gemm_wo_body(const GwArgs& a) {
     extern __shared__ v4u gw_smem_raw[];
     unsigned char* smem = reinterpret_cast<unsigned char*>(gw_smem_raw);
 #endif
-    // X [2][BM][GW_LDS] | W [BN][GW_LDS] (16-bit) | codes [2][CS bytes]
-    scalar_t* xs = reinterpret_cast<scalar_t*>(smem);
-    scalar_t* ws = xs + 2 * XS;
-    unsigned char* cs = reinterpret_cast<unsigned char*>(ws + BN * GW_LDS);
-    unsigned char* xb = reinterpret_cast<unsigned char*>(xs);
+    // X slots [S][BM][GW_LDS] | W [BN][GW_LDS] (16-bit) | code slots [S][CS bytes]
+    unsigned char* xsl = smem;
+    scalar_t* ws = reinterpret_cast<scalar_t*>(smem + S * XB);
+    unsigned char* csl = smem + S * XB + BN * GW_LDS * 2;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wm = warp >> 2, wn = warp & 3;
     int m0, n0;
     gw_origin<BM, BN>(a, m0, n0);
@@ -104,22 +109,23 @@ __device__ __forceinline__ void gemm_wo_body(const GwArgs& a) {
             for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
 
     const int KT = (a.K + GW_BK - 1) / GW_BK;
-    gw_load<BITS, BM, BN, false>(a, xb, cs, m0, n0, 0);
-    cp_async_commit();
+#pragma unroll
+    for (int s = 0; s < S - 1; ++s) {
+        if (s < KT) gw_load<BITS, BM, BN, false>(a, xsl + s * XB, csl + s * CS, m0, n0, s);
+        cp_async_commit();  // empty groups past KT keep the count uniform
+    }
     for (int kt = 0; kt < KT; ++kt) {
-        const int st = kt & 1;
-        if (kt + 1 < KT) {  // the other stage was last read before the previous trailing sync
-            gw_load<BITS, BM, BN, false>(a, xb + (st ^ 1) * XS * 2, cs + (st ^ 1) * CS, m0, n0,
-                                         kt + 1);
-            cp_async_commit();
-            gw_wait_prev();
-        } else {
-            cp_async_wait_all();
+        gw_wait_stages<S - 2>();  // tile kt landed (this thread's copies)
+        __syncthreads();          // every warp is past tile kt - 1: its slot and W are free
+        const int nx = kt + S - 1, st = kt % S;
+        if (nx < KT) {
+            const int sl = nx % S;
+            gw_load<BITS, BM, BN, false>(a, xsl + sl * XB, csl + sl * CS, m0, n0, nx);
         }
+        cp_async_commit();
+        gw_dequant<BITS, BN, false>(a, csl + st * CS, reinterpret_cast<unsigned char*>(ws), n0, kt);
         __syncthreads();
-        gw_dequant<BITS, BN, false>(a, cs + st * CS, reinterpret_cast<unsigned char*>(ws), n0, kt);
-        __syncthreads();
-        const scalar_t* xt = xs + st * XS;
+        const scalar_t* xt = reinterpret_cast<const scalar_t*>(xsl + st * XB);
 #pragma unroll
         for (int kk = 0; kk < GW_BK / 16; ++kk) {
             unsigned af[MT][4], bf[NT][2];
@@ -143,8 +149,8 @@ __device__ __forceinline__ void gemm_wo_body(const GwArgs& a) {
 #pragma unroll
                 for (int j = 0; j < NT; ++j) mma16816(acc[i][j], af[i], bf[j][0], bf[j][1]);
         }
-        __syncthreads();  // W and this stage are rewritten next
     }
+    cp_async_wait_all();  // only empty groups remain: no copy outlives its thread
 
     // c0, c1 = (row g, cols 2t, 2t+1), c2, c3 = (row g + 8, ...)
     const int g = lane >> 2, t4 = lane & 3;
@@ -158,8 +164,10 @@ __device__ __forceinline__ void gemm_wo_body(const GwArgs& a) {
         }
 }
 
+// two CTAs an SM (<= 128 registers a thread): one CTA's dequantization overlaps the other's
+// mma and the stalls of its barriers
 #define GW_KERNEL(BITS, BM, BN)                                                                   \
-    extern "C" __global__ void __launch_bounds__(GW_THREADS)                                      \
+    extern "C" __global__ void __launch_bounds__(GW_THREADS, 2)                                   \
         gemm_wo##BITS##_##BM##x##BN(GW_PARAMS) {                                                  \
         gemm_wo_body<BITS, BM, BN>(GW_ARGS);                                                      \
     }

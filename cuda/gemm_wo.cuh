@@ -54,15 +54,22 @@ template <int BITS, int BM, int BN, bool SWZ>
 __device__ __forceinline__ void gw_load(const GwArgs& a, unsigned char* xd, unsigned char* cd,
                                         int m0, int n0, int kt) {
     constexpr int CB = GW_BK * BITS / 8, CCH = CB / 16, KPC = 128 / BITS;
+    constexpr int XC = BM * (GW_BK / 8), CC = BN * CCH;  // 16-byte chunks of X and codes
     const int k0 = kt * GW_BK;
-    for (int c = threadIdx.x; c < BM * (GW_BK / 8); c += GW_THREADS) {
+#pragma unroll
+    for (int i = 0; i < (XC + GW_THREADS - 1) / GW_THREADS; ++i) {
+        const int c = threadIdx.x + i * GW_THREADS;
+        if (XC % GW_THREADS != 0 && c >= XC) break;
         const int r = c >> 3, k = k0 + (c & 7) * 8;
         const bool ok = m0 + r < a.M && k < a.K;
         const scalar_t* src = ok ? a.x + (long long)(m0 + r) * a.K + k : a.x;
         cp_async16(smem_addr(xd + gw_chunk<SWZ>(r, c & 7)), src, ok ? 16 : 0);
     }
     const long long rowbytes = (long long)a.K * BITS / 8;
-    for (int c = threadIdx.x; c < BN * CCH; c += GW_THREADS) {
+#pragma unroll
+    for (int i = 0; i < (CC + GW_THREADS - 1) / GW_THREADS; ++i) {
+        const int c = threadIdx.x + i * GW_THREADS;
+        if (CC % GW_THREADS != 0 && c >= CC) break;
         const int r = c / CCH, ch = c % CCH, k = k0 + ch * KPC;
         const bool ok = n0 + r < a.N && k < a.K;
         const unsigned char* src = ok ? a.codes + (n0 + r) * rowbytes + k * BITS / 8 : a.codes;
@@ -77,11 +84,18 @@ __device__ __forceinline__ void gw_dequant(const GwArgs& a, const unsigned char*
                                            unsigned char* ws, int n0, int kt) {
     constexpr int CB = GW_BK * BITS / 8;
     const bool f32 = (a.flags & 1) != 0, has_o = a.offsets != nullptr;
-    for (int u = threadIdx.x; u < BN * (GW_BK / 8); u += GW_THREADS) {
+    // group of column k: none (one group a row), a shift (power-of-two groups) or a division
+    const int gsl = a.G == 1 ? 31 : (__popc(a.gs) == 1 ? __ffs(a.gs) - 1 : -1);
+    constexpr int U = BN * (GW_BK / 8);  // units of 8 columns
+    static_assert(U % GW_THREADS == 0, "whole units per thread");
+#pragma unroll 2
+    for (int i = 0; i < U / GW_THREADS; ++i) {
+        const int u = threadIdx.x + i * GW_THREADS;
         const int r = u >> 3, c0 = (u & 7) * 8, n = n0 + r, k = kt * GW_BK + c0;
         float f[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
         if (n < a.N && k < a.K) {
-            const long long gi = (long long)n * a.G + k / a.gs;
+            const int grp = gsl == 31 ? 0 : gsl >= 0 ? k >> gsl : k / a.gs;
+            const long long gi = (long long)n * a.G + grp;
             const float s = wod_scale(a.scales, gi, f32);
             const float o = has_o ? wod_scale(a.offsets, gi, f32) : 0.f;
             unsigned int q[8];

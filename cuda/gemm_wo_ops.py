@@ -60,10 +60,17 @@ def gw_kernel_name(bits: int, bm: int, bn: int) -> str:
     return f"gemm_wo{bits}_{bm}x{bn}"
 
 
+def gw_stages(bm: int) -> int:
+    """gemm_wo.cu's cp.async stages (GW_STAGES): 3 for 128-row tiles (two CTAs an SM fit
+    the H200's shared memory), 4 for the smaller tiles."""
+    return 3 if bm == 128 else 4
+
+
 def gw_smem_bytes(bits: int, bm: int, bn: int) -> int:
-    """Dynamic shared memory of a gemm_wo.cu launch: two stages of X rows [BM][GW_LDS] and
+    """Dynamic shared memory of a gemm_wo.cu launch: the stages' X rows [BM][GW_LDS] and
     code rows [BN][GW_BK * bits / 8], one 16-bit W tile [BN][GW_LDS]."""
-    return 2 * bm * GW_LDS * 2 + bn * GW_LDS * 2 + 2 * bn * GW_BK * bits // 8
+    s = gw_stages(bm)
+    return s * bm * GW_LDS * 2 + bn * GW_LDS * 2 + s * bn * GW_BK * bits // 8
 
 
 def gw_tile(m: int, n: int, sms: int) -> tuple[int, int]:
@@ -147,9 +154,18 @@ class WoGemmOps:
 
     def _wo_gemm_plan(self, x: torch.Tensor, w: PackedWeight) -> str:
         """``dequant``, ``mma`` or ``sm90`` for x [M, K] against ``w``."""
+        m, n = x.shape[0], w.shape[0]
         sm90 = torch.cuda.get_device_capability(self.device) == (9, 0)
-        plan = wo_gemm_planned(self.wo_gemm, x.shape[0], sm90)
-        return "dequant" if plan == "dequant" or gw_unsupported(x, w) else plan
+        plan = wo_gemm_planned(self.wo_gemm, m, sm90)
+        if plan == "dequant" or gw_unsupported(x, w):
+            return "dequant"
+        if (
+            self.wo_gemm == "auto"
+            and plan == "sm90"
+            and gw_grid(m, n, (128, 128)) < 0.9 * self._sm_count
+        ):
+            return "mma"  # too few 128x128 tiles to fill the GPU: mma.sync's smaller tiles
+        return plan
 
     def _wo_gemm(
         self, plan: str, x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None,

@@ -7,7 +7,9 @@ What the emulation checks without a GPU: the cp.async staging of X and code rows
 fill past M, N and K), the dequantization into the W tile (4- and 8-bit codes, group sizes
 16 .. K, offsets or none, f16 / f32 scales, code_zero), the ldmatrix / mma fragment
 addressing of every tile shape (32x64, 64x128, 128x128), the grouped CTA order (a partial
-group), partial k-tiles, odd N, bias and both output dtypes. The kernel's weights are the
+group), partial k-tiles, the stage ring's reuse of slots (more k-tiles than stages: the emulator's
+copies land at once, so a slot overwritten too early shows), odd N, bias and both output
+dtypes. The kernel's weights are the
 dequantize-then-cuBLAS weights (the formula rounded once into the activation dtype), so
 the result must equal x @ w16.T rounded once up to accumulation order (one rounding step
 of the output), and the reference linear within the GEMM tolerance. Not marked ``cuda``.
@@ -35,10 +37,12 @@ pytestmark = [pytest.mark.skipif(emulator_missing(), reason="g++ not on PATH"), 
 TORCH = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 F16, F32 = torch.float16, torch.float32
 
-# (bits, group_size (None = K), offsets, scales, code_zero, M, K, N, SMs, bias, f32 out, note)
+# (bits, group_size (None = K), offsets, scales, code_zero, M, K, N, SMs, bias, f32 out, note);
+# "wraps": more k-tiles than cp.async stages, so slots are reused
 CASES = [
-    (4, 128, True, F16, None, 5, 256, 70, 1, True, False, "int4_wo g128, 32x64, N edge"),
-    (8, None, False, F16, 128, 40, 192, 130, 1, True, True, "int8_wo, 64x128, logits"),
+    (4, 128, True, F16, None, 5, 640, 70, 1, True, False, "int4_wo g128, 32x64, ring wraps"),
+    (8, None, False, F16, 128, 40, 448, 130, 1, True, True, "int8_wo, 64x128, logits, wraps"),
+    (8, 32, True, F32, 0, 129, 544, 20, 1, True, False, "Q5_K-like, 128x128, 8.5 k-tiles"),
     (4, 32, True, F32, 0, 130, 96, 33, 1, False, False, "Q4_K-like, 128x128, K tail"),
     (8, 16, False, F32, 32, 17, 160, 64, 1, False, False, "Q6_K-like g16, K tail"),
     (4, 64, False, F16, 8, 300, 64, 130, 10**4, True, False, "32x64 grid of 30: groups 8+2"),
