@@ -114,6 +114,19 @@ def wo_gemm_planned(choice: str, m: int, sm90: bool) -> str:
     return "mma" if plan == "sm90" and not sm90 else plan
 
 
+def wo_gemm_plan(choice: str, x: torch.Tensor, w: PackedWeight, sm90: bool, sms: int) -> str:
+    """The plan that runs x [M, K] against ``w`` under ``wo_gemm`` = ``choice``:
+    ``wo_gemm_planned``, then ``dequant`` where the kernels do not apply, and under ``auto``
+    ``mma`` where 128x128 tiles would not fill 90 % of the ``sms`` SMs."""
+    m, n = x.shape[0], w.shape[0]
+    plan = wo_gemm_planned(choice, m, sm90)
+    if plan == "dequant" or gw_unsupported(x, w):
+        return "dequant"
+    if choice == "auto" and plan == "sm90" and gw_grid(m, n, (128, 128)) < 0.9 * sms:
+        return "mma"  # too few 128x128 tiles: mma.sync's smaller ones fill the GPU
+    return plan
+
+
 def gs_smem_bytes(bits: int) -> int:
     """Dynamic shared memory of a gemm_wo_sm90.cu launch: X slots, two W tiles, code slots,
     and 1024 bytes to round the base up to the swizzle's alignment."""
@@ -154,18 +167,8 @@ class WoGemmOps:
 
     def _wo_gemm_plan(self, x: torch.Tensor, w: PackedWeight) -> str:
         """``dequant``, ``mma`` or ``sm90`` for x [M, K] against ``w``."""
-        m, n = x.shape[0], w.shape[0]
         sm90 = torch.cuda.get_device_capability(self.device) == (9, 0)
-        plan = wo_gemm_planned(self.wo_gemm, m, sm90)
-        if plan == "dequant" or gw_unsupported(x, w):
-            return "dequant"
-        if (
-            self.wo_gemm == "auto"
-            and plan == "sm90"
-            and gw_grid(m, n, (128, 128)) < 0.9 * self._sm_count
-        ):
-            return "mma"  # too few 128x128 tiles to fill the GPU: mma.sync's smaller tiles
-        return plan
+        return wo_gemm_plan(self.wo_gemm, x, w, sm90, self._sm_count)
 
     def _wo_gemm(
         self, plan: str, x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None,

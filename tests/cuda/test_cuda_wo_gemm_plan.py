@@ -11,7 +11,14 @@ import torch
 
 from helpers.packed_weights import random_packed
 from llmc.base.errors import UnsupportedError
-from llmc.cuda.gemm_wo_ops import gs_smem_bytes, gw_launch, gw_unsupported, wo_gemm_planned
+from llmc.cuda.gemm_wo_ops import (
+    gs_smem_bytes,
+    gw_launch,
+    gw_smem_bytes,
+    gw_unsupported,
+    wo_gemm_plan,
+    wo_gemm_planned,
+)
 
 
 def test_plan_picks_each_tile():
@@ -53,3 +60,28 @@ def test_unsupported_shapes_fall_back():
     assert "multiple of 32" in gw_unsupported(torch.zeros(20, 80, dtype=torch.bfloat16), w2)
     w3 = random_packed(64, 96, 8, 12, offsets=False)
     assert "group size 12" in gw_unsupported(x, w3)
+
+
+def test_plan_of_a_step():
+    """wo_gemm_plan: auto takes mma where 128x128 tiles leave SMs idle (M = 256 x N = 4096:
+    64 tiles on 132 SMs), sm90 where they fill it; unsupported steps dequantize whatever
+    the choice."""
+    w = random_packed(4096, 128, 4, 128, offsets=True)
+    x = torch.zeros(256, 128, dtype=torch.bfloat16)
+    assert wo_gemm_plan("auto", x, w, True, 132) == "mma"
+    assert wo_gemm_plan("auto", torch.zeros(512, 128, dtype=torch.bfloat16), w, True, 132) == "sm90"
+    assert wo_gemm_plan("sm90", x, w, True, 132) == "sm90"  # an explicit choice is kept
+    assert wo_gemm_plan("sm90", x, w, False, 132) == "mma"
+    assert wo_gemm_plan("mma", x.float(), w, True, 132) == "dequant"
+    assert wo_gemm_plan("auto", torch.zeros(2048, 128, dtype=torch.bfloat16), w, True, 132) == (
+        "dequant"
+    )
+
+
+def test_shared_memory_fits_two_ctas_an_sm():
+    """gemm_wo.cu's stages are sized so two CTAs fit the H200's 228 KB an SM (1 KB of each
+    reserved); gemm_wo_sm90.cu's one CTA fits the 227 KB opt-in limit."""
+    for bits in (4, 8):
+        for tile in ((128, 128), (64, 128), (32, 64)):
+            assert 2 * (gw_smem_bytes(bits, *tile) + 1024) <= 228 * 1024
+        assert gs_smem_bytes(bits) <= 227 * 1024
