@@ -87,8 +87,8 @@ def gw_grid(m: int, n: int, tile: tuple[int, int]) -> int:
     return math.ceil(m / tile[0]) * math.ceil(n / tile[1])
 
 
-def gw_unsupported(x: torch.Tensor, w: PackedWeight) -> str | None:
-    """Why gemm_wo.cu cannot serve x [M, K] against ``w`` (None: it can)."""
+def gw_unsupported(x: torch.Tensor, w: PackedWeight, out: torch.Tensor | None = None) -> str | None:
+    """Why the kernels cannot serve x [M, K] against ``w`` into ``out`` (None: they can)."""
     k = x.shape[1]
     if x.dtype not in (torch.float16, torch.bfloat16):
         return "float32 activations (16-bit mma operands)"
@@ -98,6 +98,8 @@ def gw_unsupported(x: torch.Tensor, w: PackedWeight) -> str | None:
         return f"group size {w.group_size} is not a multiple of 8"
     if x.data_ptr() % 16 or w.codes.data_ptr() % 16:
         return "x or codes base not 16-byte aligned"
+    if out is not None and out.data_ptr() % 8:  # the epilogue's paired stores
+        return "out base not 8-byte aligned"
     return None
 
 
@@ -114,13 +116,16 @@ def wo_gemm_planned(choice: str, m: int, sm90: bool) -> str:
     return "mma" if plan == "sm90" and not sm90 else plan
 
 
-def wo_gemm_plan(choice: str, x: torch.Tensor, w: PackedWeight, sm90: bool, sms: int) -> str:
+def wo_gemm_plan(
+    choice: str, x: torch.Tensor, w: PackedWeight, sm90: bool, sms: int,
+    out: torch.Tensor | None = None,
+) -> str:  # fmt: skip
     """The plan that runs x [M, K] against ``w`` under ``wo_gemm`` = ``choice``:
     ``wo_gemm_planned``, then ``dequant`` where the kernels do not apply, and under ``auto``
     ``mma`` where 128x128 tiles would not fill 90 % of the ``sms`` SMs."""
     m, n = x.shape[0], w.shape[0]
     plan = wo_gemm_planned(choice, m, sm90)
-    if plan == "dequant" or gw_unsupported(x, w):
+    if plan == "dequant" or gw_unsupported(x, w, out):
         return "dequant"
     if choice == "auto" and plan == "sm90" and gw_grid(m, n, (128, 128)) < 0.9 * sms:
         return "mma"  # too few 128x128 tiles: mma.sync's smaller ones fill the GPU
@@ -165,10 +170,12 @@ class WoGemmOps:
     _lib: Any
     _launch: Any
 
-    def _wo_gemm_plan(self, x: torch.Tensor, w: PackedWeight) -> str:
-        """``dequant``, ``mma`` or ``sm90`` for x [M, K] against ``w``."""
+    def _wo_gemm_plan(
+        self, x: torch.Tensor, w: PackedWeight, out: torch.Tensor | None = None
+    ) -> str:
+        """``dequant``, ``mma`` or ``sm90`` for x [M, K] against ``w`` into ``out``."""
         sm90 = torch.cuda.get_device_capability(self.device) == (9, 0)
-        return wo_gemm_plan(self.wo_gemm, x, w, sm90, self._sm_count)
+        return wo_gemm_plan(self.wo_gemm, x, w, sm90, self._sm_count, out)
 
     def _wo_gemm(
         self, plan: str, x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None,

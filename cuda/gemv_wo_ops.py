@@ -251,7 +251,7 @@ class WoOps(WoGemmOps):
                 r1 = min(t, r0 + GEMV_MAX_TOKENS)
                 self._wo_gemv(3, x[r0:r1], None, 0.0, weight, bias, out[r0:r1], n)
             return out
-        plan = self._wo_gemm_plan(x, weight)  # llmc.cuda.gemm_wo_ops
+        plan = self._wo_gemm_plan(x, weight, out)  # llmc.cuda.gemm_wo_ops
         if plan != "dequant":
             self._wo_gemm(plan, x, weight, bias, out)
             return out

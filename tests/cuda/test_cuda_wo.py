@@ -166,8 +166,8 @@ def test_misaligned_input_takes_the_scalar_kernels(be):
 @pytest.mark.parametrize("layout", ["int4_g128_asym", "q6_k", "int8_perchannel"])
 def test_linear_any_tokens_and_float32_logits(be, layout, t):
     """T <= 8: the gemv kernel; up to 32 (int4) / 16 (int8) rows: gemv passes of 8 rows;
-    beyond: dequantize-then-cuBLAS (in row chunks for N = 20000 of K 4096: 24 MB chunks
-    of 3072 rows), with bias; float32 logits out."""
+    beyond: dequantize-then-cuBLAS (in row chunks for N = 20000 of K 4096: 7 chunks
+    of 2944 rows, whole multiples of 128), with bias; float32 logits out."""
     k, n = 4096, 20000
     w = packed(layout, n, k)
     g = torch.Generator(device=DEV).manual_seed(t)

@@ -19,6 +19,7 @@ from llmc.cuda.gemm_wo_ops import (
     wo_gemm_plan,
     wo_gemm_planned,
 )
+from llmc.cuda.gemv_wo_ops import WO_CHUNK_BYTES, wo_chunk_rows
 
 
 def test_plan_picks_each_tile():
@@ -60,6 +61,26 @@ def test_unsupported_shapes_fall_back():
     assert "multiple of 32" in gw_unsupported(torch.zeros(20, 80, dtype=torch.bfloat16), w2)
     w3 = random_packed(64, 96, 8, 12, offsets=False)
     assert "group size 12" in gw_unsupported(x, w3)
+    x_u = torch.zeros(20 * 96 + 8, dtype=torch.bfloat16)[8:].view(20, 96)  # 16-byte offset: ok
+    assert gw_unsupported(x_u, w) is None
+    assert "16-byte" in gw_unsupported(
+        torch.zeros(20 * 96 + 1, dtype=torch.bfloat16)[1:].view(20, 96), w
+    )
+    out_u = torch.zeros(20 * 64 + 1, dtype=torch.bfloat16)[1:].view(20, 64)
+    assert "8-byte" in gw_unsupported(x, w, out_u)
+
+
+def test_dequant_chunks_are_aligned():
+    """Dequantize-then-cuBLAS chunks: whole multiples of 128 rows (each chunk's columns of
+    out start 16-byte aligned: down_proj's 877-row chunks did not, 13 % of cuBLAS), split
+    evenly, within the 24 MB temporary's budget (+ one alignment step)."""
+    for n, k in ((4096, 14336), (28672, 4096), (6144, 4096), (20000, 4096), (128256, 4096)):
+        rows = wo_chunk_rows(n, k, 2)
+        assert rows % 128 == 0 and rows * k * 2 <= WO_CHUNK_BYTES + 128 * k * 2
+        chunks = -(-n // rows)
+        assert chunks == max(1, -(-n * k * 2 // WO_CHUNK_BYTES))
+    assert wo_chunk_rows(4096, 14336, 2) == 896
+    assert wo_chunk_rows(97, 1152, 2) == 97  # one chunk: all rows
 
 
 def test_plan_of_a_step():
