@@ -174,7 +174,10 @@ class WoGemmOps:
         self, x: torch.Tensor, w: PackedWeight, out: torch.Tensor | None = None
     ) -> str:
         """``dequant``, ``mma`` or ``sm90`` for x [M, K] against ``w`` into ``out``."""
-        sm90 = torch.cuda.get_device_capability(self.device) == (9, 0)
+        if self.wo_gemm == "dequant":
+            return "dequant"
+        cuda = self.device.type == "cuda"
+        sm90 = cuda and torch.cuda.get_device_capability(self.device) == (9, 0)
         return wo_gemm_plan(self.wo_gemm, x, w, sm90, self._sm_count, out)
 
     def _wo_gemm(

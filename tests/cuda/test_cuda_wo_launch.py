@@ -133,6 +133,7 @@ def test_fallbacks_dequantize_then_mm(be):
 
 def test_linear_chunks_large_weights(be, monkeypatch):
     monkeypatch.setattr(wo, "WO_CHUNK_BYTES", 64 * 256 * 2)  # 64 rows of K 256 per chunk
+    monkeypatch.setattr(wo, "WO_CHUNK_ALIGN", 32)  # 3 chunks of 50 -> 64 rows
     w = random_packed(150, 256, 4, 128, offsets=True)
     out = be.linear(
         torch.zeros(40, 256, dtype=torch.bfloat16), w, torch.zeros(150, dtype=torch.bfloat16)
