@@ -31,41 +31,9 @@
 
 #if LLMC_DTYPE != 0
 
+#include "mma_sync.cuh"
+
 #ifndef LLMC_HOST_EMULATION
-#if LLMC_DTYPE == 2
-#define GW_AB "bf16"
-#else
-#define GW_AB "f16"
-#endif
-
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-    unsigned r;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
-    return r;
-}
-
-__device__ __forceinline__ void mma16816(float* c, const unsigned* a, unsigned b0, unsigned b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32." GW_AB "." GW_AB ".f32 {%0,%1,%2,%3}, "
-        "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ void ldsm_x4(unsigned addr, unsigned* r) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-
-__device__ __forceinline__ void cp_async16(unsigned saddr, const void* g, int bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(saddr), "l"(g),
-                 "r"(bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-__device__ __forceinline__ void cp_async_wait_all() {
-    asm volatile("cp.async.wait_group 0;" ::: "memory");
-}
 // all but the N most recent groups complete
 template <int N>
 __device__ __forceinline__ void gw_wait_stages() {
@@ -110,19 +78,12 @@ __device__ __forceinline__ void gemm_wo_body(const GwArgs& a) {
 
     const int KT = (a.K + GW_BK - 1) / GW_BK;
 #pragma unroll
-    for (int s = 0; s < S - 1; ++s) {
-        if (s < KT) gw_load<BITS, BM, BN, false>(a, xsl + s * XB, csl + s * CS, m0, n0, s);
-        cp_async_commit();  // empty groups past KT keep the count uniform
-    }
+    for (int s = 0; s < S - 1; ++s) gw_stage<BITS, BM, BN, false, S>(a, xsl, XB, csl, CS, m0, n0, s, KT);
     for (int kt = 0; kt < KT; ++kt) {
         gw_wait_stages<S - 2>();  // tile kt landed (this thread's copies)
         __syncthreads();          // every warp is past tile kt - 1: its slot and W are free
-        const int nx = kt + S - 1, st = kt % S;
-        if (nx < KT) {
-            const int sl = nx % S;
-            gw_load<BITS, BM, BN, false>(a, xsl + sl * XB, csl + sl * CS, m0, n0, nx);
-        }
-        cp_async_commit();
+        const int st = kt % S;
+        gw_stage<BITS, BM, BN, false, S>(a, xsl, XB, csl, CS, m0, n0, kt + S - 1, KT);
         gw_dequant<BITS, BN, false>(a, csl + st * CS, reinterpret_cast<unsigned char*>(ws), n0, kt);
         __syncthreads();
         const scalar_t* xt = reinterpret_cast<const scalar_t*>(xsl + st * XB);

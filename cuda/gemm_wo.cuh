@@ -11,7 +11,7 @@
 //          r * 128 + 16 (c ^ (r % 8)) (prefill_attention_sm90.cu's K-major tiles; base
 //          1024-aligned).
 // Code rows: [BN][GW_BK * BITS / 8] bytes, plain. The includer defines cp_async16(shared
-// address, global pointer, bytes) and smem_addr(pointer) first.
+// address, global pointer, bytes), cp_async_commit() and smem_addr(pointer) first.
 #pragma once
 #include "common.cuh"
 #include "wo_dequant.cuh"
@@ -75,6 +75,19 @@ __device__ __forceinline__ void gw_load(const GwArgs& a, unsigned char* xd, unsi
         const unsigned char* src = ok ? a.codes + (n0 + r) * rowbytes + k * BITS / 8 : a.codes;
         cp_async16(smem_addr(cd + r * CB + ch * 16), src, ok ? 16 : 0);
     }
+}
+
+// One cp.async group: k-tile kt (when kt < KT) into slot kt % S of the X slots (xb bytes
+// each) and code slots (cb bytes each); past KT an empty group keeps the count uniform.
+template <int BITS, int BM, int BN, bool SWZ, int S>
+__device__ __forceinline__ void gw_stage(const GwArgs& a, unsigned char* xsl, int xb,
+                                         unsigned char* csl, int cb, int m0, int n0, int kt,
+                                         int KT) {
+    if (kt < KT) {
+        const int sl = kt % S;
+        gw_load<BITS, BM, BN, SWZ>(a, xsl + sl * xb, csl + sl * cb, m0, n0, kt);
+    }
+    cp_async_commit();
 }
 
 // The code tile cd of k-tile kt -> the 16-bit W tile ws [BN][GW_BK] (zeros past N and K):

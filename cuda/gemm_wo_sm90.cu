@@ -57,19 +57,14 @@ __device__ __forceinline__ void gemm_wo_sm90_body(const GwArgs& a) {
 #pragma unroll
     for (int i = 0; i < 64; ++i) d[i] = 0.f;
 #pragma unroll
-    for (int s = 0; s < GS_STAGES - 2; ++s) {
-        if (s < KT) gw_load<BITS, GS_BM, GS_BN, true>(a, xsl + s * GS_TILE, csl + s * CS, m0, n0, s);
-        cp_async_commit();  // empty groups past KT keep the count uniform
-    }
+    for (int s = 0; s < GS_STAGES - 2; ++s)
+        gw_stage<BITS, GS_BM, GS_BN, true, GS_STAGES>(a, xsl, GS_TILE, csl, CS, m0, n0, s, KT);
     for (int kt = 0; kt < KT; ++kt) {
         cp_async_wait<GS_STAGES - 3>();  // tile kt landed (this thread's copies)
         __syncthreads();                 // A
-        const int nx = kt + GS_STAGES - 2, st = kt % GS_STAGES;
-        if (nx < KT) {
-            const int sl = nx % GS_STAGES;
-            gw_load<BITS, GS_BM, GS_BN, true>(a, xsl + sl * GS_TILE, csl + sl * CS, m0, n0, nx);
-        }
-        cp_async_commit();
+        const int st = kt % GS_STAGES;
+        gw_stage<BITS, GS_BM, GS_BN, true, GS_STAGES>(a, xsl, GS_TILE, csl, CS, m0, n0,
+                                                      kt + GS_STAGES - 2, KT);
         unsigned char* w = wsl + (kt & 1) * GS_TILE;
         gw_dequant<BITS, GS_BN, true>(a, csl + st * CS, w, n0, kt);
         fence_async_smem();  // st.shared / cp.async (generic proxy) -> wgmma (async proxy)
