@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from helpers.attention import rel_err
-from helpers.packed_weights import random_packed
+from helpers.packed_weights import WO_LAYOUTS, random_packed
 from llmc.base.errors import UnsupportedError
 from llmc.cuda import reference as ref
 
@@ -34,21 +34,7 @@ EPS = 1e-5
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 F16, F32 = torch.float16, torch.float32
 
-# name -> (bits, group_size (0 = K), offsets, scale dtype, code_zero (None = default))
-LAYOUTS = {
-    "int4_g128_asym": (4, 128, True, F16, None),  # int4_wo default (kstep + sums)
-    "int4_g128_sym": (4, 128, False, F16, 8),
-    "int4_gK": (4, 0, False, F16, 8),  # row mode
-    "int8_perchannel": (8, 0, False, F16, 128),  # int8_wo (row mode)
-    "int8_g64_asym": (8, 64, True, F32, 0),  # kstep + sums
-    "q8_0": (8, 32, False, F16, 128),  # deq
-    "q4_0": (4, 32, False, F16, 8),
-    "q4_1": (4, 32, True, F16, 0),
-    "q4_k": (4, 32, True, F32, 0),
-    "q5_k": (8, 32, True, F32, 0),
-    "q6_k": (8, 16, False, F32, 32),
-    "int4_g16_asym": (4, 16, True, F16, 0),  # deq: two groups per code vector
-}
+LAYOUTS = WO_LAYOUTS  # name -> (bits, group_size (0 = K), offsets, scale dtype, code_zero)
 
 
 @pytest.fixture(scope="module")

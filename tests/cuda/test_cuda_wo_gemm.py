@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from helpers.attention import rel_err
-from helpers.packed_weights import random_packed
+from helpers.packed_weights import WO_LAYOUTS, layout_packed
 from llmc.cuda import reference as ref
 
 pytestmark = pytest.mark.cuda
@@ -31,20 +31,6 @@ cupy = pytest.importorskip("cupy")
 DEV = torch.device("cuda")
 F16, F32, BF16 = torch.float16, torch.float32, torch.bfloat16
 PLANS = ["mma", "sm90"]
-
-# name -> (bits, group_size (0 = K), offsets, scale dtype, code_zero (None = default))
-LAYOUTS = {
-    "int4_g128_asym": (4, 128, True, F16, None),  # int4_wo default
-    "int4_g128_sym": (4, 128, False, F16, 8),
-    "int4_gK": (4, 0, False, F16, 8),
-    "int8_perchannel": (8, 0, False, F16, 128),  # int8_wo
-    "q8_0": (8, 32, False, F16, 128),
-    "q4_1": (4, 32, True, F16, 0),
-    "q4_k": (4, 32, True, F32, 0),
-    "q5_k": (8, 32, True, F32, 0),
-    "q6_k": (8, 16, False, F32, 32),
-    "int4_g64_sym": (4, 64, False, F16, 8),
-}
 
 
 @pytest.fixture(scope="module")
@@ -63,10 +49,7 @@ def _plan(be, plan: str):
 
 
 def packed(name: str, rows: int, k: int, seed: int = 0):
-    bits, gs, offs, sdt, cz = LAYOUTS[name]
-    return random_packed(
-        rows, k, bits, gs or k, offsets=offs, scale_dtype=sdt, code_zero=cz, seed=seed, device=DEV
-    )
+    return layout_packed(name, rows, k, seed, DEV)
 
 
 def check_linear(be, plan, w, m, dtype=BF16, bias=True, logits=False) -> None:
@@ -93,7 +76,7 @@ SHAPES = [(96, 33), (1152, 97), (1152, 300)]
 
 @pytest.mark.parametrize("m", [9, 33, 130, 300])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", list(WO_LAYOUTS))
 @pytest.mark.parametrize("plan", PLANS)
 def test_layouts_vs_reference(be, plan, layout, shape, m):
     _plan(be, plan)
