@@ -5,7 +5,7 @@ llmc.cuda.reference on fresh random PackedWeights, on the GPU.
 Each plan (``CudaBackend.wo_gemm`` = ``mma`` / ``sm90``; the GEMV passes turned off so every
 T > 8 reaches it, and the plan asserted to be the one that runs) over every layout the
 engines write (4 / 8 bits, group sizes 16 .. K, offsets or none, f16 / f32 scales, the
-GGUF-like code_zeros), odd M, N not a multiple of the tiles, K of 1.5 k-tiles and the
+GGUF-like code_zeros), odd M, N not a multiple of the tiles, K of 2.5 k-tiles and the
 Llama-3-8B shapes, bias, float32 logits, bf16 and f16 activations; outputs poisoned with
 NaN; relative error below 1e-2 against the reference (the float32-accumulated GEMM of the
 exact weights, rounded once), and within one output rounding of the dequantize-then-cuBLAS
@@ -70,8 +70,9 @@ def check_linear(be, plan, w, m, dtype=BF16, bias=True, logits=False) -> None:
     torch.testing.assert_close(out.float(), same.to(dtype).float(), rtol=2**-7, atol=2e-3)
 
 
-# (K, N): K of 1.5 k-tiles (96) and 18 (1152), N below / between the tiles (odd)
-SHAPES = [(96, 33), (1152, 97), (1152, 300)]
+# (K, N): "tail" K = 160 (2.5 k-tiles of 64) where the group divides it, else 1408 (22
+# k-tiles); 1152 (18); N below / between the tiles, odd
+SHAPES = [("tail", 33), (1152, 97), (1152, 300)]
 
 
 @pytest.mark.parametrize("m", [9, 33, 130, 300])
@@ -81,6 +82,8 @@ SHAPES = [(96, 33), (1152, 97), (1152, 300)]
 def test_layouts_vs_reference(be, plan, layout, shape, m):
     _plan(be, plan)
     k, n = shape
+    if k == "tail":
+        k = 160 if 160 % (WO_LAYOUTS[layout][1] or 160) == 0 else 1408
     check_linear(be, plan, packed(layout, n, k, seed=k + n), m)
 
 
