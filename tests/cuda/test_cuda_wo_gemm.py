@@ -9,7 +9,9 @@ GGUF-like code_zeros), odd M, N not a multiple of the tiles, K of 2.5 k-tiles an
 Llama-3-8B shapes, bias, float32 logits, bf16 and f16 activations; outputs poisoned with
 NaN; relative error below 1e-2 against the reference (the float32-accumulated GEMM of the
 exact weights, rounded once), and within one output rounding of the dequantize-then-cuBLAS
-plan's weights (the same 16-bit values). Also CUDA-graph capture. Run with
+plan's weights (the same 16-bit values). Also CUDA-graph capture, and int4_wo / int8_wo
+engines whose prefill steps run on the plan, greedy tokens against dequantize-then-cuBLAS.
+Run with
 ``pytest -m cuda -o addopts=""`` on a GPU.
 """
 
@@ -132,3 +134,56 @@ def test_graph_capture_and_replay(be, plan):
         graph.replay()
         torch.cuda.synchronize()
         assert rel_err(out, ref.linear(x, w, None)) < 1e-2
+
+
+# a small Llama shape whose projections the kernels take (K = 512 / 1024, group 64)
+SMALL_HF = {
+    "architectures": ["LlamaForCausalLM"], "vocab_size": 8192, "hidden_size": 512,
+    "intermediate_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 8,
+    "num_key_value_heads": 2, "head_dim": 64, "rope_theta": 10000.0,
+    "max_position_embeddings": 2048, "tie_word_embeddings": False,
+}  # fmt: skip
+
+
+def build_small_wo(out, quantization: str, target: str = "auto", dtype: str = "bfloat16"):
+    """A dummy-weight engine of SMALL_HF quantized ``quantization`` (group 64)."""
+    from helpers.engines import tiny_build_config
+    from llmc.compiler.builder import build
+
+    cfg = tiny_build_config(
+        None, output_dir=str(out), dtype=dtype, target=target, load_format="dummy",
+        quantization=quantization, group_size=64, max_seq_len=256, max_num_tokens=256,
+        max_batch_size=8, tokens_per_block=16,
+    )  # fmt: skip
+    build(cfg, model_config=SMALL_HF)
+    return out
+
+
+@pytest.mark.parametrize("quantization", ["int4_wo", "int8_wo"])
+@pytest.mark.parametrize("plan", PLANS)
+def test_engine_prefill_on_the_plan(plan, quantization, tmp_path, monkeypatch):
+    """A weight-only engine through the runtime: its prefill steps (up to 143 rows at once)
+    on ``plan`` give the greedy tokens of dequantize-then-cuBLAS (the same rounded weights,
+    another accumulation order: random weights part only after a near-tie)."""
+    from llmc.cuda.gemm_wo_ops import WoGemmOps
+    from llmc.runtime.engine_runtime import EngineRuntime, RuntimeConfig
+    from llmc.runtime.types import SamplingParams
+
+    if plan == "sm90" and torch.cuda.get_device_capability(DEV) != (9, 0):
+        pytest.skip("gemm_wo_sm90.cu runs on sm_90 only")
+    out = build_small_wo(tmp_path / quantization, quantization)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 8192, (n,), generator=g).tolist() for n in (9, 21, 48, 65)]
+    tokens = {}
+    for p in ("dequant", plan):
+        monkeypatch.setattr(WoGemmOps, "wo_gemm", p)
+        rt = EngineRuntime.load(out, RuntimeConfig(device="cuda", backend="cuda"))
+        outs = rt.executor().generate(prompts, SamplingParams(max_new_tokens=16, ignore_eos=True))
+        assert all(o.ok for o in outs)
+        tokens[p] = [o.token_ids for o in outs]
+    ref, ours = tokens["dequant"], tokens[plan]
+    first = sum(a[0] == b[0] for a, b in zip(ours, ref, strict=True)) / len(ref)
+    same = sum(x == y for a, b in zip(ours, ref, strict=True) for x, y in zip(a, b, strict=True))
+    share = same / sum(map(len, ref))
+    print(f"{quantization} {plan}: greedy agreement with dequantize-then-cuBLAS {share:.1%}")
+    assert first >= 0.75 and share >= 0.5, (first, share)
