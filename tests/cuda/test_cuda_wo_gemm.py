@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from helpers.attention import rel_err
+from helpers.checkpoints import TINY_LLAMA
 from helpers.packed_weights import WO_LAYOUTS, layout_packed
 from llmc.cuda import reference as ref
 
@@ -138,10 +139,9 @@ def test_graph_capture_and_replay(be, plan):
 
 # a small Llama shape whose projections the kernels take (K = 512 / 1024, group 64)
 SMALL_HF = {
-    "architectures": ["LlamaForCausalLM"], "vocab_size": 8192, "hidden_size": 512,
-    "intermediate_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 8,
-    "num_key_value_heads": 2, "head_dim": 64, "rope_theta": 10000.0,
-    "max_position_embeddings": 2048, "tie_word_embeddings": False,
+    "architectures": ["LlamaForCausalLM"], **TINY_LLAMA, "vocab_size": 8192,
+    "hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 4,
+    "num_attention_heads": 8, "head_dim": 64,
 }  # fmt: skip
 
 
