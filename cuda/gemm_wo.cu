@@ -1,7 +1,8 @@
 // gemm_wo.cu: the weight-only linear of larger steps on tensor cores,
 //   out[m, n] = round(sum_k x[m, k] * w16[n, k] (+ bias[n])),  x [M, K] 16-bit, w = PackedWeight
 // where w16 = the PackedWeight formula (wo_dequant.cuh) rounded once into the activation
-// dtype: the same weight values as dequantize-then-cuBLAS (wo_dequant.cu + torch.mm), without
+// dtype, the weight values of dequantize-then-cuBLAS (wo_dequant.cu + torch.mm) (row-scaled
+// layouts, flags & 4: s[n] times the sum over the exact code - code_zero instead), without
 // the 16-bit weight's round trip through memory: the codes (0.5 / 1 byte a weight) are read
 // once per M-tile, dequantized into shared memory, and multiplied with mma.sync m16n8k16
 // (bf16 / f16 operands, float32 accumulation); the sum is rounded once (float32 ``out``:
@@ -24,7 +25,9 @@
 // activations, K % 32 == 0 (whole 16-byte chunks of X and of code rows), group_size % 8 == 0,
 // 16-byte-aligned x / codes bases, x contiguous. Any M >= 1 and N >= 1.
 // Launch: grid (ceil(M / BM) * ceil(N / BN)), block 256, dynamic shared memory
-// gw_smem_bytes (llmc.cuda.gemm_wo_ops). flags: 1 f32 scales, 2 float32 out.
+// gw_smem_bytes (llmc.cuda.gemm_wo_ops). flags: 1 f32 scales, 2 float32 out, 4 row-scaled
+// (one group a row, no offsets: the W tile holds code - code_zero, the scale multiplies the
+// float32 sum; gemm_wo.cuh).
 // Arguments: x, codes, scales, offsets|null, bias|null, out, M, N, K, code_zero, gs, G, flags.
 // The PTX helpers are host code under LLMC_HOST_EMULATION (tests/cuda/kernel_emulator.h).
 #include "common.cuh"
@@ -120,8 +123,8 @@ __device__ __forceinline__ void gemm_wo_body(const GwArgs& a) {
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
             const int m = m0 + wm * WM + i * 16 + g, n = n0 + wn * WN + j * 8 + 2 * t4;
-            gw_store2(a, m, n, acc[i][j][0], acc[i][j][1]);
-            gw_store2(a, m + 8, n, acc[i][j][2], acc[i][j][3]);
+            gw_store2<true>(a, m, n, acc[i][j][0], acc[i][j][1]);
+            gw_store2<true>(a, m + 8, n, acc[i][j][2], acc[i][j][3]);
         }
 }
 

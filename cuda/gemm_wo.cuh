@@ -92,11 +92,15 @@ __device__ __forceinline__ void gw_stage(const GwArgs& a, unsigned char* xsl, in
 
 // The code tile cd of k-tile kt -> the 16-bit W tile ws [BN][GW_BK] (zeros past N and K):
 // units of 8 columns of one group, one scale / offset load and one 16-byte store each.
+// flags & 4 (row-scaled: one group a row, no offsets, as int8_wo): the exact integers
+// q - code_zero (|.| <= 255: exact in bf16 / f16), the row's scale applied to the float32
+// sum in gw_store2 (fewer operations a weight, and no per-weight rounding).
 template <int BITS, int BN, bool SWZ>
 __device__ __forceinline__ void gw_dequant(const GwArgs& a, const unsigned char* cd,
                                            unsigned char* ws, int n0, int kt) {
     constexpr int CB = GW_BK * BITS / 8;
     const bool f32 = (a.flags & 1) != 0, has_o = a.offsets != nullptr;
+    const bool row_scaled = (a.flags & 4) != 0;
     // group of column k: none (one group a row), a shift (power-of-two groups) or a division
     const int gsl = a.G == 1 ? 31 : (__popc(a.gs) == 1 ? __ffs(a.gs) - 1 : -1);
     constexpr int U = BN * (GW_BK / 8);  // units of 8 columns
@@ -106,7 +110,11 @@ __device__ __forceinline__ void gw_dequant(const GwArgs& a, const unsigned char*
         const int u = threadIdx.x + i * GW_THREADS;
         const int r = u >> 3, c0 = (u & 7) * 8, n = n0 + r, k = kt * GW_BK + c0;
         float f[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        if (n < a.N && k < a.K) {
+        if (n < a.N && k < a.K && row_scaled) {  // the integers; the scale in the epilogue
+            unsigned int q[8];
+            wod_codes8(cd + r * CB, c0, BITS, q);
+            wod_ints8(q, a.code_zero, f);
+        } else if (n < a.N && k < a.K) {
             const int grp = gsl == 31 ? 0 : gsl >= 0 ? k >> gsl : k / a.gs;
             const long long gi = (long long)n * a.G + grp;
             const float s = wod_scale(a.scales, gi, f32);
@@ -119,14 +127,21 @@ __device__ __forceinline__ void gw_dequant(const GwArgs& a, const unsigned char*
     }
 }
 
-// out[m, n], out[m, n + 1] = the sums c0, c1 (+ bias), rounded once into the activation
-// dtype (flags & 2: float32 out, holding the rounded values); columns past N skipped.
+// out[m, n], out[m, n + 1] = the sums c0, c1 (times the row's scale when row-scaled,
+// flags & 4) (+ bias), rounded once into the activation dtype (flags & 2: float32 out,
+// holding the rounded values); columns past N skipped.
+// ROW_SCALE false: the kernel never runs row-scaled (gemm_wo_sm90.cu: an FMUL on the
+// accumulators' registers makes ptxas serialize the wgmma pipeline, C7515).
+template <bool ROW_SCALE>
 __device__ __forceinline__ void gw_store2(const GwArgs& a, int m, int n, float c0, float c1) {
     if (m >= a.M || n >= a.N) return;
     float v[2] = {c0, c1};
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-        const float b = a.bias != nullptr && n + e < a.N ? to_float(a.bias[n + e]) : 0.f;
+        const bool in = n + e < a.N;
+        if (ROW_SCALE && (a.flags & 4) != 0 && in)
+            v[e] = __fmul_rn(v[e], wod_scale(a.scales, n + e, (a.flags & 1) != 0));
+        const float b = a.bias != nullptr && in ? to_float(a.bias[n + e]) : 0.f;
         v[e] = to_float(from_float(v[e] + b));
     }
     const long long o = (long long)m * a.N + n;

@@ -138,6 +138,14 @@ def gs_smem_bytes(bits: int) -> int:
     return (GS_STAGES + 2) * GS_TILE + GS_STAGES * 128 * GW_BK * bits // 8 + 1024
 
 
+def gw_row_scaled(w: PackedWeight) -> bool:
+    """Whether gemm_wo.cu scales ``w`` in its epilogue (flags & 4: one group a row and no
+    offsets, e.g. int8_wo): the W tile holds the exact integers code - code_zero, the sum is
+    multiplied by the row's scale once; otherwise (and always in gemm_wo_sm90.cu) each
+    weight is dequantized and rounded."""
+    return w.scales.shape[1] == 1 and w.offsets is None
+
+
 def gw_launch(
     x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, out: torch.Tensor, sms: int,
     plan: str = "mma",
@@ -147,6 +155,7 @@ def gw_launch(
     m, k = x.shape
     n = w.shape[0]
     flags = (1 if w.scales.dtype == torch.float32 else 0) | (2 if out.dtype == torch.float32 else 0)
+    flags |= 4 if plan != "sm90" and gw_row_scaled(w) else 0  # gemm_wo.cu only
     args = (
         x, w.codes, w.scales, w.offsets, bias, out, m, n, k, w.code_zero, w.group_size,
         w.scales.shape[1], flags,

@@ -17,7 +17,8 @@
 //   cores); fence.proxy.async; __syncthreads (B);
 //   4 wgmma k16 steps on X slot kt, W[kt % 2]; commit; wait until only this group is
 //   pending (wgmma of kt - 1 complete).
-// Requirements, launch arguments and flags: those of gemm_wo.cu (llmc.cuda.gemm_wo_ops);
+// Requirements, launch arguments and flags: those of gemm_wo.cu (llmc.cuda.gemm_wo_ops),
+// except row-scaled (flags & 4), which this kernel never takes (gemm_wo.cuh's gw_store2);
 // grid ceil(M / 128) * ceil(N / 128), block 256, dynamic shared memory gs_smem_bytes.
 #include "common.cuh"
 
@@ -85,8 +86,8 @@ __device__ __forceinline__ void gemm_wo_sm90_body(const GwArgs& a) {
     const int r = m0 + wg * 64 + wl * 16 + (lane >> 2), c = n0 + 2 * (lane & 3);
 #pragma unroll
     for (int j = 0; j < GS_BN / 8; ++j) {
-        gw_store2(a, r, c + 8 * j, d[4 * j], d[4 * j + 1]);
-        gw_store2(a, r + 8, c + 8 * j, d[4 * j + 2], d[4 * j + 3]);
+        gw_store2<false>(a, r, c + 8 * j, d[4 * j], d[4 * j + 1]);
+        gw_store2<false>(a, r + 8, c + 8 * j, d[4 * j + 2], d[4 * j + 3]);
     }
 }
 

@@ -39,16 +39,23 @@ __device__ __forceinline__ void wod_codes8(const unsigned char* row, int c0, int
     }
 }
 
-// f[e] = the formula on q[e] with the group's scale s and offset o (has_o: offsets exist).
-// q - code_zero as float without an int-to-float conversion (a quarter-rate instruction):
+// f[e] = q[e] - code_zero (wod_ints8), and the formula on q[e] with the group's scale s and
+// offset o (wod_values8; has_o: offsets exist). q - code_zero as float without an int-to-float conversion (a quarter-rate instruction):
 // 2^23 + q is the float of bits 0x4B000000 | q, and (2^23 + q) - (2^23 + code_zero) is
 // exact (both terms and the small difference are representable).
-__device__ __forceinline__ void wod_values8(const unsigned int (&q)[8], float s, float o,
-                                            bool has_o, int code_zero, float (&f)[8]) {
+__device__ __forceinline__ void wod_ints8(const unsigned int (&q)[8], int code_zero,
+                                          float (&f)[8]) {
     const float zero = 8388608.f + (float)code_zero;
 #pragma unroll
+    for (int e = 0; e < 8; ++e) f[e] = __fsub_rn(__uint_as_float(0x4B000000u | q[e]), zero);
+}
+
+__device__ __forceinline__ void wod_values8(const unsigned int (&q)[8], float s, float o,
+                                            bool has_o, int code_zero, float (&f)[8]) {
+    wod_ints8(q, code_zero, f);
+#pragma unroll
     for (int e = 0; e < 8; ++e) {
-        const float v = __fmul_rn(s, __fsub_rn(__uint_as_float(0x4B000000u | q[e]), zero));
+        const float v = __fmul_rn(s, f[e]);
         f[e] = has_o ? __fadd_rn(v, o) : v;
     }
 }

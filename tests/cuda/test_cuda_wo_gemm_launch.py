@@ -66,7 +66,7 @@ def test_mma_launch(be):
     w8 = random_packed(4096, 512, 8, 512, offsets=False, scale_dtype=torch.float32)
     be.linear(aligned(1000, 512), w8, out=aligned(1000, 4096))
     grid, args, smem = check(be.launches[-1], "gemm_wo", "gemm_wo8_128x128")
-    assert grid == (8 * 32,) and int(args[3]) == 0 and args[-1] == 1  # no offsets, f32 scales
+    assert grid == (8 * 32,) and int(args[3]) == 0 and args[-1] == 1 | 4  # f32 scales, row-scaled
 
 
 def test_sm90_launch(be):
@@ -75,6 +75,11 @@ def test_sm90_launch(be):
     be._wo_gemm("sm90", x, w, None, out)
     grid, args, smem = check(be.launches[-1], "gemm_wo_sm90", "gemm_wo8_sm90")
     assert grid == (3 * 5,) and smem == gw.gs_smem_bytes(8) and args[6:9] == (300, 640, 1024)
+    w8 = random_packed(640, 1024, 8, 1024, offsets=False)  # int8_wo: never row-scaled here
+    be._wo_gemm("sm90", x, w8, None, out)
+    assert be.launches[-1][3][-1] == 0
+    be._wo_gemm("mma", x, w8, None, out)
+    assert be.launches[-1][3][-1] == 4
 
 
 def test_plans_and_fallbacks(be):

@@ -6,6 +6,9 @@ tests/cuda/test_cuda_wo_gemm.py (GPU)."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+
 import pytest
 import torch
 
@@ -106,3 +109,22 @@ def test_shared_memory_fits_two_ctas_an_sm():
         for tile in ((128, 128), (64, 128), (32, 64)):
             assert 2 * (gw_smem_bytes(bits, *tile) + 1024) <= 228 * 1024
         assert gs_smem_bytes(bits) <= 227 * 1024
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+def test_sm90_wgmma_pipeline_is_not_serialized(tmp_path):
+    """ptxas serializes wgmma (info C7515, no warning: compile_check passes) when other
+    instructions define accumulator registers inside the pipeline; it did once here, for
+    an epilogue FMUL (gemm_wo.cuh's gw_store2<false> keeps it out)."""
+    from llmc.cuda.build import arch_flags
+    from llmc.cuda.kernels import KernelConfig, source
+
+    for dtype in ("bfloat16", "float16"):
+        cu = tmp_path / f"gemm_wo_sm90_{dtype}.cu"
+        cu.write_text(source("gemm_wo_sm90", KernelConfig(dtype, 128, 32, 8)))
+        cmd = ["nvcc", "-std=c++17", "-O3", *arch_flags("sm_90a"), "-cubin", "-Xptxas", "-v",
+               str(cu), "-o", str(cu.with_suffix(".cubin"))]  # fmt: skip
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert "C7515" not in res.stderr and "serialized" not in res.stderr, res.stderr[-3000:]
