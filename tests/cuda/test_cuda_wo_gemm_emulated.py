@@ -9,12 +9,12 @@ fill past M, N and K), the dequantization into the W tile (4- and 8-bit codes, g
 a row, no offsets), the ldmatrix / mma fragment addressing of every tile shape (32x64,
 64x128, 128x128), the grouped CTA order (a partial group), partial k-tiles, the stage
 ring's reuse of slots (more k-tiles than stages: the emulator's copies land at once, so a
-slot overwritten too early shows), odd N, bias and both output
-dtypes. The kernel's weights are the
-dequantize-then-cuBLAS weights (the formula rounded once into the activation dtype), so
-the result must equal x @ w16.T rounded once up to accumulation order (one rounding step
-of the output; row-scaled layouts, scaled in the epilogue: the reference rounded once), and
-the reference linear within the GEMM tolerance. Not marked ``cuda``.
+slot overwritten too early shows), odd N, bias and both output dtypes. The kernel's
+weights are the dequantize-then-cuBLAS weights (the formula rounded once into the
+activation dtype), so the result must equal x @ w16.T rounded once up to accumulation
+order (one rounding step of the output; row-scaled layouts, scaled in the epilogue: the
+reference rounded once), and the reference linear within the GEMM tolerance. Not marked
+``cuda``.
 """
 
 from __future__ import annotations
