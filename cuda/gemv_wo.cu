@@ -58,47 +58,16 @@
 #include "common.cuh"
 
 #include "wo_codes.cuh"
-
-// Shared per-k-step activation sums (offsets of the kstep mode, all of K for row mode).
-struct WoSums {
-    const float* xsum;  // [M][n] or nullptr
-    int n, M;
-};
+#include "wo_ring.cuh"
 
 template <int BITS, int SMODE>
 __device__ __forceinline__ void wo_mma_batch(float (&tot)[4], const WoBatch<BITS, SMODE>& B,
                                              const WoLane& L, const unsigned char* xrow,
                                              bool has_row, int kb, int n, const WoSums& xs,
                                              int t4) {
-    constexpr int XB = wo_ks<BITS>() * 2;  // staged bytes per k-step
-    constexpr int U = wo_u<SMODE>();
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-        if (u < n) {  // warp-uniform
-            const unsigned char* xk = xrow + (kb + u) * XB;
-            if constexpr (SMODE == WO_KSTEP) {
-                float acc[4] = {0.f, 0.f, 0.f, 0.f};
-                wo_kstep<BITS, SMODE>(acc, B.c[u], B.sc[u], L, xk, has_row);
-                const float sg = wo_scale(B.sc[u].s[0][0], L.f32);
-                const float s8 = wo_scale(B.sc[u].s[1][0], L.f32);
-                tot[0] = fmaf(sg, acc[0], tot[0]);
-                tot[1] = fmaf(sg, acc[1], tot[1]);
-                tot[2] = fmaf(s8, acc[2], tot[2]);
-                tot[3] = fmaf(s8, acc[3], tot[3]);
-                if (xs.xsum != nullptr) {  // + o * (sum of the k-step's x), per token
-                    const float og = wo_scale(B.sc[u].o[0][0], L.f32);
-                    const float o8 = wo_scale(B.sc[u].o[1][0], L.f32);
-                    const int m0 = min(2 * t4, xs.M - 1), m1 = min(2 * t4 + 1, xs.M - 1);
-                    const float x0 = xs.xsum[m0 * xs.n + kb + u], x1 = xs.xsum[m1 * xs.n + kb + u];
-                    tot[0] = fmaf(og, x0, tot[0]);
-                    tot[1] = fmaf(og, x1, tot[1]);
-                    tot[2] = fmaf(o8, x0, tot[2]);
-                    tot[3] = fmaf(o8, x1, tot[3]);
-                }
-            } else {
-                wo_kstep<BITS, SMODE>(tot, B.c[u], B.sc[u], L, xk, has_row);
-            }
-        }
+    for (int u = 0; u < wo_u<SMODE>(); ++u) {
+        if (u < n) wo_mma_kstep<BITS, SMODE>(tot, B.c[u], B.sc[u], L, xrow, has_row, kb + u, xs, t4);
     }
 }
 
@@ -288,7 +257,7 @@ __device__ __forceinline__ void wo_row_scale(float (&v)[4], const WoLane& L, con
     }
 }
 
-template <int MODE, int BITS, int SMODE, bool VECTOR>
+template <int MODE, int BITS, int SMODE, bool VECTOR, bool RING>
 __device__ __forceinline__ void gemv_wo_body(const WoArgs& a) {
     constexpr int VW = VECTOR ? 8 : 1;  // activation elements per prologue load
     constexpr int KS = wo_ks<BITS>(), U = wo_u<SMODE>();
@@ -315,11 +284,18 @@ __device__ __forceinline__ void gemv_wo_body(const WoArgs& a) {
     const WoSums sums{xsum, nsum, a.M};
     const unsigned char* xrow = xs + g * a.S + 16 * t4;
     const WoConst kc = wo_const(a.code_zero);
+    // ring: after the staging and the sums, 16-byte aligned (llmc.cuda.gemv_wo_ops)
+    const int R = a.flags >> WO_STAGES_SHIFT;
+    const long long sum_bytes = xsum ? (long long)a.M * nsum * 4 : 0;
+    const long long ring_off = ((long long)a.M * a.S + sum_bytes + 15) & ~15ll;
+    unsigned char* lane0 = wo_ring_lane<SMODE>(xs + ring_off, R, warp, lane);
 
     WoBatch<BITS, SMODE> A, B;
     WoWork w = wo_work(0, c, ksteps, warp);
     WoLane L = wo_lane<BITS, MODE>(a, w.tile, g, t4, kc);
-    if (w.active && w.s0 < w.s1) {  // start the weight stream before the prologue
+    if constexpr (RING) {  // the first R k-steps in flight before the prologue
+        if (w.active && w.s0 < w.s1) wo_ring_fill<BITS, SMODE>(lane0, R, L, w.s0, w.s1);
+    } else if (w.active && w.s0 < w.s1) {  // start the weight stream before the prologue
         wo_load_batch<BITS, SMODE, VECTOR>(A, L, w.s0, min(U, w.s1 - w.s0));
         const unsigned char* rp =
             a.w + (long long)wo_tile_row<MODE>(w.tile, lane & 15, n_out) * L.rowbytes;
@@ -336,8 +312,13 @@ __device__ __forceinline__ void gemv_wo_body(const WoArgs& a) {
         }
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
         if (w.active && w.s0 < w.s1) {
-            wo_stream<BITS, SMODE, VECTOR>(acc, A, B, L, xrow, g < a.M, w.s0, w.s1, r == 0, sums,
-                                           t4);
+            if constexpr (RING) {
+                if (r > 0) wo_ring_fill<BITS, SMODE>(lane0, R, L, w.s0, w.s1);
+                wo_ring_stream<BITS, SMODE>(acc, lane0, R, L, xrow, g < a.M, w.s0, w.s1, sums, t4);
+            } else {
+                wo_stream<BITS, SMODE, VECTOR>(acc, A, B, L, xrow, g < a.M, w.s0, w.s1, r == 0,
+                                               sums, t4);
+            }
         }
         if (w.split > 1) {  // add the other warps' shares of this tile (CTA-uniform branch)
             if (w.active) {
@@ -361,25 +342,26 @@ __device__ __forceinline__ void gemv_wo_body(const WoArgs& a) {
 }
 
 // One kernel per (mode, bits, scale mode, vector); all share one signature.
-#define WO_KERNEL(NAME, MODE, BITS, SMODE, VECTOR)                                             \
+#define WO_KERNEL(NAME, MODE, BITS, SMODE, VECTOR, RING)                                           \
     extern "C" __global__ void __launch_bounds__(WO_THREADS, 1) NAME(                          \
         const scalar_t* __restrict__ x, const scalar_t* __restrict__ norm_w, float eps,        \
         const unsigned char* __restrict__ w, const void* __restrict__ scales,                  \
         const void* __restrict__ offsets, const scalar_t* __restrict__ bias, void* out, int N,  \
         int K, int M, int S, int gs, int G, int code_zero, int flags) {                        \
-        gemv_wo_body<MODE, BITS, SMODE, VECTOR>(                                               \
+        gemv_wo_body<MODE, BITS, SMODE, VECTOR, RING>(                                             \
             WoArgs{x, norm_w, eps, w, scales, offsets, bias, out, N, K, M, S, gs, G, code_zero, \
                    flags});                                                                    \
     }
 
-#define WO_MODES(PFX, BITS, SMODE, VECTOR, SFX)                     \
-    WO_KERNEL(PFX##_norm##SFX, 0, BITS, SMODE, VECTOR)              \
-    WO_KERNEL(PFX##_norm_silu##SFX, 1, BITS, SMODE, VECTOR)         \
-    WO_KERNEL(PFX##_add##SFX, 2, BITS, SMODE, VECTOR)               \
-    WO_KERNEL(PFX##_linear##SFX, 3, BITS, SMODE, VECTOR)
+#define WO_MODES(PFX, BITS, SMODE, VECTOR, RING, SFX)               \
+    WO_KERNEL(PFX##_norm##SFX, 0, BITS, SMODE, VECTOR, RING)        \
+    WO_KERNEL(PFX##_norm_silu##SFX, 1, BITS, SMODE, VECTOR, RING)   \
+    WO_KERNEL(PFX##_add##SFX, 2, BITS, SMODE, VECTOR, RING)         \
+    WO_KERNEL(PFX##_linear##SFX, 3, BITS, SMODE, VECTOR, RING)
 
-#define WO_FAMILY(PFX, BITS, SMODE) \
-    WO_MODES(PFX, BITS, SMODE, true, ) WO_MODES(PFX, BITS, SMODE, false, _scalar)
+#define WO_FAMILY(PFX, BITS, SMODE)                                                     \
+    WO_MODES(PFX, BITS, SMODE, true, false, ) WO_MODES(PFX, BITS, SMODE, false, false, _scalar) \
+    WO_MODES(PFX, BITS, SMODE, true, true, _ring)
 
 WO_FAMILY(gemv_wo4_row, 4, WO_ROW)
 WO_FAMILY(gemv_wo4_kstep, 4, WO_KSTEP)

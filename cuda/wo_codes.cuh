@@ -409,3 +409,42 @@ __device__ __forceinline__ void wo_kstep(float (&acc)[4], const v4u (&cv)[2],
     }
 }
 
+// Shared per-k-step activation sums (offsets of the kstep mode, all of K for row mode).
+struct WoSums {
+    const float* xsum;  // [M][n] or nullptr
+    int n, M;
+};
+
+// One k-step ks of a lane's two code vectors into tot, its scales applied per the scale
+// mode (kstep: the k-step's mma sums scaled and added in float32, + o * sum of its x). The
+// register stream (gemv_wo.cu) and the shared-memory ring (wo_ring.cuh) both call this, in
+// the same k-step order: the same float32 operations, so the same bits.
+template <int BITS, int SMODE>
+__device__ __forceinline__ void wo_mma_kstep(float (&tot)[4], const v4u (&cv)[2],
+                                             const WoScales<SMODE>& sc, const WoLane& L,
+                                             const unsigned char* xrow, bool has_row, int ks,
+                                             const WoSums& xs, int t4) {
+    const unsigned char* xk = xrow + ks * (wo_ks<BITS>() * 2);  // staged bytes per k-step
+    if constexpr (SMODE == WO_KSTEP) {
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        wo_kstep<BITS, SMODE>(acc, cv, sc, L, xk, has_row);
+        const float sg = wo_scale(sc.s[0][0], L.f32);
+        const float s8 = wo_scale(sc.s[1][0], L.f32);
+        tot[0] = fmaf(sg, acc[0], tot[0]);
+        tot[1] = fmaf(sg, acc[1], tot[1]);
+        tot[2] = fmaf(s8, acc[2], tot[2]);
+        tot[3] = fmaf(s8, acc[3], tot[3]);
+        if (xs.xsum != nullptr) {  // + o * (sum of the k-step's x), per token
+            const float og = wo_scale(sc.o[0][0], L.f32);
+            const float o8 = wo_scale(sc.o[1][0], L.f32);
+            const int m0 = min(2 * t4, xs.M - 1), m1 = min(2 * t4 + 1, xs.M - 1);
+            const float x0 = xs.xsum[m0 * xs.n + ks], x1 = xs.xsum[m1 * xs.n + ks];
+            tot[0] = fmaf(og, x0, tot[0]);
+            tot[1] = fmaf(og, x1, tot[1]);
+            tot[2] = fmaf(o8, x0, tot[2]);
+            tot[3] = fmaf(o8, x1, tot[3]);
+        }
+    } else {
+        wo_kstep<BITS, SMODE>(tot, cv, sc, L, xk, has_row);
+    }
+}
