@@ -117,6 +117,25 @@ __device__ __forceinline__ void wo_reduce_rows(float (&v)[8], float (*red)[8], f
     for (int m = 0; m < 8; ++m) v[m] = tot[m];
 }
 
+// Columns c0 .. c0 + VW - 1 of a staged row, in the pair order.
+template <int BITS, int VW>
+__device__ __forceinline__ void wo_stage(unsigned char* row, int c0, const float (&f)[VW]) {
+    if constexpr (VW == 8) {  // one code word (4-bit) or two (8-bit): 16 bytes
+        v4u v;
+        if constexpr (BITS == 4) {
+            v = v4u{pack2(f[0], f[4]), pack2(f[1], f[5]), pack2(f[2], f[6]), pack2(f[3], f[7])};
+        } else {
+            v = v4u{pack2(f[0], f[1]), pack2(f[2], f[3]), pack2(f[4], f[5]), pack2(f[6], f[7])};
+        }
+        *reinterpret_cast<v4u*>(row + wo_xoff<BITS>(c0)) = v;
+    } else {
+#pragma unroll
+        for (int e = 0; e < VW; ++e) {
+            *reinterpret_cast<unsigned short*>(row + wo_xoff<BITS>(c0 + e)) = from_float(f[e]);
+        }
+    }
+}
+
 // Stage the M rows (rms-normed and rounded for MODE 0 / 1) into xs as 16-bit values in the
 // pair order, zero the pad, and (offsets) their sums per k-step / per row; ends with a barrier.
 template <int MODE, int BITS, int SMODE, int VW>
@@ -156,41 +175,40 @@ __device__ __forceinline__ void wo_prologue(const WoArgs& a, unsigned char* xs, 
     } else if (xsum != nullptr) {
         __syncthreads();  // the sums are zero before any thread adds to them
     }
-    for (int i = threadIdx.x; i < nv; i += WO_THREADS) {
+    // Every lane of a warp makes the same trips (the sums are shuffled over the lanes that
+    // share one: a whole k-step of a vector kernel, so one atomic per sum and its bits fixed).
+    constexpr int SW = SMODE == WO_ROW ? 32 : (KS / VW < 32 ? KS / VW : 32);
+    for (int i0 = 0; i0 < nv; i0 += WO_THREADS) {
+        const int i = i0 + (int)threadIdx.x;
+        const bool in = i < nv;
         float nw[VW];
-        if constexpr (MODE == 0 || MODE == 1) load_vec<VW>(a.norm_w + i * VW, nw);
+#pragma unroll
+        for (int e = 0; e < VW; ++e) nw[e] = 0.f;
+        if constexpr (MODE == 0 || MODE == 1) {
+            if (in) load_vec<VW>(a.norm_w + i * VW, nw);
+        }
         const int c0 = i * VW;
 #pragma unroll
         for (int m = 0; m < 8; ++m) {
             if (m >= M) continue;
             float f[VW];
-            load_vec<VW>(a.x + (long long)m * K + c0, f);
+#pragma unroll
+            for (int e = 0; e < VW; ++e) f[e] = 0.f;
+            if (in) load_vec<VW>(a.x + (long long)m * K + c0, f);
             if constexpr (MODE == 0 || MODE == 1) {
 #pragma unroll
                 for (int e = 0; e < VW; ++e) f[e] = to_float(from_float(f[e] * rs[m] * nw[e]));
             }
-            unsigned char* row = xs + m * a.S;
-            if constexpr (VW == 8) {  // one code word (4-bit) or two (8-bit): 16 bytes
-                v4u v;
-                if constexpr (BITS == 4) {
-                    v = v4u{pack2(f[0], f[4]), pack2(f[1], f[5]), pack2(f[2], f[6]),
-                            pack2(f[3], f[7])};
-                } else {
-                    v = v4u{pack2(f[0], f[1]), pack2(f[2], f[3]), pack2(f[4], f[5]),
-                            pack2(f[6], f[7])};
-                }
-                *reinterpret_cast<v4u*>(row + wo_xoff<BITS>(c0)) = v;
-            } else {
-#pragma unroll
-                for (int e = 0; e < VW; ++e) {
-                    *reinterpret_cast<unsigned short*>(row + wo_xoff<BITS>(c0 + e)) = from_float(f[e]);
-                }
-            }
+            if (in) wo_stage<BITS, VW>(xs + m * a.S, c0, f);
             if (xsum != nullptr) {
                 float s = 0.f;
 #pragma unroll
-                for (int e = 0; e < VW; ++e) s += f[e];
-                atomicAdd(&xsum[m * nsum + (SMODE == WO_ROW ? 0 : c0 / KS)], s);
+                for (int e = 0; e < VW; ++e) s += in ? f[e] : 0.f;
+#pragma unroll
+                for (int o = SW / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+                if (in && (threadIdx.x & (SW - 1)) == 0) {
+                    atomicAdd(&xsum[m * nsum + (SMODE == WO_ROW ? 0 : c0 / KS)], s);
+                }
             }
         }
     }

@@ -56,6 +56,9 @@ WO_CHUNK_BYTES = 24 << 20
 WO_CHUNK_ALIGN = 128
 WO_SMEM_MARGIN = 1024  # gemv_wo.cu's static shared memory (8.7 KB) is ~0.5 KB above gemv.cu's
 WO_ROWS_THREADS = 256  # wo_rows_kernel block
+WO_WARPS = 16  # gemv_wo.cu: 512 threads
+WO_STAGES_SHIFT = 8  # wo_ring.cuh: flags >> 8 = the ring's stages
+WO_MAX_STAGES = 16
 _MODES = ("norm", "norm_silu", "add", "linear")
 _NULL = np.uint64(0)
 
@@ -100,13 +103,42 @@ def wo_smem_bytes(bits: int, k: int, group_size: int, m: int, offsets: bool) -> 
     return m * wo_row_stride(bits, k) + sums
 
 
+def wo_ring_stage_bytes(scale_mode: str) -> int:
+    """Shared memory of one ring stage (wo_ring.cuh): 16 warps x CH chunks x 512 bytes, CH =
+    2 code chunks + the scale words (row: none, kstep: 1 chunk, deq: 2)."""
+    return WO_WARPS * 512 * {"row": 2, "kstep": 3, "deq": 4}[scale_mode]
+
+
+def wo_ring_offset(bits: int, k: int, group_size: int, m: int, offsets: bool) -> int:
+    """Byte offset of the ring in the dynamic shared memory: after the staging and the sums,
+    16-byte aligned (gemv_wo.cu's ``ring_off``)."""
+    return -(-wo_smem_bytes(bits, k, group_size, m, offsets) // 16) * 16
+
+
+def wo_ring_stages(
+    bits: int, k: int, group_size: int, m: int, offsets: bool, budget: int, most: int
+) -> int:
+    """Stages of the *_ring kernels: as many as the shared-memory budget holds, at most
+    ``most`` (<= 16); 0 (the register kernels) where fewer than 2 fit."""
+    mode = wo_scale_mode(bits, k, group_size)
+    if mode is None:
+        return 0
+    room = budget - wo_ring_offset(bits, k, group_size, m, offsets)
+    r = min(most, WO_MAX_STAGES, room // wo_ring_stage_bytes(mode))
+    return r if r >= 2 else 0
+
+
 def wo_tiles(mode: int, n_out: int) -> int:
     """Tiles of a gemv_wo.cu launch: 16 rows, or 8 gate + 8 up rows (mode 1)."""
     return math.ceil(n_out / (8 if mode == 1 else 16))
 
 
-def wo_kernel_name(bits: int, scale_mode: str, mode: int, vector: bool) -> str:
-    return f"gemv_wo{bits}_{scale_mode}_{_MODES[mode]}" + ("" if vector else "_scalar")
+def wo_kernel_name(bits: int, scale_mode: str, mode: int, vector: bool, ring: bool = False) -> str:
+    """gemv_wo.cu's kernel: vector (register stream), ``_ring`` (vector, shared-memory
+    ring) or ``_scalar``."""
+    if not vector:
+        return f"gemv_wo{bits}_{scale_mode}_{_MODES[mode]}_scalar"
+    return f"gemv_wo{bits}_{scale_mode}_{_MODES[mode]}" + ("_ring" if ring else "")
 
 
 def check_packed(op: str, w: Any, k: int | None = None) -> tuple[int, int]:
@@ -142,6 +174,10 @@ class WoOps(WoGemmOps):
     """
 
     wo_gemv_passes: tuple[int, int] = (4, 2)
+    # Most stages of the *_ring kernels (wo_ring.cuh; each one k-step, 32 code bytes a lane;
+    # the budget may allow fewer); 0 = the register-stream kernels (the bench's "stages"
+    # rows sweep it; not yet measured)
+    wo_stages: int = 8
     # gemv_wo.cu's L2 prefetch two batches ahead (flags & 4; not yet measured: the bench's
     # "no L2 prefetch" rows)
     wo_prefetch: bool = True
@@ -178,14 +214,25 @@ class WoOps(WoGemmOps):
         row_bytes = w.codes.shape[1]
         bases = (x, w.codes) + ((norm_w,) if norm_w is not None else ())
         vector = row_bytes % 16 == 0 and all(t.data_ptr() % 16 == 0 for t in bases)
-        name = wo_kernel_name(w.bits, smode, mode, vector)
+        offs = w.offsets is not None
+        smem = wo_smem_bytes(w.bits, k, w.group_size, m, offs)
+        stages = 0
+        scale_t = (w.scales,) + ((w.offsets,) if offs else ())
+        if vector and all(t.data_ptr() % 4 == 0 for t in scale_t):  # wo_ring.cuh's words
+            stages = wo_ring_stages(
+                w.bits, k, w.group_size, m, offs, self._wo_budget(), self.wo_stages
+            )
+        if stages:
+            smem = wo_ring_offset(w.bits, k, w.group_size, m, offs)
+            smem += stages * wo_ring_stage_bytes(smode)
+        name = wo_kernel_name(w.bits, smode, mode, vector, stages > 0)
         kern = self._gemv_kernels.get((x.dtype, name))
         if kern is None:
             kern = self._lib(x.dtype).get("gemv_wo", name)
             kern.max_dynamic_shared_size_bytes = self._wo_budget()
             self._gemv_kernels[(x.dtype, name)] = kern
         flags = _scale_flags(w) | (2 if out.dtype == torch.float32 else 0)
-        flags |= 4 if self.wo_prefetch else 0
+        flags |= (4 if self.wo_prefetch else 0) | (stages << WO_STAGES_SHIFT)
         args = (
             _p(x), _p(norm_w) if norm_w is not None else _NULL, np.float32(eps), _p(w.codes),
             _p(w.scales), _p(w.offsets) if w.offsets is not None else _NULL,
@@ -194,7 +241,6 @@ class WoOps(WoGemmOps):
             _i(w.code_zero), _i(flags),
         )  # fmt: skip
         grid = max(1, min(self._sm_count, wo_tiles(mode, n_out)))
-        smem = wo_smem_bytes(w.bits, k, w.group_size, m, w.offsets is not None)
         self._launch(kern, (grid,), (GEMV_THREADS,), args, shared_mem=smem)
 
     def _wo_rows(

@@ -71,6 +71,7 @@ __device__ __forceinline__ void wo_wait(int n) {
         WO_WAIT_CASE(0) WO_WAIT_CASE(1) WO_WAIT_CASE(2) WO_WAIT_CASE(3) WO_WAIT_CASE(4)
         WO_WAIT_CASE(5) WO_WAIT_CASE(6) WO_WAIT_CASE(7) WO_WAIT_CASE(8) WO_WAIT_CASE(9)
         WO_WAIT_CASE(10) WO_WAIT_CASE(11) WO_WAIT_CASE(12) WO_WAIT_CASE(13) WO_WAIT_CASE(14)
+        WO_WAIT_CASE(15)
         default: asm volatile("cp.async.wait_group 0;" ::: "memory");
     }
 #undef WO_WAIT_CASE

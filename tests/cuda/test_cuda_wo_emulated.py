@@ -21,7 +21,10 @@ from helpers.cuda_emulator import EmulatedFamily, emulator_missing
 from helpers.packed_weights import random_packed
 from llmc.cuda import reference as ref
 from llmc.cuda.gemv_wo_ops import (
+    WO_STAGES_SHIFT,
     wo_kernel_name,
+    wo_ring_offset,
+    wo_ring_stage_bytes,
     wo_row_stride,
     wo_scale_mode,
     wo_smem_bytes,
@@ -50,6 +53,8 @@ CASES = [
     ("norm", 4, 128, False, torch.float16, 8, 2, 128, 600, 1, "38 tiles: 3 rounds"),
     ("linear", 8, None, False, torch.float16, 128, 2, 1088, 256, 1, "row: 17 k-steps a warp"),
     ("silu", 4, None, True, torch.float32, 0, 3, 1152, 128, 1, "row + sums: 9 k-steps a warp"),
+    ("norm", 4, 32, True, torch.float16, None, 6, 224, 20, 2, "deq, f16 G = 7: odd rows"),
+    ("add", 8, 64, True, torch.float16, 0, 8, 320, 18, 1, "kstep + sums, f16 G = 5"),
 ]
 
 
@@ -61,6 +66,11 @@ def families(tmp_path_factory):
         for s in ("row", "kstep", "deq")
         for mode in range(4)
         for v in (True, False)
+    } | {
+        wo_kernel_name(b, s, mode, True, ring=True): 16
+        for b in (4, 8)
+        for s in ("row", "kstep", "deq")
+        for mode in range(4)
     }
     tmp = tmp_path_factory.mktemp("wo_emu")
     fams = {dt: EmulatedFamily("gemv_wo", KernelConfig(dt, 128, 32, 8), names, tmp) for dt in TORCH}
@@ -75,12 +85,9 @@ def _case_id(c) -> str:
     return f"{c[0]}-int{c[1]}-g{c[2] or 'K'}-m{c[6]}-k{c[7]}-n{c[8]}"
 
 
-@pytest.mark.parametrize("dtype", list(TORCH))
-@pytest.mark.parametrize("case", CASES, ids=_case_id)
-def test_emulated_gemv_wo_matches_reference(families, dtype, case):
-    op, bits, gs, offs, sdt, cz, m, k, n, sms, _ = case
-    dt = TORCH[dtype]
-    mode = MODES[op]
+def _inputs(case, dtype):
+    op, bits, gs, offs, sdt, cz, m, k, n, _, _ = case
+    dt, mode = TORCH[dtype], MODES[op]
     gs = gs or k
     rows = 2 * n if mode == 1 else n
     w = random_packed(rows, k, bits, gs, offsets=offs, scale_dtype=sdt, code_zero=cz, seed=k + n)
@@ -88,21 +95,34 @@ def test_emulated_gemv_wo_matches_reference(families, dtype, case):
     x = (3 * torch.randn(m, k, generator=g)).to(dt)
     norm_w = (1 + 0.3 * torch.randn(k, generator=g)).to(dt)
     bias = torch.randn(n, generator=g).to(dt) if mode in (0, 3) else None
-    smode = wo_scale_mode(bits, k, gs)
-    vector = w.codes.shape[1] % 16 == 0
     out_dt = torch.float32 if mode == 3 else dt
     out = torch.randn(m, n, generator=g).to(dt) if mode == 2 else torch.full((m, n), float("nan"))
-    out = out.to(out_dt)
-    before = out.clone()
-    flags = (1 if sdt == torch.float32 else 0) | (2 if out_dt == torch.float32 else 0) | 4
-    kern = families[0][dtype][wo_kernel_name(bits, smode, mode, vector)]
+    return w, x, norm_w, bias, out.to(out_dt)
+
+
+def _launch(families, dtype, case, w, x, norm_w, bias, out, stages: int = 0) -> None:
+    """One launch with the CudaBackend's plan (``stages`` > 0: the *_ring kernel)."""
+    op, bits, _, offs, sdt, _, m, k, n, sms, _ = case
+    mode, gs = MODES[op], w.group_size
+    smode = wo_scale_mode(bits, k, gs)
+    vector = w.codes.shape[1] % 16 == 0
+    flags = (1 if sdt == torch.float32 else 0) | (2 if out.dtype == torch.float32 else 0) | 4
+    flags |= stages << WO_STAGES_SHIFT
+    kern = families[0][dtype][wo_kernel_name(bits, smode, mode, vector, ring=stages > 0)]
     grid = max(1, min(sms, wo_tiles(mode, n)))
-    assert wo_smem_bytes(bits, k, gs, m, offs) <= 256 * 1024
+    smem = wo_smem_bytes(bits, k, gs, m, offs)
+    if stages:
+        smem = wo_ring_offset(bits, k, gs, m, offs) + stages * wo_ring_stage_bytes(smode)
+    assert smem <= 256 * 1024  # kernel_emulator.h's dynamic shared memory
     kern(
         (grid,), 512, x, norm_w if mode < 2 else 0, EPS, w.codes, w.scales,
         w.offsets if offs else 0, bias if bias is not None else 0, out, n, k, m,
         wo_row_stride(bits, k), gs, w.scales.shape[1], w.code_zero, flags,
     )  # fmt: skip
+
+
+def _check(case, w, x, norm_w, bias, out, before) -> None:
+    mode = MODES[case[0]]
     if mode == 0:
         want = ref.norm_linear(x, norm_w, EPS, w, bias)
     elif mode == 1:
@@ -116,6 +136,36 @@ def test_emulated_gemv_wo_matches_reference(families, dtype, case):
         out, want = out.double() - before.double(), want.double() - before.double()
     err = ((out.double() - want.double()).norm() / want.double().norm()).item()
     assert err < 1e-2, f"{case[-1]}: rel err {err:.2e}"
+
+
+@pytest.mark.parametrize("dtype", list(TORCH))
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_emulated_gemv_wo_matches_reference(families, dtype, case):
+    w, x, norm_w, bias, out = _inputs(case, dtype)
+    before = out.clone()
+    _launch(families, dtype, case, w, x, norm_w, bias, out)
+    _check(case, w, x, norm_w, bias, out, before)
+
+
+VECTOR_CASES = [c for c in CASES if (c[7] // (2 if c[1] == 4 else 1)) % 16 == 0]
+
+
+@pytest.mark.parametrize("stages", [2, 5])
+@pytest.mark.parametrize("dtype", list(TORCH))
+@pytest.mark.parametrize("case", VECTOR_CASES, ids=_case_id)
+def test_emulated_ring_is_the_register_kernel_bit_for_bit(families, dtype, case, stages):
+    """The *_ring kernels (wo_ring.cuh) against the reference and, bit for bit, against the
+    register-stream kernel: the same float32 operations in the same order (but for the row
+    mode's sums over more than one warp's columns: float atomics, order not fixed)."""
+    w, x, norm_w, bias, out = _inputs(case, dtype)
+    before = out.clone()
+    reg = out.clone()
+    _launch(families, dtype, case, w, x, norm_w, bias, reg)
+    _launch(families, dtype, case, w, x, norm_w, bias, out, stages)
+    _check(case, w, x, norm_w, bias, out, before)
+    bits, gs, offs, k = case[1], case[2] or case[7], case[3], case[7]
+    if not (offs and wo_scale_mode(bits, k, gs) == "row" and k // 8 > 32):
+        assert torch.equal(out, reg), f"{case[-1]}: ring and register kernels differ"
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
