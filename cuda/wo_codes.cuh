@@ -234,6 +234,7 @@ struct WoLane {
     const unsigned char* s[2];  // scale rows (bytes)
     const unsigned char* o[2];  // offset rows (nullptr: none)
     int t, K, rowbytes, gs, G;
+    int gsh;  // log2(gs) when gs is a power of two (every layout llmc writes), else -1
     bool f32, prefetch;
     WoConst k;
 };
@@ -252,6 +253,9 @@ __device__ __forceinline__ WoLane wo_lane(const WoArgs& a, int tile, int g, int 
         L.o[h] = a.offsets ? static_cast<const unsigned char*>(a.offsets) + row * gbytes : nullptr;
     }
     L.t = t, L.K = a.K, L.gs = a.gs, L.G = a.G, L.k = k;
+    int sh = 0;
+    while ((2 << sh) <= a.gs) ++sh;
+    L.gsh = (1 << sh) == a.gs ? sh : -1;
     L.prefetch = (a.flags & WO_PREFETCH) != 0;
     return L;
 }

@@ -28,16 +28,24 @@ __host__ __device__ constexpr int wo_ring_chunks() {
 }
 
 // ---- cp.async (host stand-ins under LLMC_HOST_EMULATION: copies at once) --------------
-// 16 bytes (or, `full` false, 16 zeros: the row's end) global -> shared, L2 only.
-__device__ __forceinline__ void wo_cp16(void* s, const void* g, bool full) {
+// 16 bytes (or, `full` false, 16 zeros: the row's end) global -> shared, L2 only;
+// `wide`: the L2 fetches the 256 bytes around them (the lane's next k-steps, wanted soon).
+__device__ __forceinline__ void wo_cp16(void* s, const void* g, bool full, bool wide) {
 #ifdef LLMC_HOST_EMULATION
+    (void)wide;
     if (full) std::memcpy(s, g, 16);
     else std::memset(s, 0, 16);
 #else
     const unsigned sa = (unsigned)__cvta_generic_to_shared(s);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(sa), "l"(g),
-                 "r"(full ? 16 : 0)
-                 : "memory");
+    if (wide) {
+        asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(sa), "l"(g),
+                     "r"(full ? 16 : 0)
+                     : "memory");
+    } else {
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(sa), "l"(g),
+                     "r"(full ? 16 : 0)
+                     : "memory");
+    }
 #endif
 }
 
@@ -83,9 +91,10 @@ __device__ __forceinline__ void wo_wait(int n) {
 template <int BITS, int SMODE>
 __device__ __forceinline__ void wo_groups(const WoLane& L, int ks, int& ga, int& gb) {
     constexpr int KS = wo_ks<BITS>(), VB = wo_vb<BITS>();
-    const int c0 = ks * KS + (SMODE == WO_DEQ ? L.t * VB : 0);
-    ga = min(c0 / L.gs, L.G - 1);
-    gb = SMODE == WO_DEQ ? min((c0 + VB / 2) / L.gs, L.G - 1) : ga;
+    const int c0 = ks * KS + (SMODE == WO_DEQ ? L.t * VB : 0), c1 = c0 + VB / 2;
+    const bool sh = L.gsh >= 0;  // a shift, not a division, per k-step
+    ga = min(sh ? c0 >> L.gsh : c0 / L.gs, L.G - 1);
+    gb = SMODE == WO_DEQ ? min(sh ? c1 >> L.gsh : c1 / L.gs, L.G - 1) : ga;
 }
 
 // Byte address of scale / offset element gi of a row (f16: 2 bytes, f32: 4).
@@ -105,7 +114,9 @@ template <int BITS, int SMODE>
 __device__ __forceinline__ void wo_ring_issue(unsigned char* slot, const WoLane& L, int ks) {
     const bool full = ks * 64 + 16 * L.t < L.rowbytes;  // rowbytes % 16 == 0: all or none
 #pragma unroll
-    for (int h = 0; h < 2; ++h) wo_cp16(slot + 512 * h, full ? L.c[h] + ks * 64 : L.c[h], full);
+    for (int h = 0; h < 2; ++h) {
+        wo_cp16(slot + 512 * h, full ? L.c[h] + ks * 64 : L.c[h], full, L.prefetch);
+    }
     if constexpr (SMODE != WO_ROW) {
         int ga, gb;
         wo_groups<BITS, SMODE>(L, ks, ga, gb);
