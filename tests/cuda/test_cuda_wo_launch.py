@@ -65,6 +65,7 @@ def test_scale_modes(bits, gs, k, mode):
 
 @pytest.mark.parametrize("m", [1, 4, 8])
 def test_fused_launches_match_the_signature(be, m):
+    be.wo_stages = 0  # the register-stream kernels (the ring's launches: test_ring_launches)
     k, n, i = 4096, 600, 704  # 38 tiles: 38 CTAs
     x, nw = aligned(m, k), aligned(k)
     w = random_packed(n, k, 4, 128, offsets=True)
@@ -94,6 +95,49 @@ def test_fused_launches_match_the_signature(be, m):
     be.wo_prefetch = False
     be.linear(aligned(m, 256), small, out=logits)
     assert be.launches[-1][3][-1] == 1 | 2
+
+
+@pytest.mark.parametrize("m, stages", [(1, 7), (4, 6), (8, 5)])
+def test_ring_launches(be, m, stages):
+    """The *_ring kernels by default: as many stages (<= wo_stages) as the budget holds after
+    the staging and the sums (kstep: 24 KB a stage), the count in flags >> 8."""
+    k, n = 4096, 600
+    w = random_packed(n, k, 4, 128, offsets=True)
+    be.norm_linear(aligned(m, k), aligned(k), 1e-5, w, out=aligned(m, n))
+    kern, grid, _, args, smem = check(be.launches[-1], GEMV_SIG)
+    assert kern.name == "gemv_wo4_kstep_norm_ring" and grid == (38,)
+    base = m * (32 * 256 + 64) + m * 32 * 4  # staged rows + sums, 16-byte aligned already
+    budget = be._gemv_smem - wo.WO_SMEM_MARGIN
+    assert (budget - base) // (16 * 3 * 512) == stages and args[-1] == 4 | stages << 8
+    assert smem == base + stages * 16 * 3 * 512 <= budget
+    be.wo_stages = 3  # the knob caps the count
+    be.norm_linear(aligned(m, k), aligned(k), 1e-5, w, out=aligned(m, n))
+    assert be.launches[-1][3][-1] >> 8 == 3
+    be.wo_stages = 0
+    be.norm_linear(aligned(m, k), aligned(k), 1e-5, w, out=aligned(m, n))
+    assert be.launches[-1][0].name == "gemv_wo4_kstep_norm"
+
+
+def test_ring_falls_back_to_the_register_kernels(be):
+    """Fewer than 2 stages fit (down at M = 6: 6 x 28736 staged bytes), or scales / offsets
+    not 4-byte aligned (wo_ring.cuh copies 32-bit words): the register-stream kernel."""
+    k, n = 14336, 64
+    w = random_packed(n, k, 4, 128, offsets=True)
+    be.linear_residual_add(aligned(4, k), w, aligned(4, n))
+    assert be.launches[-1][0].name == "gemv_wo4_kstep_add_ring"  # 4 x 28736: 3 stages fit
+    assert be.launches[-1][3][-1] >> 8 == 3
+    be.linear_residual_add(aligned(6, k), w, aligned(6, n))
+    assert be.launches[-1][0].name == "gemv_wo4_kstep_add"
+    assert be.launches[-1][3][-1] >> 8 == 0
+    w = random_packed(n, 256, 8, 32, offsets=False)  # deq, f16 scales
+    x = aligned(2, 256)
+    be.linear(x, w, out=aligned(2, n))
+    assert be.launches[-1][0].name == "gemv_wo8_deq_linear_ring"
+    odd = aligned(n * 8 + 1, dtype=torch.float16)[1:].view(n, 8)  # base 2 mod 4
+    odd.copy_(w.scales)
+    w2 = type(w)(w.codes, odd, None, 8, w.code_zero, 32)
+    be.linear(x, w2, out=aligned(2, n))
+    assert be.launches[-1][0].name == "gemv_wo8_deq_linear"
 
 
 def test_scalar_kernels(be):
@@ -149,7 +193,7 @@ def test_linear_gemv_passes_of_eight_rows(be):
     w = random_packed(64, 256, 4, 128, offsets=True)
     x, out = aligned(20, 256), aligned(20, 64)
     be.linear(x, w, out=out)
-    assert [lk[0].name for lk in be.launches] == ["gemv_wo4_kstep_linear"] * 3
+    assert [lk[0].name for lk in be.launches] == ["gemv_wo4_kstep_linear_ring"] * 3
     assert [int(lk[3][10]) for lk in be.launches] == [8, 8, 4]  # M
     assert [int(lk[3][0]) - x.data_ptr() for lk in be.launches] == [0, 8 * 512, 16 * 512]
     assert [int(lk[3][7]) - out.data_ptr() for lk in be.launches] == [0, 8 * 128, 16 * 128]
