@@ -9,7 +9,9 @@ storage, g16, f32 scales).
 - ``wo T=<M> <layout> <op>``: the fused small-step ops, T = 1 and 8 token rows; GB/s of
   weight bytes (codes + scales + offsets; activations are < 0.3 MB) against the copy rate
   of the same run (target 85 % at T = 1 for int4 g128 and int8; those also without the
-  kernels' L2 prefetch ahead, ``WoOps.wo_prefetch``), then per (T, layout) the
+  kernels' L2 prefetch ahead, ``WoOps.wo_prefetch``; and ``(stages S)``: the ring kernels'
+  most stages ``WoOps.wo_stages`` swept, ``STAGE_SWEEP`` at T = 1, 0 at T = 8, where 0 is
+  the register-stream kernels the ring replaced), then per (T, layout) the
   layer sums, and ``8B decode projection``: 32 such layers plus a bf16 lm_head GEMV
   (1.05 GB) as tokens/s (attention, norms and host time excluded: an upper bound);
 - ``wo lm_head T=1 q6_k``: linear on the 128256 x 4096 GGUF lm_head;
@@ -48,6 +50,7 @@ LAYOUTS = {  # name -> (bits, group_size (0 = K), offsets, scale dtype, code_zer
     "q4_k": (4, 32, True, torch.float32, 0),
 }
 TOKENS = (1, 8)
+STAGE_SWEEP = {1: (0, 2, 4, 16), 8: (0,)}  # T -> WoOps.wo_stages beside the default
 GEMM_TOKENS = (16, 32, 64, 128, 1024, 8192)
 GEMM_PLAN_TOKENS = (16, 64, 256, 512, 1024, 8192)
 GEMM_PLAN_LAYOUTS = ("int4_g128", "int8")
@@ -136,6 +139,15 @@ def wo_rows(
                     del be.wo_prefetch  # back to the class default
                     mem_row(f"wo T={m} {label} {op} (no L2 prefetch)", f"{k}->{r}", nbytes, ms2,
                             None)  # fmt: skip
+                if layout is not None and hasattr(be, "wo_stages"):  # the ring's depth
+                    for st in STAGE_SWEEP.get(m, ()):
+                        be.wo_stages = st
+                        ms3 = graph_ms(
+                            cycle([lambda w=w, fn=fn: fn(w) for w in copies]), len(copies)
+                        )
+                        del be.wo_stages  # back to the class default
+                        mem_row(f"wo T={m} {label} {op} (stages {st})", f"{k}->{r}", nbytes, ms3,
+                                None)  # fmt: skip
                 total_ms += ms
                 total_bytes += nbytes
             mem_row(f"wo T={m} {label} layer (sum of rows)", "4 GEMVs", total_bytes, total_ms, None)

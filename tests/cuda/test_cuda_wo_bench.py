@@ -67,3 +67,47 @@ def test_rows_on_the_torch_backend(monkeypatch):
         isinstance(w, PackedWeight)
         for w in (bw.random_packed(16, 256, v, torch.Generator()) for v in bw.LAYOUTS.values())
     )
+
+
+def test_stage_sweep_rows(monkeypatch):
+    """A backend with the CudaBackend's knobs (wo_stages, wo_prefetch) gets the "(stages S)"
+    and "(no L2 prefetch)" rows, each knob back to its class default afterwards."""
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(bw, "DEV", cpu)
+    shapes = {"qkv": (32, 128), "o_proj": (128, 128), "gate_up": (512, 128), "down": (128, 256)}
+    monkeypatch.setattr(bw, "SHAPES", shapes)
+    monkeypatch.setattr(bw, "LM_HEAD", (40, 128))
+    monkeypatch.setattr(bw, "COPY_BYTES", 1)
+
+    class Knobs(TorchBackend):
+        wo_stages = 8
+        wo_prefetch = True
+
+    be = Knobs(cpu)
+    set_to: list[int] = []
+
+    def graph_ms(fn, n):
+        set_to.append(be.wo_stages)
+        for _ in range(n):
+            fn()
+        return 0.5
+
+    table: list[dict] = []
+
+    def row(name, *_):
+        table.append({"kernel": name})
+
+    bw.wo_rows(
+        be, table, row, row, graph_ms, lambda fn, repeats=10: 0.25, bench_cycle, tokens=(1, 8),
+        gemm_tokens=(),
+    )  # fmt: skip
+    rows = [r["kernel"] for r in table]
+    for label in bw.LAYOUTS:
+        for op in shapes:
+            for st in bw.STAGE_SWEEP[1]:
+                assert f"wo T=1 {label} {op} (stages {st})" in rows
+            assert f"wo T=8 {label} {op} (stages 0)" in rows
+        assert f"wo T=8 {label} qkv (stages 4)" not in rows
+    assert "wo T=1 int4_g128 qkv (no L2 prefetch)" in rows
+    assert sorted(set(set_to)) == sorted({8, *bw.STAGE_SWEEP[1]})
+    assert be.wo_stages == 8 and "wo_stages" not in vars(be)
