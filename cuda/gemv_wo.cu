@@ -3,8 +3,8 @@
 // the low nibble) or 8 bits, code_zero, groups of gs columns with one f16 / f32 scale and an
 // optional offset each), memory-bound on the codes. 16-bit activations (f16 / bf16) only.
 //
-// Four kernels per (BITS, SMODE, VECTOR) (extern "C" names gemv_wo{4,8}_{row,kstep,deq}_
-// {norm,norm_silu,add,linear}[_scalar]; M is a run-time argument):
+// Four kernels per (BITS, SMODE, stream) (extern "C" names gemv_wo{4,8}_{row,kstep,deq}_
+// {norm,norm_silu,add,linear}[_ring|_scalar]; M is a run-time argument):
 //   norm       out[m, n] = round(sum_k w[n, k] * xn[m, k] (+ bias[n]))              (qkv)
 //   norm_silu  W = [2I, K] gate | up: act[m, j] = round(round(silu(round(g))) * round(u))
 //   add        residual[m, n] = round(residual[m, n] + round(sum_k w[n, k] x[m, k])) (o, down)
@@ -42,19 +42,37 @@
 // Work: tiles round-robin over the CTAs (grid <= SMs, <= tiles; 512 threads, one CTA per
 // SM), 16 tiles per round; with c < 16 tiles in a round, 16 / c warps share each tile over
 // contiguous shares of the k-steps and add their sums through shared memory (split-K for
-// small N). A warp streams its share in batches of wo_u<SMODE>() k-steps (4 in row mode, else 2) double-buffered in
-// registers; with flags & WO_PREFETCH each batch's loads also prefetch (L2) the batch two
-// after the next, so more bytes are in flight than the registers hold. The first batch is
-// loaded, and the next two prefetched into L2, before the prologue (rms scale, staging), so
-// the weight stream starts at once.
+// small N). The weight stream of a warp's share:
+//   _ring (the default): cuda/wo_ring.cuh: every lane copies its code vectors and scale words
+//          (cp.async) into its slots of a per-warp shared-memory ring of R one-k-step
+//          stages (R = flags >> 8, 2..16, as many as the host's shared-memory budget holds
+//          up to WoOps.wo_stages), R - 1 k-steps in flight while one is unpacked: (R - 1) x
+//          16 KB of codes per SM, whatever the registers hold; the first R k-steps are issued
+//          before the prologue; flags & WO_PREFETCH asks the L2 for 256 bytes a copy;
+//   vector (the register stream): batches of wo_u<SMODE>() k-steps (4 in row mode, else 2)
+//          double-buffered in registers; with flags & WO_PREFETCH each batch's loads also
+//          prefetch (L2) the batch two after the next. The first batch is loaded, and the
+//          next two prefetched into L2, before the prologue (rms scale, staging).
+// Both call wo_mma_kstep per k-step in the same order: the same results, bit for bit.
 //
 // The *_scalar kernels (row bytes not a multiple of 16, or a misaligned base) load codes
 // by bytes and x by elements: correct, slow. Launch: grid min(SMs, tiles), block 512,
-// dynamic smem M * S + M * xsum_len * 4 bytes (the host runs the unfused sequence when that
-// exceeds its budget). The PTX helpers are host code under LLMC_HOST_EMULATION
-// (tests/cuda/kernel_emulator.h).
+// dynamic smem M * S + M * xsum_len * 4 bytes (+ the ring, 16-byte aligned after them: R x
+// 16 warps x 512 x (2 + scale chunks) bytes; the host runs the unfused sequence when the
+// staging exceeds its budget, the register stream when fewer than 2 stages fit). The PTX
+// helpers are host code under LLMC_HOST_EMULATION (tests/cuda/kernel_emulator.h).
 //
-// History: v1 (this; not yet measured on the H200).
+// History: v1 (register stream, measured at a633fdc, 8B layer, T = 1): int4 g128 31 % of the
+// copy rate, int8 48.5 %, Q4_K-like 32.9 %; the L2 prefetch flag changed nothing. Its SASS
+// (nvcc 13, sm_90, -Xptxas -v): 126-128 registers (the cap of __launch_bounds__(512, 1)),
+// no spills, one CTA of 16 warps per SM; the LDG.E.NA.128 of batch i + 1 are issued before
+// batch i's unpack / HMMAs (not serialised), but a batch is 2 k-steps in kstep / deq mode
+// (64 code bytes a lane) and 4 in row mode (128): at most 32 KB (kstep, deq) or 64 KB (row)
+// of codes in flight per SM, one batch through the whole prologue; the offsets' per-k-step
+// sums were shared-memory float atomics with 16 lanes on one address (CAS loops).
+// v2 (this): the _ring kernels (89-100 registers, no spills) by default, e.g. 7 stages for
+// int4 g128 at M = 1, K = 4096 (96 KB of codes in flight per SM); the prologue's sums
+// shuffled over the lanes of one k-step, one atomic each. Not yet measured on the H200.
 #include "common.cuh"
 
 #include "wo_codes.cuh"

@@ -9,7 +9,9 @@ on to the BF16 kernels), ``linear`` and ``embedding`` (CudaBackend's own, which 
 - small steps (T <= ``GEMV_MAX_TOKENS`` rows, 16-bit activations): one gemv_wo.cu kernel
   per op, dequantizing in registers, with the norm prologue and the SiLU / residual / bias
   epilogues; the scale mode from the group size (``wo_scale_mode``), the activations staged
-  in shared memory (``wo_smem_bytes``);
+  in shared memory (``wo_smem_bytes``); the codes streamed through a shared-memory ring of
+  ``wo_ring_stages`` stages after them (the ``_ring`` kernels: vector path, 4-byte aligned
+  scales / offsets, at least 2 stages fit), else by the register-stream kernels;
 - larger steps where ``WoGemmOps.wo_gemm`` picks it: gemm_wo.cu (mma.sync) or
   gemm_wo_sm90.cu (wgmma), codes dequantized into shared memory ahead of tensor-core MMAs
   (llmc.cuda.gemm_wo_ops: the plans and their table);
