@@ -48,9 +48,10 @@
 //
 // History: v1 (this; not yet measured on the H200).
 #include "common.cuh"
+#include "gemv_skeleton.cuh"
 
 #define G8_THREADS 512
-#define G8_WARPS 16
+#define G8_WARPS GEMV_WARPS
 #define G8_U 4  // k-steps (64 columns) per batch: 2 rows x 4 = 8 16-byte loads per lane
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
@@ -160,35 +161,7 @@ __device__ __forceinline__ v4u load_w16(const unsigned char* p, int k, int K) {
     }
 }
 
-// Weight row r (0..15) of tile `tile` (clamped in range; the caller guards stores).
-template <int MODE>
-__device__ __forceinline__ int tile_row(int tile, int r, int n_out) {
-    if constexpr (MODE == 1) {
-        const int j = min(tile * 8 + (r & 7), n_out - 1);
-        return r < 8 ? j : n_out + j;
-    } else {
-        return min(tile * 16 + r, n_out - 1);
-    }
-}
-
-// A warp's job in round r: tile, its share [s0, s1) of the k-steps among `split` warps.
-struct G8Work {
-    int tile, split, part, s0, s1;  // part: this warp's index among the split
-    bool active;
-};
-
-__device__ __forceinline__ G8Work g8_work(int r, int c, int ksteps, int warp) {
-    G8Work w;
-    const int cr = min(G8_WARPS, c - r * G8_WARPS);  // tiles in this round
-    w.split = G8_WARPS / cr;
-    const int lt = warp / w.split;
-    w.part = warp - lt * w.split;
-    w.active = lt < cr;
-    w.tile = (int)blockIdx.x + (r * G8_WARPS + lt) * (int)gridDim.x;
-    w.s0 = w.part * ksteps / w.split;
-    w.s1 = (w.part + 1) * ksteps / w.split;
-    return w;
-}
+// The work split (tiles, rounds, split-K): cuda/gemv_skeleton.cuh.
 
 // Batch of n (<= G8_U) k-steps from k-step kb: rows g, g + 8 of the lane's columns.
 template <bool VECTOR>
@@ -413,17 +386,20 @@ __device__ __forceinline__ void gemv8_body(const G8Args& a) {
     const int K = a.K, n_out = a.n_out;
     const int tiles = MODE == 1 ? (n_out + 7) / 8 : (n_out + 15) / 16;
     const int ksteps = (K + 63) / 64;
-    const int c = (tiles - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x;
+    const int c = gemv_cta_tiles(tiles);
     if (c <= 0) return;  // the host keeps grid <= tiles; CTA-uniform
     const unsigned char* xrow = xq + g * a.S + 16 * t4;
 
     v4u A[G8_U][2], B[G8_U][2];
-    G8Work w = g8_work(0, c, ksteps, warp);
-    const unsigned char* w0 = a.w + (long long)tile_row<MODE>(w.tile, g, n_out) * K + 16 * t4;
-    const unsigned char* w1 = a.w + (long long)tile_row<MODE>(w.tile, g + 8, n_out) * K + 16 * t4;
+    GemvWork w = gemv_work(0, c, ksteps, warp);
+    const unsigned char* w0 =
+        a.w + (long long)gemv_tile_row<MODE>(w.tile, g, n_out) * K + 16 * t4;
+    const unsigned char* w1 =
+        a.w + (long long)gemv_tile_row<MODE>(w.tile, g + 8, n_out) * K + 16 * t4;
     if (w.active && w.s0 < w.s1) {  // start the weight stream before the prologue
         load_batch<VECTOR>(A, w0, w1, w.s0, min(G8_U, w.s1 - w.s0), t4, K);
-        const unsigned char* rp = a.w + (long long)tile_row<MODE>(w.tile, lane & 15, n_out) * K;
+        const unsigned char* rp =
+            a.w + (long long)gemv_tile_row<MODE>(w.tile, lane & 15, n_out) * K;
         const int beg = 64 * (w.s0 + G8_U), end = min(min(64 * w.s1, K), beg + 64 * 2 * G8_U);
         for (int off = beg + 128 * (lane >> 4); off < end; off += 256) g8_prefetch_l2(rp + off);
     }
@@ -431,29 +407,17 @@ __device__ __forceinline__ void gemv8_body(const G8Args& a) {
 
     for (int r = 0; r * G8_WARPS < c; ++r) {
         if (r > 0) {
-            w = g8_work(r, c, ksteps, warp);
-            w0 = a.w + (long long)tile_row<MODE>(w.tile, g, n_out) * K + 16 * t4;
-            w1 = a.w + (long long)tile_row<MODE>(w.tile, g + 8, n_out) * K + 16 * t4;
+            w = gemv_work(r, c, ksteps, warp);
+            w0 = a.w + (long long)gemv_tile_row<MODE>(w.tile, g, n_out) * K + 16 * t4;
+            w1 = a.w + (long long)gemv_tile_row<MODE>(w.tile, g + 8, n_out) * K + 16 * t4;
         }
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
         if (w.active && w.s0 < w.s1) {
             stream_tile<VECTOR>(acc, A, B, w0, w1, xrow, g < M, w.s0, w.s1, r == 0, t4, K);
         }
-        if (w.split > 1) {  // add the other warps' shares of this tile (CTA-uniform branch)
-            if (w.active) {
-#pragma unroll
-                for (int j = 0; j < 4; ++j) part[warp][j][lane] = acc[j];
-            }
-            __syncthreads();
-            if (w.active && w.part == 0) {
-                for (int s = 1; s < w.split; ++s) {
-#pragma unroll
-                    for (int j = 0; j < 4; ++j) acc[j] += part[warp + s][j][lane];
-                }
-            }
-        }
+        gemv_split_add(acc, part, w, warp, lane);  // the other warps' shares
         if (w.active && w.part == 0) g8_store<M, MODE>(a, acc, w.tile, xscale, g, t4);
-        if (w.split > 1) __syncthreads();  // part is rewritten by the next round
+        gemv_split_done(w);
     }
 }
 

@@ -85,7 +85,9 @@ __device__ __forceinline__ void wo_mma_batch(float (&tot)[4], const WoBatch<BITS
                                              int t4) {
 #pragma unroll
     for (int u = 0; u < wo_u<SMODE>(); ++u) {
-        if (u < n) wo_mma_kstep<BITS, SMODE>(tot, B.c[u], B.sc[u], L, xrow, has_row, kb + u, xs, t4);
+        if (u < n) {
+            wo_mma_kstep<BITS, SMODE>(tot, B.c[u], B.sc[u], L, xrow, has_row, kb + u, xs, t4);
+        }
     }
 }
 
@@ -310,7 +312,7 @@ __device__ __forceinline__ void gemv_wo_body(const WoArgs& a) {
     const int K = a.K, n_out = a.n_out;
     const int tiles = MODE == 1 ? (n_out + 7) / 8 : (n_out + 15) / 16;
     const int ksteps = (K + KS - 1) / KS;
-    const int c = (tiles - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x;
+    const int c = gemv_cta_tiles(tiles);
     if (c <= 0) return;  // the host keeps grid <= tiles; CTA-uniform
     const int nsum = SMODE == WO_ROW ? 1 : ksteps;
     float* xsum = nullptr;
@@ -327,14 +329,14 @@ __device__ __forceinline__ void gemv_wo_body(const WoArgs& a) {
     unsigned char* lane0 = wo_ring_lane<SMODE>(xs + ring_off, R, warp, lane);
 
     WoBatch<BITS, SMODE> A, B;
-    WoWork w = wo_work(0, c, ksteps, warp);
+    GemvWork w = gemv_work(0, c, ksteps, warp);
     WoLane L = wo_lane<BITS, MODE>(a, w.tile, g, t4, kc);
     if constexpr (RING) {  // the first R k-steps in flight before the prologue
         if (w.active && w.s0 < w.s1) wo_ring_fill<BITS, SMODE>(lane0, R, L, w.s0, w.s1);
     } else if (w.active && w.s0 < w.s1) {  // start the weight stream before the prologue
         wo_load_batch<BITS, SMODE, VECTOR>(A, L, w.s0, min(U, w.s1 - w.s0));
         const unsigned char* rp =
-            a.w + (long long)wo_tile_row<MODE>(w.tile, lane & 15, n_out) * L.rowbytes;
+            a.w + (long long)gemv_tile_row<MODE>(w.tile, lane & 15, n_out) * L.rowbytes;
         const int beg = 64 * (w.s0 + U);
         const int end = min(min(64 * w.s1, L.rowbytes), beg + 64 * 2 * U);
         for (int off = beg + 128 * (lane >> 4); off < end; off += 256) wo_prefetch(rp + off);
@@ -343,7 +345,7 @@ __device__ __forceinline__ void gemv_wo_body(const WoArgs& a) {
 
     for (int r = 0; r * WO_WARPS < c; ++r) {
         if (r > 0) {
-            w = wo_work(r, c, ksteps, warp);
+            w = gemv_work(r, c, ksteps, warp);
             L = wo_lane<BITS, MODE>(a, w.tile, g, t4, kc);
         }
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
@@ -356,24 +358,12 @@ __device__ __forceinline__ void gemv_wo_body(const WoArgs& a) {
                                                sums, t4);
             }
         }
-        if (w.split > 1) {  // add the other warps' shares of this tile (CTA-uniform branch)
-            if (w.active) {
-#pragma unroll
-                for (int j = 0; j < 4; ++j) part[warp][j][lane] = acc[j];
-            }
-            __syncthreads();
-            if (w.active && w.part == 0) {
-                for (int s = 1; s < w.split; ++s) {
-#pragma unroll
-                    for (int j = 0; j < 4; ++j) acc[j] += part[warp + s][j][lane];
-                }
-            }
-        }
+        gemv_split_add(acc, part, w, warp, lane);  // the other warps' shares
         if (w.active && w.part == 0) {
             wo_row_scale<SMODE>(acc, L, sums, t4);
             wo_store<MODE>(a, acc, w.tile, g, t4);
         }
-        if (w.split > 1) __syncthreads();  // part is rewritten by the next round
+        gemv_split_done(w);
     }
 }
 

@@ -5,9 +5,10 @@
 // the scale mode).
 #pragma once
 #include "common.cuh"
+#include "gemv_skeleton.cuh"
 
 #define WO_THREADS 512
-#define WO_WARPS 16
+#define WO_WARPS GEMV_WARPS
 
 #define WO_ROW 0
 #define WO_KSTEP 1
@@ -198,35 +199,7 @@ __device__ __forceinline__ void wo_unpack8(unsigned int wd, const WoConst& k, fl
     for (int e = 0; e < 4; ++e) f[e] = __uint_as_float(__byte_perm(wd, 0x4b000000u, 0x7440 + e)) - k.fz;
 }
 
-// ---- work -----------------------------------------------------------------------------
-template <int MODE>
-__device__ __forceinline__ int wo_tile_row(int tile, int r, int n_out) {
-    if constexpr (MODE == 1) {
-        const int j = min(tile * 8 + (r & 7), n_out - 1);
-        return r < 8 ? j : n_out + j;
-    } else {
-        return min(tile * 16 + r, n_out - 1);
-    }
-}
-
-struct WoWork {
-    int tile, split, part, s0, s1;
-    bool active;
-};
-
-__device__ __forceinline__ WoWork wo_work(int r, int c, int ksteps, int warp) {
-    WoWork w;
-    const int cr = min(WO_WARPS, c - r * WO_WARPS);  // tiles in this round
-    w.split = WO_WARPS / cr;
-    const int lt = warp / w.split;
-    w.part = warp - lt * w.split;
-    w.active = lt < cr;
-    w.tile = (int)blockIdx.x + (r * WO_WARPS + lt) * (int)gridDim.x;
-    w.s0 = w.part * ksteps / w.split;
-    w.s1 = (w.part + 1) * ksteps / w.split;
-    return w;
-}
-
+// ---- work: cuda/gemv_skeleton.cuh -----------------------------------------------
 // A lane's view of its tile: code rows g and g + 8 (at its 16-byte column of a k-step),
 // scale / offset rows, the unpacking constants.
 struct WoLane {
@@ -247,7 +220,7 @@ __device__ __forceinline__ WoLane wo_lane(const WoArgs& a, int tile, int g, int 
     const long long gbytes = (long long)a.G * (L.f32 ? 4 : 2);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        const long long row = wo_tile_row<MODE>(tile, g + 8 * h, a.n_out);
+        const long long row = gemv_tile_row<MODE>(tile, g + 8 * h, a.n_out);
         L.c[h] = a.w + row * L.rowbytes + 16 * t;
         L.s[h] = static_cast<const unsigned char*>(a.scales) + row * gbytes;
         L.o[h] = a.offsets ? static_cast<const unsigned char*>(a.offsets) + row * gbytes : nullptr;

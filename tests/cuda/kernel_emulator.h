@@ -59,13 +59,6 @@ inline void __syncwarp(unsigned = 0xffffffffu) {
     emu_warp_barriers[threadIdx.x >> 5]->arrive_and_wait();
 }
 inline void __threadfence() {}
-// PRMT: byte i of the result is byte (s >> 4 i) & 7 of the 8 bytes y:x.
-inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
-    const unsigned long long v = ((unsigned long long)y << 32) | x;
-    unsigned r = 0;
-    for (int i = 0; i < 4; ++i) r |= (unsigned)((v >> (8 * ((s >> (4 * i)) & 7))) & 0xffu) << (8 * i);
-    return r;
-}
 inline float load_cg(const float* p) { return *(const volatile float*)p; }  // decode_attention.cu
 inline int atomicAdd(int* p, int v) {
     std::lock_guard<std::mutex> lock(emu_atomic_mutex);
@@ -152,50 +145,15 @@ inline unsigned __reduce_add_sync(unsigned mask, unsigned v) {
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline int __ffs(int x) { return __builtin_ffs(x); }
 
-inline float __uint_as_float(unsigned int u) {
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-}
-inline unsigned int __float_as_uint(float f) {
-    unsigned int u;
-    std::memcpy(&u, &f, 4);
-    return u;
-}
-inline float __int_as_float(int i) {
-    float f;
-    std::memcpy(&f, &i, 4);
-    return f;
-}
-inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
-inline int min(int a, int b) { return a < b ? a : b; }
+#include "emu_scalar.h"  // bit casts, rsqrtf, min, PRMT, 16-bit conversions (shared)
 inline int max(int a, int b) { return a > b ? a : b; }
 inline long long min(long long a, long long b) { return a < b ? a : b; }
 inline int __float2int_rn(float x) { return (int)std::nearbyint(x); }
 inline float __fdiv_rn(float a, float b) { return a / b; }
 inline float __frcp_rn(float a) { return 1.0f / a; }
-inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fsub_rn(float a, float b) { return a - b; }
 
-// IEEE binary16 <-> float (round to nearest even), standing in for cvt.f32.f16 etc.
-inline float emu_half_to_float(unsigned short x) {
-    _Float16 h;
-    std::memcpy(&h, &x, 2);
-    return (float)h;
-}
-inline unsigned short emu_float_to_half(float f) {
-    _Float16 h = (_Float16)f;
-    unsigned short x;
-    std::memcpy(&x, &h, 2);
-    return x;
-}
-inline unsigned short emu_float_to_bf16(float f) {
-    unsigned int u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (unsigned short)(u >> 16);
-}
 inline float emu_bf16_to_float(unsigned short x) { return __uint_as_float(((unsigned)x) << 16); }
 
 // fp8.cuh's PTX helpers

@@ -17,38 +17,33 @@ import pytest
 import torch
 
 from helpers.attention import rel_err
-from helpers.packed_weights import random_packed
+from helpers.packed_weights import WO_LAYOUTS, random_packed
 from llmc.cuda import reference as ref
 from llmc.cuda.gemv_wo_ops import wo_scale_mode
 
-pytestmark = pytest.mark.cuda
-
-if not torch.cuda.is_available():  # pragma: no cover - CPU machines deselect these anyway
-    pytest.skip("needs a CUDA GPU", allow_module_level=True)
-cupy = pytest.importorskip("cupy")
-
-DEV = torch.device("cuda")
-EPS = 1e-5
+# collected everywhere (``-m cuda --co`` lists them), skipped without a GPU
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+DEV, EPS = torch.device("cuda"), 1e-5
 F16, F32, BF16 = torch.float16, torch.float32, torch.bfloat16
 
-# name -> (bits, group_size (0 = K), offsets, scale dtype, code_zero)
-LAYOUTS = {
-    "int4_g128_asym": (4, 128, True, F16, 0),  # kstep + sums (int4_wo)
+# every scale mode and group size: engine layouts (helpers.packed_weights.WO_LAYOUTS) and
+# three more: name -> (bits, group_size (0 = K), offsets, scale dtype, code_zero)
+LAYOUTS = {n: WO_LAYOUTS[n] for n in (
+    "int4_g128_asym", "int8_perchannel", "int8_g64_asym", "q8_0", "q4_1", "q4_k", "q6_k",
+    "int4_g16_asym",
+)} | {
     "int4_g256_sym": (4, 256, False, F16, 8),  # kstep, two k-steps a group
     "int4_gK_asym": (4, 0, True, F16, 0),  # row + sums
-    "int8_perchannel": (8, 0, False, F16, 128),  # row (int8_wo)
-    "int8_g64_asym": (8, 64, True, F32, 0),  # kstep + sums
-    "int8_g128_f16": (8, 128, True, F16, 0),  # kstep, two k-steps a group
-    "q8_0": (8, 32, False, F16, 128),  # deq
-    "q4_1": (4, 32, True, F16, 0),
-    "q4_k": (4, 32, True, F32, 0),
-    "q6_k": (8, 16, False, F32, 32),
-    "int4_g16_asym": (4, 16, True, F16, 0),  # deq: two groups a code vector
-}
+    "int8_g128_f16": (8, 128, True, F16, 0),  # kstep, two k-steps a group, f16
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def be():
+    pytest.importorskip("cupy")
     from llmc.cuda.cuda_backend import CudaBackend
 
     return CudaBackend(DEV)

@@ -102,7 +102,8 @@ def compile_emulators(tmp: Path, source: Callable[[int], str]) -> dict[str, Path
     for name, (code, _) in DTYPES.items():
         cpp = tmp / f"{name}.cpp"
         cpp.write_text(source(code))
-        cmd = ["g++", "-std=c++20", "-O1", "-pthread", "-w", f"-I{HERE}", "-o", str(tmp / name)]
+        cmd = ["g++", "-std=c++20", "-O1", "-pthread", "-w", f"-I{HERE}", f"-I{CUDA_DIR}"]
+        cmd += ["-o", str(tmp / name)]  # CUDA_DIR: the kernels' own headers (gemv_skeleton.cuh)
         procs[name] = subprocess.Popen(
             [*cmd, str(cpp)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
