@@ -326,13 +326,14 @@ __device__ __forceinline__ void gemv_wo_body(const WoArgs& a) {
     const int R = a.flags >> WO_STAGES_SHIFT;
     const long long sum_bytes = xsum ? (long long)a.M * nsum * 4 : 0;
     const long long ring_off = ((long long)a.M * a.S + sum_bytes + 15) & ~15ll;
-    unsigned char* lane0 = wo_ring_lane<SMODE>(xs + ring_off, R, warp, lane);
+    const int stage = wo_ring_chunks<BITS, SMODE>(a.gs) * 512;  // bytes a warp
+    unsigned char* lane0 = wo_ring_lane(xs + ring_off, R, stage, warp, lane);
 
     WoBatch<BITS, SMODE> A, B;
     GemvWork w = gemv_work(0, c, ksteps, warp);
     WoLane L = wo_lane<BITS, MODE>(a, w.tile, g, t4, kc);
     if constexpr (RING) {  // the first R k-steps in flight before the prologue
-        if (w.active && w.s0 < w.s1) wo_ring_fill<BITS, SMODE>(lane0, R, L, w.s0, w.s1);
+        if (w.active && w.s0 < w.s1) wo_ring_fill<BITS, SMODE>(lane0, R, stage, L, w.s0, w.s1);
     } else if (w.active && w.s0 < w.s1) {  // start the weight stream before the prologue
         wo_load_batch<BITS, SMODE, VECTOR>(A, L, w.s0, min(U, w.s1 - w.s0));
         const unsigned char* rp =
@@ -351,8 +352,9 @@ __device__ __forceinline__ void gemv_wo_body(const WoArgs& a) {
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
         if (w.active && w.s0 < w.s1) {
             if constexpr (RING) {
-                if (r > 0) wo_ring_fill<BITS, SMODE>(lane0, R, L, w.s0, w.s1);
-                wo_ring_stream<BITS, SMODE>(acc, lane0, R, L, xrow, g < a.M, w.s0, w.s1, sums, t4);
+                if (r > 0) wo_ring_fill<BITS, SMODE>(lane0, R, stage, L, w.s0, w.s1);
+                wo_ring_stream<BITS, SMODE>(acc, lane0, R, stage, L, xrow, g < a.M, w.s0, w.s1,
+                                            sums, t4);
             } else {
                 wo_stream<BITS, SMODE, VECTOR>(acc, A, B, L, xrow, g < a.M, w.s0, w.s1, r == 0,
                                                sums, t4);

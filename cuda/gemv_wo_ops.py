@@ -105,10 +105,12 @@ def wo_smem_bytes(bits: int, k: int, group_size: int, m: int, offsets: bool) -> 
     return m * wo_row_stride(bits, k) + sums
 
 
-def wo_ring_stage_bytes(scale_mode: str) -> int:
+def wo_ring_stage_bytes(scale_mode: str, bits: int, group_size: int) -> int:
     """Shared memory of one ring stage (wo_ring.cuh): 16 warps x CH chunks x 512 bytes, CH =
-    2 code chunks + the scale words (row: none, kstep: 1 chunk, deq: 2)."""
-    return WO_WARPS * 512 * {"row": 2, "kstep": 3, "deq": 4}[scale_mode]
+    2 code chunks + the scale words (row: none; kstep, deq: 1 chunk, 2 where one code
+    vector spans two groups: 4-bit, group_size % 32 != 0)."""
+    two = scale_mode == "deq" and group_size % (32 if bits == 4 else 16) != 0
+    return WO_WARPS * 512 * (2 if scale_mode == "row" else 4 if two else 3)
 
 
 def wo_ring_offset(bits: int, k: int, group_size: int, m: int, offsets: bool) -> int:
@@ -126,7 +128,7 @@ def wo_ring_stages(
     if mode is None:
         return 0
     room = budget - wo_ring_offset(bits, k, group_size, m, offsets)
-    r = min(most, WO_MAX_STAGES, room // wo_ring_stage_bytes(mode))
+    r = min(most, WO_MAX_STAGES, room // wo_ring_stage_bytes(mode, bits, group_size))
     return r if r >= 2 else 0
 
 
@@ -226,7 +228,7 @@ class WoOps(WoGemmOps):
             )
         if stages:
             smem = wo_ring_offset(w.bits, k, w.group_size, m, offs)
-            smem += stages * wo_ring_stage_bytes(smode)
+            smem += stages * wo_ring_stage_bytes(smode, w.bits, w.group_size)
         name = wo_kernel_name(w.bits, smode, mode, vector, stages > 0)
         kern = self._gemv_kernels.get((x.dtype, name))
         if kern is None:

@@ -6,9 +6,10 @@
 //
 // Per warp: R stages of CH 512-byte chunks, chunk c of a stage lane-major (16 bytes a lane:
 // one LDS.128 / cp.async per lane, conflict-free): chunks 0, 1 the codes of rows g, g + 8;
-// kstep: chunk 2 = the raw scale / offset words {s(g), o(g), s(g+8), o(g+8)}; deq: chunk 2 =
-// row g {s(a), s(b), o(a), o(b)} (groups a, b of the lane's two half vectors), chunk 3 = row
-// g + 8. A 16-bit scale travels in its aligned 32-bit word (cp.async copies 4, 8 or 16
+// kstep and deq: chunk 2 = the raw scale / offset words {s(g), o(g), s(g+8), o(g+8)} of the
+// group (a) of the lane's columns, and where a code vector spans two groups (deq, 4-bit,
+// gs % 32 != 0: CH = 4) chunk 3 the same for the group (b) of its second half.
+// A 16-bit scale travels in its aligned 32-bit word (cp.async copies 4, 8 or 16
 // bytes), the consumer picks the half by the element's address; the word never leaves the
 // allocation's 4-byte granule (the host asks for 4-byte aligned scale / offset tensors).
 //
@@ -22,9 +23,12 @@
 #define WO_STAGES_SHIFT 8  // flags >> 8: ring stages R (the *_ring kernels)
 #define WO_MAX_STAGES 16
 
-template <int SMODE>
-__host__ __device__ constexpr int wo_ring_chunks() {
-    return SMODE == WO_ROW ? 2 : (SMODE == WO_KSTEP ? 3 : 4);
+// Chunks of a stage (llmc.cuda.gemv_wo_ops.wo_ring_stage_bytes): 2 of codes + the scales'.
+template <int BITS, int SMODE>
+__device__ __forceinline__ int wo_ring_chunks(int gs) {
+    if constexpr (SMODE == WO_ROW) return 2;
+    if constexpr (SMODE == WO_KSTEP) return 3;
+    return gs % wo_vb<BITS>() == 0 ? 3 : 4;  // deq: one group a code vector, or two
 }
 
 // ---- cp.async (host stand-ins under LLMC_HOST_EMULATION: copies at once) --------------
@@ -122,13 +126,13 @@ __device__ __forceinline__ void wo_ring_issue(unsigned char* slot, const WoLane&
         wo_groups<BITS, SMODE>(L, ks, ga, gb);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            unsigned char* d = SMODE == WO_KSTEP ? slot + 1024 + 8 * h : slot + 1024 + 512 * h;
+            unsigned char* d = slot + 1024 + 8 * h;
             wo_cp4(d, wo_sp(L.s[h], ga, L.f32));
-            if (L.o[h]) wo_cp4(d + (SMODE == WO_KSTEP ? 4 : 8), wo_sp(L.o[h], ga, L.f32));
+            if (L.o[h]) wo_cp4(d + 4, wo_sp(L.o[h], ga, L.f32));
             if constexpr (SMODE == WO_DEQ) {
-                if (gb != ga) {
-                    wo_cp4(d + 4, wo_sp(L.s[h], gb, L.f32));
-                    if (L.o[h]) wo_cp4(d + 12, wo_sp(L.o[h], gb, L.f32));
+                if (gb != ga) {  // only where the stage has chunk 3
+                    wo_cp4(d + 512, wo_sp(L.s[h], gb, L.f32));
+                    if (L.o[h]) wo_cp4(d + 516, wo_sp(L.o[h], gb, L.f32));
                 }
             }
         }
@@ -145,24 +149,25 @@ __device__ __forceinline__ void wo_ring_read(const unsigned char* slot, const Wo
     if constexpr (SMODE != WO_ROW) {
         int ga, gb;
         wo_groups<BITS, SMODE>(L, ks, ga, gb);
-        if constexpr (SMODE == WO_KSTEP) {
-            const v4u w = *reinterpret_cast<const v4u*>(slot + 1024);
-            const unsigned int ws[2] = {w.x, w.z}, wo[2] = {w.y, w.w};
+        const v4u w = *reinterpret_cast<const v4u*>(slot + 1024);
+        const unsigned int ws[2] = {w.x, w.z}, wo[2] = {w.y, w.w};
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                sc.s[h][0] = wo_pick(ws[h], wo_sp(L.s[h], ga, L.f32), L.f32);
-                sc.o[h][0] = L.o[h] ? wo_pick(wo[h], wo_sp(L.o[h], ga, L.f32), L.f32) : 0u;
-            }
-        } else {
+        for (int h = 0; h < 2; ++h) {
+            sc.s[h][0] = wo_pick(ws[h], wo_sp(L.s[h], ga, L.f32), L.f32);
+            sc.o[h][0] = L.o[h] ? wo_pick(wo[h], wo_sp(L.o[h], ga, L.f32), L.f32) : 0u;
+        }
+        if constexpr (SMODE == WO_DEQ) {
+            if (gb != ga) {
+                const v4u b = *reinterpret_cast<const v4u*>(slot + 1536);
+                const unsigned int bs[2] = {b.x, b.z}, bo[2] = {b.y, b.w};
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const v4u w = *reinterpret_cast<const v4u*>(slot + 1024 + 512 * h);
-                sc.s[h][0] = wo_pick(w.x, wo_sp(L.s[h], ga, L.f32), L.f32);
-                sc.o[h][0] = L.o[h] ? wo_pick(w.z, wo_sp(L.o[h], ga, L.f32), L.f32) : 0u;
-                if (gb != ga) {
-                    sc.s[h][1] = wo_pick(w.y, wo_sp(L.s[h], gb, L.f32), L.f32);
-                    sc.o[h][1] = L.o[h] ? wo_pick(w.w, wo_sp(L.o[h], gb, L.f32), L.f32) : 0u;
-                } else {
+                for (int h = 0; h < 2; ++h) {
+                    sc.s[h][1] = wo_pick(bs[h], wo_sp(L.s[h], gb, L.f32), L.f32);
+                    sc.o[h][1] = L.o[h] ? wo_pick(bo[h], wo_sp(L.o[h], gb, L.f32), L.f32) : 0u;
+                }
+            } else {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
                     sc.s[h][1] = sc.s[h][0];
                     sc.o[h][1] = sc.o[h][0];
                 }
@@ -172,21 +177,18 @@ __device__ __forceinline__ void wo_ring_read(const unsigned char* slot, const Wo
 }
 
 // ---- the stream -------------------------------------------------------------------------
-// The lane's base in stage 0 of its warp's ring (R stages of CH chunks per warp).
-template <int SMODE>
-__device__ __forceinline__ unsigned char* wo_ring_lane(unsigned char* ring, int R, int warp,
-                                                       int lane) {
-    constexpr int CH = wo_ring_chunks<SMODE>();
-    return ring + (long long)warp * R * CH * 512 + 16 * lane;
+// The lane's base in stage 0 of its warp's ring (R stages of `stage` bytes per warp).
+__device__ __forceinline__ unsigned char* wo_ring_lane(unsigned char* ring, int R, int stage,
+                                                       int warp, int lane) {
+    return ring + (long long)warp * R * stage + 16 * lane;
 }
 
 // Fill the ring with k-steps s0 .. s0 + R - 1 of the warp's share [s0, s1) (R groups).
 template <int BITS, int SMODE>
-__device__ __forceinline__ void wo_ring_fill(unsigned char* lane0, int R, const WoLane& L,
-                                             int s0, int s1) {
-    constexpr int STAGE = wo_ring_chunks<SMODE>() * 512;
+__device__ __forceinline__ void wo_ring_fill(unsigned char* lane0, int R, int stage,
+                                             const WoLane& L, int s0, int s1) {
     for (int i = 0; i < R; ++i) {
-        if (s0 + i < s1) wo_ring_issue<BITS, SMODE>(lane0 + i * STAGE, L, s0 + i);
+        if (s0 + i < s1) wo_ring_issue<BITS, SMODE>(lane0 + i * stage, L, s0 + i);
         wo_commit();
     }
 }
@@ -195,14 +197,13 @@ __device__ __forceinline__ void wo_ring_fill(unsigned char* lane0, int R, const 
 // k-step R ahead once its own has been computed.
 template <int BITS, int SMODE>
 __device__ __forceinline__ void wo_ring_stream(float (&tot)[4], unsigned char* lane0, int R,
-                                               const WoLane& L, const unsigned char* xrow,
-                                               bool has_row, int s0, int s1, const WoSums& xs,
-                                               int t4) {
-    constexpr int STAGE = wo_ring_chunks<SMODE>() * 512;
+                                               int stage, const WoLane& L,
+                                               const unsigned char* xrow, bool has_row, int s0,
+                                               int s1, const WoSums& xs, int t4) {
     int slot = 0;
     for (int ks = s0; ks < s1; ++ks) {
         wo_wait(R - 1);  // k-step ks landed
-        unsigned char* sp = lane0 + slot * STAGE;
+        unsigned char* sp = lane0 + slot * stage;
         v4u cv[2];
         WoScales<SMODE> sc;
         wo_ring_read<BITS, SMODE>(sp, L, ks, cv, sc);

@@ -112,7 +112,8 @@ def _launch(families, dtype, case, w, x, norm_w, bias, out, stages: int = 0) -> 
     grid = max(1, min(sms, wo_tiles(mode, n)))
     smem = wo_smem_bytes(bits, k, gs, m, offs)
     if stages:
-        smem = wo_ring_offset(bits, k, gs, m, offs) + stages * wo_ring_stage_bytes(smode)
+        smem = wo_ring_offset(bits, k, gs, m, offs)
+        smem += stages * wo_ring_stage_bytes(smode, bits, gs)
     assert smem <= 256 * 1024  # kernel_emulator.h's dynamic shared memory
     kern(
         (grid,), 512, x, norm_w if mode < 2 else 0, EPS, w.codes, w.scales,

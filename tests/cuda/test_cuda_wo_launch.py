@@ -118,6 +118,24 @@ def test_ring_launches(be, m, stages):
     assert be.launches[-1][0].name == "gemv_wo4_kstep_norm"
 
 
+@pytest.mark.parametrize(
+    "bits, gs, chunks", [(4, 32, 3), (4, 64, 3), (4, 16, 4), (4, 48, 4), (8, 16, 3), (8, 32, 3)]
+)
+def test_ring_stage_of_the_deq_mode(be, bits, gs, chunks):
+    """deq stages carry one scale chunk where each lane's code vector lies in one group (4-bit
+    gs % 32 == 0, 8-bit always), two where it spans two (4-bit g16, g48)."""
+    k, n = 3072, 64  # every gs divides it
+    w = random_packed(n, k, bits, gs, offsets=True, scale_dtype=torch.float32)
+    be.linear(aligned(1, k), w, out=aligned(1, n))
+    kern, _, _, args, smem = check(be.launches[-1], GEMV_SIG)
+    assert kern.name == f"gemv_wo{bits}_deq_linear_ring"
+    assert wo.wo_ring_stage_bytes("deq", bits, gs) == 16 * 512 * chunks
+    stages = args[-1] >> 8
+    base = wo.wo_row_stride(bits, k)  # M = 1, no sums in the deq mode
+    assert stages == min(8, (be._gemv_smem - wo.WO_SMEM_MARGIN - base) // (16 * 512 * chunks))
+    assert smem == base + stages * 16 * 512 * chunks
+
+
 def test_ring_falls_back_to_the_register_kernels(be):
     """Fewer than 2 stages fit (down at M = 6: 6 x 28736 staged bytes), or scales / offsets
     not 4-byte aligned (wo_ring.cuh copies 32-bit words): the register-stream kernel."""
