@@ -15,7 +15,7 @@
 //
 // A lane reads only the slots it filled itself, so cp.async.wait_group is all the
 // synchronisation there is; a slot is refilled only after the k-step read from it has been
-// computed (its values consumed). One commit group per k-step, empty past the warp's share,
+// computed (wo_consumed: its values are in the sums). One commit group per k-step, empty past the warp's share,
 // so "the oldest stage landed" is always wait_group(R - 1).
 #pragma once
 #include "wo_codes.cuh"
@@ -177,6 +177,17 @@ __device__ __forceinline__ void wo_ring_read(const unsigned char* slot, const Wo
 }
 
 // ---- the stream -------------------------------------------------------------------------
+// A slot is refilled only once the sums that consumed its values are ready: every value read
+// from it (codes, scales) feeds tot, so no later cp.async can land before those reads (the
+// PTX model does not order a thread's cp.async after its own earlier shared loads).
+__device__ __forceinline__ void wo_consumed(float (&tot)[4]) {
+#ifndef LLMC_HOST_EMULATION
+    asm volatile("" : "+f"(tot[0]), "+f"(tot[1]), "+f"(tot[2]), "+f"(tot[3])::"memory");
+#else
+    (void)tot;
+#endif
+}
+
 // The lane's base in stage 0 of its warp's ring (R stages of `stage` bytes per warp).
 __device__ __forceinline__ unsigned char* wo_ring_lane(unsigned char* ring, int R, int stage,
                                                        int warp, int lane) {
@@ -208,6 +219,7 @@ __device__ __forceinline__ void wo_ring_stream(float (&tot)[4], unsigned char* l
         WoScales<SMODE> sc;
         wo_ring_read<BITS, SMODE>(sp, L, ks, cv, sc);
         wo_mma_kstep<BITS, SMODE>(tot, cv, sc, L, xrow, has_row, ks, xs, t4);
+        wo_consumed(tot);
         if (ks + R < s1) wo_ring_issue<BITS, SMODE>(sp, L, ks + R);
         wo_commit();
         slot = slot + 1 == R ? 0 : slot + 1;
