@@ -32,6 +32,14 @@ __device__ __forceinline__ int wo_ring_chunks(int gs) {
 }
 
 // ---- cp.async (host stand-ins under LLMC_HOST_EMULATION: copies at once) --------------
+#ifndef LLMC_HOST_EMULATION
+__device__ __forceinline__ unsigned wo_saddr(const void* p) {  // as the other families do
+    unsigned r;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+    return r;
+}
+#endif
+
 // 16 bytes (or, `full` false, 16 zeros: the row's end) global -> shared, L2 only;
 // `wide`: the L2 fetches the 256 bytes around them (the lane's next k-steps, wanted soon).
 __device__ __forceinline__ void wo_cp16(void* s, const void* g, bool full, bool wide) {
@@ -40,7 +48,7 @@ __device__ __forceinline__ void wo_cp16(void* s, const void* g, bool full, bool 
     if (full) std::memcpy(s, g, 16);
     else std::memset(s, 0, 16);
 #else
-    const unsigned sa = (unsigned)__cvta_generic_to_shared(s);
+    const unsigned sa = wo_saddr(s);
     if (wide) {
         asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(sa), "l"(g),
                      "r"(full ? 16 : 0)
@@ -60,7 +68,7 @@ __device__ __forceinline__ void wo_cp4(void* s, const unsigned char* g) {
 #ifdef LLMC_HOST_EMULATION
     std::memcpy(s, w, 4);
 #else
-    const unsigned sa = (unsigned)__cvta_generic_to_shared(s);
+    const unsigned sa = wo_saddr(s);
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(sa), "l"(w) : "memory");
 #endif
 }
