@@ -70,9 +70,10 @@
 // (64 code bytes a lane) and 4 in row mode (128): at most 32 KB (kstep, deq) or 64 KB (row)
 // of codes in flight per SM, one batch through the whole prologue; the offsets' per-k-step
 // sums were shared-memory float atomics with 16 lanes on one address (CAS loops).
-// v2 (this): the _ring kernels (89-100 registers, no spills) by default, e.g. 7 stages for
-// int4 g128 at M = 1, K = 4096 (96 KB of codes in flight per SM); the prologue's sums
-// shuffled over the lanes of one k-step, one atomic each. Not yet measured on the H200.
+// v2 (this): the _ring kernels (89-100 registers, no spills) by default: at M = 1, K = 4096
+// 7 stages for int4 g128 and Q4_K-like (96 KB of codes in flight per SM), 8 for int8
+// per-channel (112 KB); the prologue's sums shuffled over the lanes of one k-step, one atomic
+// each. Not yet measured on the H200 (bench rows "(stages S)", S = 0: v1).
 #include "common.cuh"
 
 #include "wo_codes.cuh"
