@@ -147,6 +147,20 @@ __device__ __forceinline__ void wo_ring_issue(unsigned char* slot, const WoLane&
     }
 }
 
+// Raw scales / offsets of group gi of rows g, g + 8 from a landed chunk {s(g), o(g), s(g+8),
+// o(g+8)} (0: no offsets).
+__device__ __forceinline__ void wo_ring_scales(const unsigned char* chunk, const WoLane& L,
+                                               int gi, unsigned int (&s)[2],
+                                               unsigned int (&o)[2]) {
+    const v4u w = *reinterpret_cast<const v4u*>(chunk);
+    const unsigned int ws[2] = {w.x, w.z}, wo[2] = {w.y, w.w};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        s[h] = wo_pick(ws[h], wo_sp(L.s[h], gi, L.f32), L.f32);
+        o[h] = L.o[h] ? wo_pick(wo[h], wo_sp(L.o[h], gi, L.f32), L.f32) : 0u;
+    }
+}
+
 // Codes and raw scales of k-step ks back from its landed slot (the values wo_load_batch
 // would have loaded).
 template <int BITS, int SMODE>
@@ -157,29 +171,14 @@ __device__ __forceinline__ void wo_ring_read(const unsigned char* slot, const Wo
     if constexpr (SMODE != WO_ROW) {
         int ga, gb;
         wo_groups<BITS, SMODE>(L, ks, ga, gb);
-        const v4u w = *reinterpret_cast<const v4u*>(slot + 1024);
-        const unsigned int ws[2] = {w.x, w.z}, wo[2] = {w.y, w.w};
+        unsigned int s[2], o[2];
+        wo_ring_scales(slot + 1024, L, ga, s, o);
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            sc.s[h][0] = wo_pick(ws[h], wo_sp(L.s[h], ga, L.f32), L.f32);
-            sc.o[h][0] = L.o[h] ? wo_pick(wo[h], wo_sp(L.o[h], ga, L.f32), L.f32) : 0u;
-        }
+        for (int h = 0; h < 2; ++h) sc.s[h][0] = s[h], sc.o[h][0] = o[h];
         if constexpr (SMODE == WO_DEQ) {
-            if (gb != ga) {
-                const v4u b = *reinterpret_cast<const v4u*>(slot + 1536);
-                const unsigned int bs[2] = {b.x, b.z}, bo[2] = {b.y, b.w};
+            if (gb != ga) wo_ring_scales(slot + 1536, L, gb, s, o);
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    sc.s[h][1] = wo_pick(bs[h], wo_sp(L.s[h], gb, L.f32), L.f32);
-                    sc.o[h][1] = L.o[h] ? wo_pick(bo[h], wo_sp(L.o[h], gb, L.f32), L.f32) : 0u;
-                }
-            } else {
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    sc.s[h][1] = sc.s[h][0];
-                    sc.o[h][1] = sc.o[h][0];
-                }
-            }
+            for (int h = 0; h < 2; ++h) sc.s[h][1] = s[h], sc.o[h][1] = o[h];
         }
     }
 }
