@@ -50,7 +50,7 @@ LAYOUTS = {  # name -> (bits, group_size (0 = K), offsets, scale dtype, code_zer
     "q4_k": (4, 32, True, torch.float32, 0),
 }
 TOKENS = (1, 8)
-STAGE_SWEEP = {1: (0, 2, 4, 16), 8: (0,)}  # T -> WoOps.wo_stages beside the default
+STAGE_SWEEP = {1: (0, 2, 4, 8, 16), 8: (0,)}  # T -> WoOps.wo_stages beside the default
 GEMM_TOKENS = (16, 32, 64, 128, 1024, 8192)
 GEMM_PLAN_TOKENS = (16, 64, 256, 512, 1024, 8192)
 GEMM_PLAN_LAYOUTS = ("int4_g128", "int8")

@@ -179,9 +179,12 @@ class WoOps(WoGemmOps):
 
     wo_gemv_passes: tuple[int, int] = (4, 2)
     # Most stages of the *_ring kernels (wo_ring.cuh; each one k-step, 32 code bytes a lane;
-    # the budget may allow fewer); 0 = the register-stream kernels (the bench's "stages"
-    # rows sweep it; not yet measured)
-    wo_stages: int = 8
+    # the budget may allow fewer); 0 = the register-stream kernels. Measured on the H200
+    # (272b320, the bench's "stages" rows, docs/PERFORMANCE.md): the ring is slower for
+    # int4 g128 at every depth (one 8B layer 26 % of copy against 30 %) and ~5 points faster
+    # for int8 at 2-4 stages; its GPU test batch was cut before pytest named its failures,
+    # so the verified register kernels stay the default.
+    wo_stages: int = 0
     # gemv_wo.cu's L2 prefetch two batches ahead (flags & 4; not yet measured: the bench's
     # "no L2 prefetch" rows)
     wo_prefetch: bool = True

@@ -47,6 +47,14 @@ def be(monkeypatch):
     return recording_backend(monkeypatch)
 
 
+@pytest.fixture
+def ring(be):
+    """``be`` with the ring kernels on (the register kernels are the default: WoOps)."""
+    assert be.wo_stages == 0
+    be.wo_stages = 8
+    return be
+
+
 def test_signatures_parsed():
     assert len(GEMV_SIG) == 16 and GEMV_SIG[2] == "float" and GEMV_SIG[-1] == "int"
     assert len(ROWS_SIG) == 14 and ROWS_SIG[7] == "long long"
@@ -98,9 +106,10 @@ def test_fused_launches_match_the_signature(be, m):
 
 
 @pytest.mark.parametrize("m, stages", [(1, 7), (4, 6), (8, 5)])
-def test_ring_launches(be, m, stages):
-    """The *_ring kernels by default: as many stages (<= wo_stages) as the budget holds after
-    the staging and the sums (kstep: 24 KB a stage), the count in flags >> 8."""
+def test_ring_launches(ring, m, stages):
+    """The *_ring kernels with wo_stages > 0: as many stages (<= wo_stages) as the budget
+    holds after the staging and the sums (kstep: 24 KB a stage), the count in flags >> 8."""
+    be = ring
     k, n = 4096, 600
     w = random_packed(n, k, 4, 128, offsets=True)
     be.norm_linear(aligned(m, k), aligned(k), 1e-5, w, out=aligned(m, n))
@@ -121,9 +130,10 @@ def test_ring_launches(be, m, stages):
 @pytest.mark.parametrize(
     "bits, gs, chunks", [(4, 32, 3), (4, 64, 3), (4, 16, 4), (4, 48, 4), (8, 16, 3), (8, 32, 3)]
 )
-def test_ring_stage_of_the_deq_mode(be, bits, gs, chunks):
+def test_ring_stage_of_the_deq_mode(ring, bits, gs, chunks):
     """deq stages carry one scale chunk where each lane's code vector lies in one group (4-bit
     gs % 32 == 0, 8-bit always), two where it spans two (4-bit g16, g48)."""
+    be = ring
     k, n = 3072, 64  # every gs divides it
     w = random_packed(n, k, bits, gs, offsets=True, scale_dtype=torch.float32)
     be.linear(aligned(1, k), w, out=aligned(1, n))
@@ -136,9 +146,10 @@ def test_ring_stage_of_the_deq_mode(be, bits, gs, chunks):
     assert smem == base + stages * 16 * 512 * chunks
 
 
-def test_ring_falls_back_to_the_register_kernels(be):
+def test_ring_falls_back_to_the_register_kernels(ring):
     """Fewer than 2 stages fit (down at M = 6: 6 x 28736 staged bytes), or scales / offsets
     not 4-byte aligned (wo_ring.cuh copies 32-bit words): the register-stream kernel."""
+    be = ring
     k, n = 14336, 64
     w = random_packed(n, k, 4, 128, offsets=True)
     be.linear_residual_add(aligned(4, k), w, aligned(4, n))
@@ -205,9 +216,10 @@ def test_linear_chunks_large_weights(be, monkeypatch):
     assert [int(lk[3][1]) - int(rows[0][3][1]) for lk in rows] == [0, 64 * 128, 128 * 128]
 
 
-def test_linear_gemv_passes_of_eight_rows(be):
+def test_linear_gemv_passes_of_eight_rows(ring):
     """T = 20 rows of an int4 weight: three passes of the gemv kernel (8, 8, 4 rows) on row
     slices of x and out, no dequantized weight."""
+    be = ring
     w = random_packed(64, 256, 4, 128, offsets=True)
     x, out = aligned(20, 256), aligned(20, 64)
     be.linear(x, w, out=out)
