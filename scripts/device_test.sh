@@ -23,6 +23,10 @@ if ! $PY -m pip install -q --no-deps --no-build-isolation -e "$REPO" > "$OUT/ins
     echo "install failed; see install.log"; tail -20 "$OUT/install.log"; exit 1
 fi
 
+# Failing node ids are appended to failed.txt as they happen (tests/helpers/failure_log.py):
+# a run cut by the device call's time limit still names them.
+: > "$OUT/failed.txt"
+LLMC_FAILED_LOG="$OUT/failed.txt" \
 $PY -m pytest -m cuda -o addopts="" -q -p no:cacheprovider --continue-on-collection-errors \
     --rootdir "$REPO" -c "$REPO/pyproject.toml" --junitxml "$OUT/pytest.xml" \
     ${PYTEST_ARGS:-$REPO/tests} > "$OUT/pytest.log" 2>&1 || status=1
@@ -34,6 +38,7 @@ fi
 { echo "== env"; cat "$OUT/env.txt"
   echo "== pytest -m cuda (failures first)"
   grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -40
+  echo "== failed as they happened ($(wc -l < "$OUT/failed.txt") reports)"; head -40 "$OUT/failed.txt"
   tail -3 "$OUT/pytest.log"
   echo "== kernel benchmark"; cat "$OUT/bench.txt" 2>/dev/null | tail -30; } > "$OUT/summary.txt"
 cat "$OUT/summary.txt"

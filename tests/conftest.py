@@ -49,6 +49,8 @@ import pytest
 from helpers.checkpoints import make_hf_checkpoint
 from helpers.engines import tiny_build_config
 
+pytest_plugins = ["helpers.failure_log"]  # LLMC_FAILED_LOG: failures named as they happen
+
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
