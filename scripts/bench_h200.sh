@@ -64,10 +64,12 @@ fi
 status=0
 if [ "${SKIP_TESTS:-0}" != "1" ]; then
     log "pytest -m cuda tests/cuda/test_cuda_e2e.py"
+    LLMC_FAILED_LOG="$RES/failed.txt" \
     timeout ${TEST_TIMEOUT:-180} $PY -m pytest -m cuda -o addopts="" -q -s -p no:cacheprovider \
         --rootdir "$REPO" -c "$REPO/pyproject.toml" ${PYTEST_ARGS:-$REPO/tests/cuda/test_cuda_e2e.py} \
         > "$OUT/pytest.log" 2>&1 || status=1
     grep -E "^(FAILED|ERROR)|passed|failed|agreement" "$OUT/pytest.log" | tail -15
+    [ -s "$RES/failed.txt" ] && { echo "failed (as they happened):"; head -20 "$RES/failed.txt"; }
 fi
 
 build() {  # profile, dir, extra build flags...
