@@ -119,18 +119,13 @@ def wo_gemm_planned(choice: str, m: int, sm90: bool) -> str:
 
 
 def wo_gemm_plan(
-    choice: str, x: torch.Tensor, w: PackedWeight, sm90: bool, sms: int,
-    out: torch.Tensor | None = None,
-) -> str:  # fmt: skip
+    choice: str, x: torch.Tensor, w: PackedWeight, sm90: bool, out: torch.Tensor | None = None
+) -> str:
     """The plan that runs x [M, K] against ``w`` under ``wo_gemm`` = ``choice``:
-    ``wo_gemm_planned``, then ``dequant`` where the kernels do not apply, and under ``auto``
-    ``mma`` where 128x128 tiles would not fill 90 % of the ``sms`` SMs."""
-    m, n = x.shape[0], w.shape[0]
-    plan = wo_gemm_planned(choice, m, sm90)
+    ``wo_gemm_planned``, then ``dequant`` where the kernels do not apply."""
+    plan = wo_gemm_planned(choice, x.shape[0], sm90)
     if plan == "dequant" or gw_unsupported(x, w, out):
         return "dequant"
-    if choice == "auto" and plan == "sm90" and gw_grid(m, n, (128, 128)) < 0.9 * sms:
-        return "mma"  # too few 128x128 tiles: mma.sync's smaller ones fill the GPU
     return plan
 
 
@@ -189,7 +184,7 @@ class WoGemmOps:
             return "dequant"
         cuda = self.device.type == "cuda"
         sm90 = cuda and torch.cuda.get_device_capability(self.device) == (9, 0)
-        return wo_gemm_plan(self.wo_gemm, x, w, sm90, self._sm_count, out)
+        return wo_gemm_plan(self.wo_gemm, x, w, sm90, out)
 
     def _wo_gemm(
         self, plan: str, x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None,

@@ -95,12 +95,12 @@ def test_plan_of_a_step():
     steps dequantize whatever the choice."""
     w = random_packed(4096, 128, 4, 128, offsets=True)
     x = torch.zeros(256, 128, dtype=torch.bfloat16)
-    assert wo_gemm_plan("auto", torch.zeros(64, 128, dtype=torch.bfloat16), w, True, 132) == "mma"
-    assert wo_gemm_plan("auto", x, w, True, 132) == "dequant"
-    assert wo_gemm_plan("sm90", x, w, True, 132) == "sm90"  # an explicit choice is kept
-    assert wo_gemm_plan("sm90", x, w, False, 132) == "mma"
-    assert wo_gemm_plan("mma", x.float(), w, True, 132) == "dequant"
-    assert wo_gemm_plan("auto", torch.zeros(2048, 128, dtype=torch.bfloat16), w, True, 132) == (
+    assert wo_gemm_plan("auto", torch.zeros(64, 128, dtype=torch.bfloat16), w, True) == "mma"
+    assert wo_gemm_plan("auto", x, w, True) == "dequant"
+    assert wo_gemm_plan("sm90", x, w, True) == "sm90"  # an explicit choice is kept
+    assert wo_gemm_plan("sm90", x, w, False) == "mma"
+    assert wo_gemm_plan("mma", x.float(), w, True) == "dequant"
+    assert wo_gemm_plan("auto", torch.zeros(2048, 128, dtype=torch.bfloat16), w, True) == (
         "dequant"
     )
 
