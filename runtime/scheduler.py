@@ -61,7 +61,9 @@ from llmc.runtime.admission import (
 from llmc.runtime.branches import BranchStep, SequenceGroup
 from llmc.runtime.kv_cache import KVCacheManager
 from llmc.runtime.scheduler_branches import BranchScheduling
+from llmc.runtime.scheduler_slots import SlotScheduling, decode_slice
 from llmc.runtime.scheduler_window import WindowScheduling
+from llmc.runtime.slot_state import SlotState
 from llmc.runtime.types import (
     FinishReason,
     ScheduledBatch,
@@ -71,23 +73,10 @@ from llmc.runtime.types import (
     stop_ids,
 )
 
-_new = object.__new__
 _SAMPLE = operator.attrgetter("sample")
 
 
-def decode_slice(seq: Sequence, start: int) -> ScheduledSequence:
-    """``ScheduledSequence(seq, start, 1, True)`` built without the frozen dataclass's
-    per-field ``object.__setattr__`` (half the cost; one per decode row per step)."""
-    ss = _new(ScheduledSequence)
-    d = ss.__dict__
-    d["seq"] = seq
-    d["start_position"] = start
-    d["num_new_tokens"] = 1
-    d["sample"] = True
-    return ss
-
-
-class Scheduler(BranchScheduling, WindowScheduling):
+class Scheduler(BranchScheduling, WindowScheduling, SlotScheduling):
     """In-flight batching over one KVCacheManager; see the module docstring for the rules."""
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
@@ -110,6 +99,7 @@ class Scheduler(BranchScheduling, WindowScheduling):
         # (-priority, arrival, branch, request id); lazy deletion
         self._heap: list[tuple[int, int, int, int]] = []
         self._running: list[Sequence] = []  # sorted by queue key
+        self.slots = SlotState(config.limits.max_batch_size)  # the running ones' arrays
         self._step = 0
         self._num_tokens = 0
         self._num_preemptions = 0
@@ -182,6 +172,7 @@ class Scheduler(BranchScheduling, WindowScheduling):
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         """End one sequence (its blocks freed); its request ends with its last sequence."""
         self.kv.free(seq)
+        self.slots.release(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         g = seq.group
@@ -204,8 +195,9 @@ class Scheduler(BranchScheduling, WindowScheduling):
         tpb = kv.tokens_per_block
 
         # 1. Running sequences, in queue order; the newest is preempted when blocks run out.
-        decode: list[ScheduledSequence] = []  # ScheduledSequence.is_decode, decided here
-        i = 0
+        decode = self._decode_prefix(budget)  # ScheduledSequence.is_decode, decided here
+        i = len(decode)
+        budget -= i
         while i < len(self._running) and budget > 0:
             seq = self._running[i]
             g = seq.group
@@ -231,6 +223,7 @@ class Scheduler(BranchScheduling, WindowScheduling):
                     scheduled = False
                     break
             if scheduled:
+                self.slots.write(seq)  # its blocks
                 ss = self._slice(seq, n)
                 branching = branching or (ss.sample and g is not None and not g.forked)
                 (decode if n == 1 and start >= n_prompt else picked).append(ss)
@@ -275,6 +268,7 @@ class Scheduler(BranchScheduling, WindowScheduling):
                 total = width * kv.blocks_for_tokens(kv_tokens_needed(seq))
                 reserved += total - len(seq.block_table)
             seq.status = SequenceStatus.RUNNING
+            self.slots.assign(seq, self._stop_ids(seq.sampling))
             bisect.insort(self._running, seq, key=self._key)
             rows += width
             if n:
@@ -349,6 +343,7 @@ class Scheduler(BranchScheduling, WindowScheduling):
         for seq, n_prev in grow:
             if not kv.append_slots(seq, n_prev + 1):
                 raise RuntimeError(f"request {seq.request_id}: block count was wrong (bug)")
+            self.slots.write(seq)
         self._step += 1
         self._num_tokens += len(picked)
         return ScheduledBatch(step_id=self._step - 1, sequences=tuple(picked))
@@ -389,8 +384,13 @@ class Scheduler(BranchScheduling, WindowScheduling):
                 f"{len(sampled_token_ids)} token ids were given"
             )
         branch_steps = branch_steps or ()
+        if not branch_steps and len(seqs) >= self.vector_rows:
+            done = self._update_rows(batch, sampled_token_ids)
+            if done is not None:
+                return done
         forks = {b.request_id: b for b in branch_steps}
         finished: list[Sequence] = []
+        slots = self.slots
         tokens = iter(sampled_token_ids)
         tpb = self.kv.tokens_per_block
         reuse = self.kv.enable_block_reuse
@@ -412,6 +412,7 @@ class Scheduler(BranchScheduling, WindowScheduling):
             if reuse and after // tpb != before // tpb:  # a block filled up in this step
                 self.kv.register_full_blocks(seq)
             if token is None:
+                slots.write(seq)
                 continue
             g = seq.group
             if g is not None and (g.beam or not g.forked):
@@ -426,6 +427,7 @@ class Scheduler(BranchScheduling, WindowScheduling):
             token = int(token)
             out = seq.output_token_ids
             out.append(token)
+            slots.write(seq)
             if seq.sampling is not last_sp:  # consecutive rows often share one params object
                 last_sp = seq.sampling
                 stops = self._stop_ids(last_sp)

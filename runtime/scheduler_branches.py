@@ -32,10 +32,12 @@ class BranchScheduling:
     _no_evict: bool
     _num_preemptions: int
     kv: Any
+    slots: Any  # the scheduler's SlotState
 
     def _preempt(self, seq: Sequence) -> None:
         dropped = seq.num_computed_tokens
         self.kv.free(seq)
+        self.slots.release(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self._num_preemptions += 1
@@ -108,6 +110,7 @@ class BranchScheduling:
         for b, n in plan:
             if not kv.append_slots(b, n):
                 raise RuntimeError(f"request {b.request_id}: beam block count was wrong (bug)")
+            self.slots.write(b)
             picked.append(self._slice(b, n))
             budget -= n
         return i + m, budget
@@ -166,6 +169,7 @@ class BranchScheduling:
                 suppressed_ids=first.suppressed_ids,
             )
             g.branches.append(child)
+            self.slots.assign(child, self._stop_ids(child.sampling))
             bisect.insort(self._running, child, key=self._key)
             made.append(child)
         return made
@@ -179,8 +183,10 @@ class BranchScheduling:
         g.forked = True
         stop_ids = self._stop_ids(parent.sampling)
         done = []
+        self.slots.write(parent)  # its last block is shared now
         for child, token in zip(children, step.token_ids, strict=True):
             child.output_token_ids = [*parent.output_token_ids, int(token)]
+            self.slots.write(child)
             reason = self._token_stop(child, int(token), stop_ids)
             if reason is not None:
                 self._running.remove(child)
@@ -202,6 +208,7 @@ class BranchScheduling:
         self.kv.share(parents, beams)
         for beam, out in zip(beams, outs, strict=True):
             beam.output_token_ids = out
+        self.slots.write_all(g.branches)  # tables shared or reordered (finished: no slot)
         g.forked = True
         g.beam_scores = list(step.beam_scores)
         g.finished = list(step.finished)

@@ -72,6 +72,7 @@ class WindowScheduling:
     _num_tokens: int
     kv: Any
     limits: Any
+    slots: Any  # the scheduler's SlotState
     # and Scheduler's _stop_ids / _finish, BranchScheduling's _token_stop
 
     def plan_window(self, batch: ScheduledBatch, max_steps: int) -> ScheduledBatch:
@@ -121,6 +122,7 @@ class WindowScheduling:
         for i in np.flatnonzero(grow).tolist():
             if not self.kv.append_slots(seqs[i], min(k, int(left[i]))):
                 raise RuntimeError(f"request {seqs[i].request_id}: block count was wrong (bug)")
+            self.slots.write(seqs[i])
         self._num_tokens += (k - 1) * len(rows)
         return dataclasses.replace(batch, window=DecodeWindow(k, self._eos))
 
@@ -174,6 +176,7 @@ class WindowScheduling:
                     "without a stop (runner bug)"
                 )
             after = seq.num_computed_tokens = before + n
+            self.slots.write(seq)
             if reuse and after // tpb != before // tpb:  # a block filled up in the window
                 self.kv.register_full_blocks(seq)
             if reason is not None:

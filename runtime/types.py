@@ -192,6 +192,9 @@ class Sequence:
     shares_last_block: bool = False
     """Set by the KVCacheManager's fork: the last block may be another branch's too, so the
     next write into it copies it first (copy-on-write, ``KVCacheManager.append_slots``)."""
+    slot: int = -1
+    """Its row in the scheduler's ``SlotState`` arrays (``runtime/slot_state.py``) while it
+    runs, else -1: assigned at admission (or a fork), freed at finish and preemption."""
 
     @property
     def key(self) -> tuple[int, int]:

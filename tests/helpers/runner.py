@@ -59,7 +59,9 @@ class EagerGraphs(DecodeGraphs):
             self.graphs[big] = _EagerReplay(self, big, dev)
 
 
-def tiny_runtime(tiny, *, graphs=False, num_blocks=64, max_num_tokens=64, **config):
+def tiny_runtime(
+    tiny, *, graphs=False, num_blocks=64, max_num_tokens=64, max_beam_width=1, **config
+):
     """A CPU torch-backend EngineRuntime of ``tiny`` = (spec, weights, tokenizer): 6 rows,
     4-token blocks; ``graphs``: the decode-graph path replayed eagerly (``EagerGraphs``,
     with the multi-step window's token feedback when ``decode_steps_per_iteration`` > 1);
@@ -74,6 +76,7 @@ def tiny_runtime(tiny, *, graphs=False, num_blocks=64, max_num_tokens=64, **conf
         max_seq_len=96,
         max_num_tokens=max_num_tokens,
         tokens_per_block=4,
+        max_beam_width=max_beam_width,
     )
     rt = EngineRuntime.from_weights(
         spec,

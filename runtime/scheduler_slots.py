@@ -1,0 +1,128 @@
+"""The Scheduler's decode rows over the slot arrays (no torch): ``schedule`` and ``update``
+of decode rows as a few numpy operations over their slots (``runtime/slot_state.py``)
+instead of a Python pass per row.
+
+A mixin of ``Scheduler`` (runtime/scheduler.py, whose module docstring states the rules):
+``_decode_prefix`` makes the decode rows of the running list's longest prefix whose next
+step is one token in a block it owns, exactly the rows the per-row loop of ``schedule``
+would make of them; ``_update_rows`` applies a batch whose every row samples a token of a
+sequence with no other branches, with the stop decision (``_token_stop``) of the per-row
+loop for the rows whose token may stop them (a stop id, the last by length, more stop ids
+than the table holds), so the tokens and stops are those of the loop. Both change the
+arrays and the Sequence objects together; ``check_slots`` compares them.
+
+Batches of fewer than ``vector_rows`` rows take the per-row loops (numpy's cost per call
+exceeds theirs).
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from collections import deque
+from typing import Any
+
+from llmc.runtime.types import ScheduledBatch, ScheduledSequence, Sequence
+
+_new = object.__new__
+_SEQ = operator.attrgetter("seq")
+_START = operator.attrgetter("start_position")
+_NEW = operator.attrgetter("num_new_tokens")
+_SLOT = operator.attrgetter("slot")
+_OUT = operator.attrgetter("output_token_ids")
+
+
+def decode_slice(seq: Sequence, start: int) -> ScheduledSequence:
+    """``ScheduledSequence(seq, start, 1, True)`` built without the frozen dataclass's
+    per-field ``object.__setattr__`` (half the cost; one per decode row per step)."""
+    ss = _new(ScheduledSequence)
+    d = ss.__dict__
+    d["seq"] = seq
+    d["start_position"] = start
+    d["num_new_tokens"] = 1
+    d["sample"] = True
+    return ss
+
+
+class SlotScheduling:
+    """Scheduler methods over the slot arrays (see the module docstring)."""
+
+    vector_rows = 8
+    """Rows from which a batch takes the vectorised paths (a class attribute: tests set it)."""
+    _running: list[Sequence]
+    kv: Any
+    slots: Any  # the scheduler's SlotState
+    # and Scheduler's _stop_ids / _finish, BranchScheduling's _token_stop
+
+    def _decode_prefix(self, budget: int) -> list[ScheduledSequence]:
+        """The decode rows of the longest prefix of the running list (at most ``budget``)
+        whose next step is one token past the prompt in a block it already owns, of a
+        sequence with no other branches: what the per-row loop of ``schedule`` would make
+        of them, decided over their slots' arrays (``SlotState``) at once."""
+        running = self._running
+        n = min(len(running), budget)
+        if n < self.vector_rows:
+            return []
+        np = self.slots._np
+        st = self.slots
+        slots = np.fromiter(map(_SLOT, running), dtype=np.int64, count=len(running))[:n]
+        computed = st.computed[slots]
+        prompt = st.prompt_len[slots]
+        fast = (
+            (prompt + st.num_out[slots] - computed == 1)
+            & (computed >= prompt)
+            & (computed < st.blocks[slots] * self.kv.tokens_per_block)
+            & ~st.shares[slots]
+            & ~st.grouped[slots]
+        )
+        k = n if fast.all() else int(np.argmin(fast))  # the first row that is not
+        return list(map(decode_slice, running[:k], computed[:k].tolist()))
+
+    def _update_rows(self, batch: ScheduledBatch, token_ids: Any) -> list[Sequence] | None:
+        """``update`` of a batch whose every row samples a token for a running sequence with
+        no other branches, over the rows' slots (``SlotState``): the same changes and stop
+        decisions as the per-row loop, which only the rows whose token may stop them (a
+        stop id, the last by length) still take. None, with nothing changed, for any other
+        batch (the loop then applies it, or raises what it raises)."""
+        rows = batch.sequences
+        b = len(rows)
+        if len(token_ids) != b:
+            return None  # some row samples nothing
+        np = self.slots._np
+        st = self.slots
+        seqs = list(map(_SEQ, rows))
+        slots = np.fromiter(map(_SLOT, seqs), dtype=np.int64, count=b)
+        if slots.min() < 0 or st.grouped[slots].any():
+            return None  # a row stopped running since schedule(), or has branches
+        before = st.computed[slots]
+        if (before != np.fromiter(map(_START, rows), dtype=np.int64, count=b)).any():
+            return None  # stale: the loop names the request
+        after = before + np.fromiter(map(_NEW, rows), dtype=np.int64, count=b)
+        toks = np.asarray(token_ids, dtype=np.int64).reshape(b)
+        st.computed[slots] = after
+        st.num_out[slots] += 1
+        deque(map(setattr, seqs, itertools.repeat("num_computed_tokens"), after.tolist()), 0)
+        deque(map(list.append, map(_OUT, seqs), toks.tolist()), 0)
+        tpb = self.kv.tokens_per_block
+        if self.kv.enable_block_reuse:  # the rows where a block filled up in this step
+            for i in np.flatnonzero(after // tpb != before // tpb).tolist():
+                self.kv.register_full_blocks(seqs[i])
+        maybe = (
+            (st.stops[slots] == toks[:, None]).any(axis=1)
+            | (st.num_out[slots] >= st.max_new[slots])
+            | st.many_stops[slots]
+        )
+        finished: list[Sequence] = []
+        for i in np.flatnonzero(maybe).tolist():
+            seq = seqs[i]
+            reason = self._token_stop(seq, int(toks[i]), self._stop_ids(seq.sampling))
+            if reason is not None:
+                self._running.remove(seq)
+                self._finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def check_slots(self) -> list[str]:
+        """Every difference between the slot arrays and the running sequences (empty when
+        the mirror holds; the mirror tests call it after every step)."""
+        return self.slots.mismatches(self._running, lambda s: self._stop_ids(s.sampling))

@@ -1,0 +1,152 @@
+"""Running sequences' per-step state as numpy arrays indexed by a slot (no torch).
+
+One slot per running sequence: ``SlotState.assign`` gives it one when it starts running
+(admission, a fork's new branch), ``release`` takes it back when it stops (finish,
+preemption); ``Sequence.slot`` is the index (-1 while not running). Row ``Sequence.slot``
+of every array mirrors the fields of that sequence which the scheduler's decode rows read or
+write every step, so ``Scheduler.schedule`` and ``Scheduler.update`` work on a decode batch
+with a few numpy operations over its rows' slots instead of one Python pass per row:
+
+- ``computed``: ``num_computed_tokens``; ``num_out``: ``len(output_token_ids)``;
+  ``prompt_len``: ``len(prompt_token_ids)``; ``max_new``: ``max_new_tokens``;
+- ``blocks``: ``len(block_table)``; ``shares``: ``shares_last_block``;
+- ``grouped``: the sequence belongs to a request with several (``Sequence.group``);
+- ``min_tokens``: ``sampling.min_tokens``; ``stops`` [capacity, ``stop_width``]: the ids
+  that stop it (``types.stop_ids``), padded with -1; ``many_stops``: more ids than
+  ``stop_width`` (its stop check is the scalar one every step).
+
+The Sequence objects stay the API's state (RequestState, responses, the KV manager read
+them); the scheduler keeps both equal: its vectorised paths write the arrays and the
+objects together, every other change of a running sequence is followed by ``write``.
+``mismatches`` compares them (the mirror tests call it after every step).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llmc.runtime.types import MAX_WINDOW_STOP_IDS, Sequence
+
+_INT_FIELDS = ("computed", "num_out", "prompt_len", "max_new", "blocks", "min_tokens")
+_BOOL_FIELDS = ("shares", "grouped", "many_stops")
+
+
+class SlotState:
+    """Preallocated per-slot arrays of the running sequences (see the module docstring).
+
+    Grows (doubling) when more sequences run at once than ``capacity``; a slot's number
+    never changes while its sequence runs."""
+
+    def __init__(self, capacity: int, stop_width: int = MAX_WINDOW_STOP_IDS) -> None:
+        import numpy as np  # lazily: the CLI imports the scheduler, ``llmc --version`` no numpy
+
+        self._np = np
+        self.capacity = 0
+        self.stop_width = stop_width
+        for name in _INT_FIELDS:
+            setattr(self, name, np.zeros(0, dtype=np.int64))
+        for name in _BOOL_FIELDS:
+            setattr(self, name, np.zeros(0, dtype=bool))
+        self.stops = np.zeros((0, stop_width), dtype=np.int64)
+        self._free: list[int] = []
+        self._grow(max(1, capacity))
+
+    def _grow(self, capacity: int) -> None:
+        np = self._np
+        old = self.capacity
+        for name in (*_INT_FIELDS, *_BOOL_FIELDS):
+            arr = getattr(self, name)
+            new = np.zeros(capacity, dtype=arr.dtype)
+            new[:old] = arr
+            setattr(self, name, new)
+        stops = np.full((capacity, self.stop_width), -1, dtype=np.int64)
+        stops[:old] = self.stops
+        self.stops = stops
+        self._free.extend(range(capacity - 1, old - 1, -1))  # lowest slot taken first
+        self.capacity = capacity
+
+    @property
+    def num_used(self) -> int:
+        return self.capacity - len(self._free)
+
+    def assign(self, seq: Sequence, stop_ids: frozenset[int]) -> int:
+        """Give running ``seq`` a slot (its own if it has one) and write every field of it;
+        ``stop_ids``: the ids that stop it (``Scheduler._stop_ids``)."""
+        if seq.slot < 0:
+            if not self._free:
+                self._grow(2 * self.capacity)
+            seq.slot = self._free.pop()
+        s = seq.slot
+        ids = sorted(stop_ids)
+        row = self.stops[s]
+        row[:] = -1
+        self.many_stops[s] = len(ids) > self.stop_width
+        if not self.many_stops[s]:
+            row[: len(ids)] = ids
+        self.min_tokens[s] = seq.sampling.min_tokens
+        self.prompt_len[s] = len(seq.prompt_token_ids)
+        self.grouped[s] = seq.group is not None
+        self.write(seq)
+        return s
+
+    def release(self, seq: Sequence) -> None:
+        """``seq`` stopped running (finish, preemption): its slot is free again."""
+        if seq.slot >= 0:
+            self._free.append(seq.slot)
+            seq.slot = -1
+
+    def write(self, seq: Sequence) -> None:
+        """Row ``seq.slot`` := the fields of ``seq`` that change while it runs (after a
+        change made outside the vectorised paths); nothing for a sequence not running."""
+        s = seq.slot
+        if s < 0:
+            return
+        self.computed[s] = seq.num_computed_tokens
+        self.num_out[s] = len(seq.output_token_ids)
+        self.max_new[s] = seq.max_new_tokens
+        self.blocks[s] = len(seq.block_table)
+        self.shares[s] = seq.shares_last_block
+
+    def write_all(self, seqs: Any) -> None:
+        for seq in seqs:
+            self.write(seq)
+
+    def mismatches(self, seqs: Any, stop_ids: Any) -> list[str]:
+        """Every difference between the arrays and running sequences ``seqs`` (empty when
+        the mirror holds); ``stop_ids(seq)``: the ids that stop a sequence. Also checks that
+        no two sequences share a slot and that a slot in use is not on the free list."""
+        out: list[str] = []
+        seen: dict[int, int] = {}
+        free = set(self._free)
+        for seq in seqs:
+            s = seq.slot
+            name = f"request {seq.request_id} branch {seq.branch}"
+            if s < 0 or s >= self.capacity:
+                out.append(f"{name}: running without a slot ({s})")
+                continue
+            if s in seen:
+                out.append(f"{name}: slot {s} is request {seen[s]}'s too")
+            seen[s] = seq.request_id
+            if s in free:
+                out.append(f"{name}: slot {s} is on the free list")
+            ids = sorted(stop_ids(seq))
+            want = {
+                "computed": seq.num_computed_tokens,
+                "num_out": len(seq.output_token_ids),
+                "prompt_len": len(seq.prompt_token_ids),
+                "max_new": seq.max_new_tokens,
+                "blocks": len(seq.block_table),
+                "min_tokens": seq.sampling.min_tokens,
+                "shares": seq.shares_last_block,
+                "grouped": seq.group is not None,
+                "many_stops": len(ids) > self.stop_width,
+            }
+            for field, value in want.items():
+                got = getattr(self, field)[s].item()
+                if got != value:
+                    out.append(f"{name}: {field} is {got} in slot {s}, {value} on the object")
+            if len(ids) <= self.stop_width:
+                row = [int(x) for x in self.stops[s] if x >= 0]
+                if row != ids:
+                    out.append(f"{name}: stop ids {row} in slot {s}, {ids} on the object")
+        return out
