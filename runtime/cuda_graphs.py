@@ -83,6 +83,9 @@ def default_buckets(max_batch_size: int) -> tuple[int, ...]:
 def graph_eligible(batch: ScheduledBatch) -> bool:
     """True when ``batch`` is decode-only with plain sampling (what the graphs compute)."""
     rows = batch.sequences
+    slot_rows = batch.rows
+    if slot_rows is not None and slot_rows.valid(len(rows)):  # decode rows over slots
+        return bool(rows) and bool(slot_rows.state.plain[slot_rows.slots].all())
     if not rows or set(map(_NEW, rows)) != {1} or not all(map(_SAMPLE, rows)):
         return False
     params = list(map(_PARAMS, rows))

@@ -76,6 +76,9 @@ class InFlight:
 def token_counts(batch: ScheduledBatch) -> tuple[int, int]:
     """(tokens, decode tokens) of ``batch`` in one pass (``ScheduledSequence.is_decode``,
     inlined: this runs once per row per step)."""
+    rows = batch.rows
+    if rows is not None and len(rows.slots) == len(batch.sequences):  # decode rows only
+        return len(rows.slots), len(rows.slots)
     total = decode = 0
     for s in batch.sequences:
         n = s.num_new_tokens

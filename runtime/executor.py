@@ -313,7 +313,9 @@ class Executor:
             batch = self.scheduler.schedule()
             if self.decode_steps > 1:  # multi-step decoding, when the batch allows it
                 batch = self.scheduler.plan_window(batch, self.decode_steps)
-            for ss in batch.sequences:
+            # decode rows over slots (``batch.rows``) were all scheduled before: their
+            # prompts were computed in earlier steps
+            for ss in () if batch.rows is not None else batch.sequences:
                 rec = self._states[ss.seq.request_id].record
                 if rec.scheduled_time is None:
                     rec.scheduled_time = t0
@@ -338,7 +340,7 @@ class Executor:
                     raise  # not a request of this step: nothing to isolate
                 with self._cv:
                     self._fail_request(fault)
-                cur.batch = dataclasses.replace(cur.batch, sequences=rows)
+                cur.batch = dataclasses.replace(cur.batch, sequences=rows, rows=None)
 
     def _step(self) -> bool:
         cur = self._schedule_next()

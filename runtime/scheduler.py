@@ -99,7 +99,8 @@ class Scheduler(BranchScheduling, WindowScheduling, SlotScheduling):
         # (-priority, arrival, branch, request id); lazy deletion
         self._heap: list[tuple[int, int, int, int]] = []
         self._running: list[Sequence] = []  # sorted by queue key
-        self.slots = SlotState(config.limits.max_batch_size)  # the running ones' arrays
+        # the running sequences' per-step arrays
+        self.slots = SlotState(config.limits.max_batch_size, config.limits.max_blocks_per_seq)
         self._step = 0
         self._num_tokens = 0
         self._num_preemptions = 0
@@ -195,7 +196,8 @@ class Scheduler(BranchScheduling, WindowScheduling, SlotScheduling):
         tpb = kv.tokens_per_block
 
         # 1. Running sequences, in queue order; the newest is preempted when blocks run out.
-        decode = self._decode_prefix(budget)  # ScheduledSequence.is_decode, decided here
+        # ScheduledSequence.is_decode, decided here; the first ``fast`` rows over the slots
+        decode, fast = self._decode_prefix(budget)
         i = len(decode)
         budget -= i
         while i < len(self._running) and budget > 0:
@@ -292,6 +294,9 @@ class Scheduler(BranchScheduling, WindowScheduling, SlotScheduling):
             preempted_request_ids=tuple(preempted),
             block_copies=kv.take_copies(),
             branching=branching,
+            rows=fast
+            if fast is not None and not prefill and len(decode) == len(fast.seqs)
+            else None,
         )
 
     def schedule_ahead(self, prev: ScheduledBatch) -> ScheduledBatch | None:

@@ -22,12 +22,10 @@ import operator
 from collections import deque
 from typing import Any
 
+from llmc.runtime.slot_state import DecodeRows
 from llmc.runtime.types import ScheduledBatch, ScheduledSequence, Sequence
 
 _new = object.__new__
-_SEQ = operator.attrgetter("seq")
-_START = operator.attrgetter("start_position")
-_NEW = operator.attrgetter("num_new_tokens")
 _SLOT = operator.attrgetter("slot")
 _OUT = operator.attrgetter("output_token_ids")
 
@@ -52,9 +50,10 @@ class SlotScheduling:
     _running: list[Sequence]
     kv: Any
     slots: Any  # the scheduler's SlotState
-    # and Scheduler's _stop_ids / _finish, BranchScheduling's _token_stop
+    # and Scheduler's _stop_ids / _finish, BranchScheduling's _token_stop,
+    # WindowScheduling's _window_row
 
-    def _decode_prefix(self, budget: int) -> list[ScheduledSequence]:
+    def _decode_prefix(self, budget: int) -> tuple[list[ScheduledSequence], DecodeRows | None]:
         """The decode rows of the longest prefix of the running list (at most ``budget``)
         whose next step is one token past the prompt in a block it already owns, of a
         sequence with no other branches: what the per-row loop of ``schedule`` would make
@@ -62,7 +61,7 @@ class SlotScheduling:
         running = self._running
         n = min(len(running), budget)
         if n < self.vector_rows:
-            return []
+            return [], None
         np = self.slots._np
         st = self.slots
         slots = np.fromiter(map(_SLOT, running), dtype=np.int64, count=len(running))[:n]
@@ -76,36 +75,33 @@ class SlotScheduling:
             & ~st.grouped[slots]
         )
         k = n if fast.all() else int(np.argmin(fast))  # the first row that is not
-        return list(map(decode_slice, running[:k], computed[:k].tolist()))
+        seqs = running[:k]
+        start = computed[:k]
+        rows = list(map(decode_slice, seqs, start.tolist()))
+        return rows, DecodeRows(seqs, slots[:k], start, st)
 
     def _update_rows(self, batch: ScheduledBatch, token_ids: Any) -> list[Sequence] | None:
-        """``update`` of a batch whose every row samples a token for a running sequence with
-        no other branches, over the rows' slots (``SlotState``): the same changes and stop
-        decisions as the per-row loop, which only the rows whose token may stop them (a
-        stop id, the last by length) still take. None, with nothing changed, for any other
-        batch (the loop then applies it, or raises what it raises)."""
-        rows = batch.sequences
-        b = len(rows)
-        if len(token_ids) != b:
-            return None  # some row samples nothing
+        """``update`` of a batch of decode rows over their slots (``ScheduledBatch.rows``):
+        the same changes and stop decisions as the per-row loop, which only the rows whose
+        token may stop them (a stop id, the last by length) still take. None, with nothing
+        changed, for any other batch (the loop then applies it, or raises what it raises)."""
+        rows = batch.rows
+        b = len(batch.sequences)
+        if rows is None or len(token_ids) != b or not rows.valid(b):
+            return None  # no slot rows, or a row stopped running (or went stale) since
         np = self.slots._np
         st = self.slots
-        seqs = list(map(_SEQ, rows))
-        slots = np.fromiter(map(_SLOT, seqs), dtype=np.int64, count=b)
-        if slots.min() < 0 or st.grouped[slots].any():
-            return None  # a row stopped running since schedule(), or has branches
-        before = st.computed[slots]
-        if (before != np.fromiter(map(_START, rows), dtype=np.int64, count=b)).any():
-            return None  # stale: the loop names the request
-        after = before + np.fromiter(map(_NEW, rows), dtype=np.int64, count=b)
+        slots, seqs, before = rows.slots, rows.seqs, rows.start
+        after = before + 1
         toks = np.asarray(token_ids, dtype=np.int64).reshape(b)
         st.computed[slots] = after
         st.num_out[slots] += 1
+        st.last[slots] = toks
         deque(map(setattr, seqs, itertools.repeat("num_computed_tokens"), after.tolist()), 0)
         deque(map(list.append, map(_OUT, seqs), toks.tolist()), 0)
         tpb = self.kv.tokens_per_block
         if self.kv.enable_block_reuse:  # the rows where a block filled up in this step
-            for i in np.flatnonzero(after // tpb != before // tpb).tolist():
+            for i in np.flatnonzero(after % tpb == 0).tolist():
                 self.kv.register_full_blocks(seqs[i])
         maybe = (
             (st.stops[slots] == toks[:, None]).any(axis=1)
@@ -120,6 +116,53 @@ class SlotScheduling:
                 self._running.remove(seq)
                 self._finish(seq, reason)
                 finished.append(seq)
+        return finished
+
+    def _update_window_rows(
+        self, batch: ScheduledBatch, row_tokens: list[list[int]], k: int
+    ) -> list[Sequence] | None:
+        """``update_window`` of a window of decode rows over their slots (``ScheduledBatch.
+        rows``): the rows that made all ``k`` tokens with none that may stop them (a stop
+        id, the last by length) are applied at once; the others by ``_window_row``, the
+        per-row rule. None, with nothing changed, when the batch has no valid slot rows."""
+        rows = batch.rows
+        b = len(batch.sequences)
+        if rows is None or not rows.valid(b):
+            return None
+        np = self.slots._np
+        st = self.slots
+        slots, seqs, before = rows.slots, rows.seqs, rows.start
+        full = np.fromiter(map(len, row_tokens), dtype=np.int64, count=b) == k
+        if full.all():
+            toks = np.asarray(row_tokens, dtype=np.int64).reshape(b, k)
+        else:
+            toks = np.full((b, k), -1, dtype=np.int64)
+            for i in np.flatnonzero(full).tolist():
+                toks[i] = row_tokens[i]
+        maybe = (
+            ~full
+            | (st.stops[slots][:, None, :] == toks[:, :, None]).any(axis=(1, 2))
+            | (st.num_out[slots] + k >= st.max_new[slots])
+            | st.many_stops[slots]
+        )
+        common = np.flatnonzero(~maybe)
+        cs = slots[common]
+        after = before[common] + k
+        st.computed[cs] = after
+        st.num_out[cs] += k
+        st.last[cs] = toks[common, -1]
+        picked = [seqs[i] for i in common.tolist()] if len(common) < b else seqs
+        deque(map(setattr, picked, itertools.repeat("num_computed_tokens"), after.tolist()), 0)
+        deque(map(list.extend, map(_OUT, picked), toks[common].tolist()), 0)
+        tpb = self.kv.tokens_per_block
+        if self.kv.enable_block_reuse:  # the rows where a block filled up in the window
+            for i in np.flatnonzero(after // tpb != before[common] // tpb).tolist():
+                self.kv.register_full_blocks(picked[i])
+        finished: list[Sequence] = []
+        ss_rows = batch.sequences
+        for i in np.flatnonzero(maybe).tolist():
+            if self._window_row(batch.step_id, ss_rows[i], row_tokens[i], k):
+                finished.append(seqs[i])
         return finished
 
     def check_slots(self) -> list[str]:

@@ -73,7 +73,8 @@ class WindowScheduling:
     kv: Any
     limits: Any
     slots: Any  # the scheduler's SlotState
-    # and Scheduler's _stop_ids / _finish, BranchScheduling's _token_stop
+    # and Scheduler's _stop_ids / _finish, BranchScheduling's _token_stop,
+    # SlotScheduling's _update_window_rows
 
     def plan_window(self, batch: ScheduledBatch, max_steps: int) -> ScheduledBatch:
         """``batch`` (just scheduled) as a window of up to ``max_steps`` decode steps with
@@ -138,52 +139,57 @@ class WindowScheduling:
                 f"per row ({len(rows)}), got {len(row_tokens)}"
             )
         k = window.num_steps
-        tpb = self.kv.tokens_per_block
-        reuse = self.kv.enable_block_reuse
+        done = self._update_window_rows(batch, row_tokens, k)  # over the slots, when it can
+        if done is not None:
+            return done
         running = SequenceStatus.RUNNING
         finished: list[Sequence] = []
-        last_sp: Any = None
-        stops: frozenset[int] = frozenset()
         for ss, toks in zip(rows, row_tokens, strict=True):
-            seq = ss.seq
-            if seq.status is not running:
+            if ss.seq.status is not running:
                 continue  # finished (cancelled) between plan_window() and now
-            before = seq.num_computed_tokens
-            if before != ss.start_position:
-                raise RuntimeError(
-                    f"request {seq.request_id}: step {batch.step_id} is stale (computed "
-                    f"{before} tokens, step started at {ss.start_position})"
-                )
-            if seq.sampling is not last_sp:
-                last_sp = seq.sampling
-                stops = self._stop_ids(last_sp)
-            out = seq.output_token_ids
-            reason = None
-            if stops.isdisjoint(toks) and len(out) + len(toks) < seq.max_new_tokens:
-                out.extend(toks)  # the common row: no stop inside the window
-                n = len(toks)
-            else:
-                n = 0
-                for token in toks:
-                    out.append(token)
-                    n += 1
-                    reason = self._token_stop(seq, token, stops)
-                    if reason is not None:
-                        break
-            if reason is None and n != k:
-                raise RuntimeError(
-                    f"request {seq.request_id}: step {batch.step_id} made {n} of {k} tokens "
-                    "without a stop (runner bug)"
-                )
-            after = seq.num_computed_tokens = before + n
-            self.slots.write(seq)
-            if reuse and after // tpb != before // tpb:  # a block filled up in the window
-                self.kv.register_full_blocks(seq)
-            if reason is not None:
-                self._running.remove(seq)
-                self._finish(seq, reason)
-                finished.append(seq)
+            if self._window_row(batch.step_id, ss, toks, k):
+                finished.append(ss.seq)
         return finished
+
+    def _window_row(self, step_id: int, ss: Any, toks: list[int], k: int) -> bool:
+        """Apply the window's tokens ``toks`` of row ``ss`` (a running sequence's); True
+        when they finished it."""
+        seq = ss.seq
+        before = seq.num_computed_tokens
+        if before != ss.start_position:
+            raise RuntimeError(
+                f"request {seq.request_id}: step {step_id} is stale (computed "
+                f"{before} tokens, step started at {ss.start_position})"
+            )
+        stops = self._stop_ids(seq.sampling)
+        out = seq.output_token_ids
+        reason = None
+        if stops.isdisjoint(toks) and len(out) + len(toks) < seq.max_new_tokens:
+            out.extend(toks)  # the common row: no stop inside the window
+            n = len(toks)
+        else:
+            n = 0
+            for token in toks:
+                out.append(token)
+                n += 1
+                reason = self._token_stop(seq, token, stops)
+                if reason is not None:
+                    break
+        if reason is None and n != k:
+            raise RuntimeError(
+                f"request {seq.request_id}: step {step_id} made {n} of {k} tokens "
+                "without a stop (runner bug)"
+            )
+        after = seq.num_computed_tokens = before + n
+        self.slots.write(seq)
+        tpb = self.kv.tokens_per_block
+        if self.kv.enable_block_reuse and after // tpb != before // tpb:  # a block filled up
+            self.kv.register_full_blocks(seq)
+        if reason is None:
+            return False
+        self._running.remove(seq)
+        self._finish(seq, reason)
+        return True
 
     def stop_inside_window(self, seq: Sequence, num_outputs: int) -> None:
         """A stop string ended ``seq`` at output token ``num_outputs`` of a window: the

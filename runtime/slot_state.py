@@ -9,8 +9,14 @@ with a few numpy operations over its rows' slots instead of one Python pass per 
 
 - ``computed``: ``num_computed_tokens``; ``num_out``: ``len(output_token_ids)``;
   ``prompt_len``: ``len(prompt_token_ids)``; ``max_new``: ``max_new_tokens``;
-- ``blocks``: ``len(block_table)``; ``shares``: ``shares_last_block``;
+- ``blocks``: ``len(block_table)``; ``table`` [capacity, ``width``] int32: its entries
+  (-1 beyond), copied as ``Sequence.block_table_version`` says (only the appended blocks
+  when no reset happened since the last copy); ``shares``: ``shares_last_block``;
+- ``last``: its last known token id (the input of its next decode step);
 - ``grouped``: the sequence belongs to a request with several (``Sequence.group``);
+  ``plain``: ``sampling.is_plain``;
+- ``gen``: bumped whenever the slot is assigned or released, so a ``DecodeRows`` taken
+  earlier tells whether its slots still hold its sequences;
 - ``min_tokens``: ``sampling.min_tokens``; ``stops`` [capacity, ``stop_width``]: the ids
   that stop it (``types.stop_ids``), padded with -1; ``many_stops``: more ids than
   ``stop_width`` (its stop check is the scalar one every step).
@@ -27,8 +33,41 @@ from typing import Any
 
 from llmc.runtime.types import MAX_WINDOW_STOP_IDS, Sequence
 
-_INT_FIELDS = ("computed", "num_out", "prompt_len", "max_new", "blocks", "min_tokens")
-_BOOL_FIELDS = ("shares", "grouped", "many_stops")
+_INT_FIELDS = (
+    "computed",
+    "num_out",
+    "prompt_len",
+    "max_new",
+    "blocks",
+    "min_tokens",
+    "last",
+    "gen",
+    "table_version",
+)
+_BOOL_FIELDS = ("shares", "grouped", "many_stops", "plain")
+
+
+class DecodeRows:
+    """A decode-only batch's rows as slots (``ScheduledBatch.rows``, made by the scheduler):
+    row ``i`` computes the token at position ``start[i]`` of ``seqs[i]`` (its one new token,
+    sampled), which runs in slot ``slots[i]`` of ``state``. The arrays are read while the
+    slots still hold the rows' sequences (``valid``)."""
+
+    __slots__ = ("seqs", "slots", "gens", "start", "state")
+
+    def __init__(self, seqs: list[Sequence], slots: Any, start: Any, state: SlotState) -> None:
+        self.seqs, self.slots, self.start, self.state = seqs, slots, start, state
+        self.gens = state.gen[slots]
+
+    def valid(self, num_rows: int) -> bool:
+        """Whether these are the ``num_rows`` rows of a batch and every slot still holds its
+        sequence at the position it was scheduled at."""
+        st, slots = self.state, self.slots
+        return (
+            len(slots) == num_rows
+            and bool((st.gen[slots] == self.gens).all())
+            and bool((st.computed[slots] == self.start).all())
+        )
 
 
 class SlotState:
@@ -37,17 +76,19 @@ class SlotState:
     Grows (doubling) when more sequences run at once than ``capacity``; a slot's number
     never changes while its sequence runs."""
 
-    def __init__(self, capacity: int, stop_width: int = MAX_WINDOW_STOP_IDS) -> None:
+    def __init__(self, capacity: int, width: int, stop_width: int = MAX_WINDOW_STOP_IDS) -> None:
         import numpy as np  # lazily: the CLI imports the scheduler, ``llmc --version`` no numpy
 
         self._np = np
         self.capacity = 0
+        self.width = width
         self.stop_width = stop_width
         for name in _INT_FIELDS:
             setattr(self, name, np.zeros(0, dtype=np.int64))
         for name in _BOOL_FIELDS:
             setattr(self, name, np.zeros(0, dtype=bool))
         self.stops = np.zeros((0, stop_width), dtype=np.int64)
+        self.table = np.zeros((0, width), dtype=np.int32)
         self._free: list[int] = []
         self._grow(max(1, capacity))
 
@@ -62,6 +103,9 @@ class SlotState:
         stops = np.full((capacity, self.stop_width), -1, dtype=np.int64)
         stops[:old] = self.stops
         self.stops = stops
+        table = np.full((capacity, self.width), -1, dtype=np.int32)
+        table[:old] = self.table
+        self.table = table
         self._free.extend(range(capacity - 1, old - 1, -1))  # lowest slot taken first
         self.capacity = capacity
 
@@ -86,12 +130,18 @@ class SlotState:
         self.min_tokens[s] = seq.sampling.min_tokens
         self.prompt_len[s] = len(seq.prompt_token_ids)
         self.grouped[s] = seq.group is not None
+        self.plain[s] = seq.sampling.is_plain
+        self.gen[s] += 1
+        self.table[s] = -1
+        self.blocks[s] = 0
+        self.table_version[s] = -1
         self.write(seq)
         return s
 
     def release(self, seq: Sequence) -> None:
         """``seq`` stopped running (finish, preemption): its slot is free again."""
         if seq.slot >= 0:
+            self.gen[seq.slot] += 1
             self._free.append(seq.slot)
             seq.slot = -1
 
@@ -102,10 +152,21 @@ class SlotState:
         if s < 0:
             return
         self.computed[s] = seq.num_computed_tokens
-        self.num_out[s] = len(seq.output_token_ids)
+        out = seq.output_token_ids
+        self.num_out[s] = len(out)
+        self.last[s] = out[-1] if out else seq.prompt_token_ids[-1]
         self.max_new[s] = seq.max_new_tokens
-        self.blocks[s] = len(seq.block_table)
         self.shares[s] = seq.shares_last_block
+        if seq.block_table_version != self.table_version[s]:
+            blocks = seq.block_table
+            n = min(len(blocks), self.width)
+            f = int(self.blocks[s])
+            if seq.block_table_reset_version > self.table_version[s]:  # a new table
+                self.table[s, n:f] = -1
+                f = 0
+            self.table[s, f:n] = blocks[f:n]
+            self.blocks[s] = n
+            self.table_version[s] = seq.block_table_version
 
     def write_all(self, seqs: Any) -> None:
         for seq in seqs:
@@ -130,12 +191,16 @@ class SlotState:
             if s in free:
                 out.append(f"{name}: slot {s} is on the free list")
             ids = sorted(stop_ids(seq))
+            out_ids = seq.output_token_ids
             want = {
                 "computed": seq.num_computed_tokens,
-                "num_out": len(seq.output_token_ids),
+                "num_out": len(out_ids),
+                "last": out_ids[-1] if out_ids else seq.prompt_token_ids[-1],
                 "prompt_len": len(seq.prompt_token_ids),
                 "max_new": seq.max_new_tokens,
-                "blocks": len(seq.block_table),
+                "blocks": min(len(seq.block_table), self.width),
+                "table_version": seq.block_table_version,
+                "plain": seq.sampling.is_plain,
                 "min_tokens": seq.sampling.min_tokens,
                 "shares": seq.shares_last_block,
                 "grouped": seq.group is not None,
@@ -145,6 +210,10 @@ class SlotState:
                 got = getattr(self, field)[s].item()
                 if got != value:
                     out.append(f"{name}: {field} is {got} in slot {s}, {value} on the object")
+            n = min(len(seq.block_table), self.width)
+            table = self.table[s].tolist()
+            if table != seq.block_table[:n] + [-1] * (self.width - n):
+                out.append(f"{name}: block table {table} in slot {s}, {seq.block_table}")
             if len(ids) <= self.stop_width:
                 row = [int(x) for x in self.stops[s] if x >= 0]
                 if row != ids:

@@ -300,6 +300,10 @@ class ScheduledBatch:
     runner's fork and beam work applies (``llmc.runtime.beam_search``)."""
     window: DecodeWindow | None = None
     """Multi-step decoding: the decode steps this batch runs per host iteration (None: one)."""
+    rows: Any = field(default=None, compare=False, repr=False)
+    """``slot_state.DecodeRows`` of ``sequences`` when the scheduler made every row a decode
+    row over the slot arrays (None otherwise): the vectorised update, step inputs and
+    records read them while ``DecodeRows.valid``. Whoever changes ``sequences`` drops it."""
 
     @property
     def num_tokens(self) -> int:

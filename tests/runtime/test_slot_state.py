@@ -59,15 +59,16 @@ def mirrored(monkeypatch):
             return out
 
         monkeypatch.setattr(Scheduler, name, checked)
-    vector = Scheduler._update_rows
+    calls.append(0)  # [1]: updates (of a step or a window) the vectorised paths applied
+    for name in ("_update_rows", "_update_window_rows"):
+        vector = getattr(Scheduler, name)
 
-    def counted(self, *a):
-        out = vector(self, *a)
-        calls[1] += out is not None
-        return out
+        def counted(self, *a, _vector=vector):
+            out = _vector(self, *a)
+            calls[1] += out is not None
+            return out
 
-    monkeypatch.setattr(Scheduler, "_update_rows", counted)
-    calls.append(0)  # [1]: updates the vectorised path applied
+        monkeypatch.setattr(Scheduler, name, counted)
     return calls
 
 
@@ -180,7 +181,7 @@ def test_the_mirror_check_names_a_field_that_differs(tiny, monkeypatch):
 
 
 def test_slots_are_reused_and_grow_past_their_capacity():
-    st = SlotState(2)
+    st = SlotState(2, 4)
     seqs = [
         Sequence(request_id=i, prompt_token_ids=[1, 2, 3], sampling=SamplingParams(),
                  max_new_tokens=4, arrival_time=0.0)
