@@ -25,21 +25,22 @@ from typing import Any
 from llmc.runtime.slot_state import DecodeRows
 from llmc.runtime.types import ScheduledBatch, ScheduledSequence, Sequence
 
-_new = object.__new__
+_tuple_new = tuple.__new__
 _SLOT = operator.attrgetter("slot")
 _OUT = operator.attrgetter("output_token_ids")
 
 
 def decode_slice(seq: Sequence, start: int) -> ScheduledSequence:
-    """``ScheduledSequence(seq, start, 1, True)`` built without the frozen dataclass's
-    per-field ``object.__setattr__`` (half the cost; one per decode row per step)."""
-    ss = _new(ScheduledSequence)
-    d = ss.__dict__
-    d["seq"] = seq
-    d["start_position"] = start
-    d["num_new_tokens"] = 1
-    d["sample"] = True
-    return ss
+    """``ScheduledSequence(seq, start, 1, True)``: one decode row."""
+    return _tuple_new(ScheduledSequence, (seq, start, 1, True))
+
+
+def decode_slices(seqs: list[Sequence], starts: list[int]) -> list[ScheduledSequence]:
+    """The decode rows ``ScheduledSequence(seqs[i], starts[i], 1, True)``, built at C speed
+    (``tuple.__new__`` mapped over the fields: one per decode row per step)."""
+    rep = itertools.repeat
+    fields = zip(seqs, starts, rep(1), rep(True), strict=False)  # (the repeats are endless)
+    return list(map(_tuple_new, rep(ScheduledSequence), fields))
 
 
 class SlotScheduling:
@@ -77,7 +78,7 @@ class SlotScheduling:
         k = n if fast.all() else int(np.argmin(fast))  # the first row that is not
         seqs = running[:k]
         start = computed[:k]
-        rows = list(map(decode_slice, seqs, start.tolist()))
+        rows = decode_slices(seqs, start.tolist())
         return rows, DecodeRows(seqs, slots[:k], start, st)
 
     def _update_rows(self, batch: ScheduledBatch, token_ids: Any) -> list[Sequence] | None:
