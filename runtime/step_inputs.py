@@ -35,6 +35,7 @@ from llmc.compiler.spec import ModelSpec
 from llmc.cuda.backend import AttentionMetadata, SamplingMetadata
 from llmc.runtime import prompt_logprobs as plp
 from llmc.runtime import sampling as smp
+from llmc.runtime.slot_columns import SlotColumns
 from llmc.runtime.types import RequestFault, ScheduledBatch, ScheduledSequence, Sequence
 from llmc.runtime.workspace import Staging, Workspace
 
@@ -212,6 +213,7 @@ class StepInputBuilder:
         stage_bytes += 16 * t  # prompt-logprob rows and targets
         self.staging = Staging(stage_bytes, device)
         self.row_cache = DecodeRowCache(2 * b + 64, nb)
+        self.slot_columns = SlotColumns()  # the columns of decode rows over slots
 
     def _check(self, batch: ScheduledBatch) -> None:
         lim = self.limits
@@ -279,23 +281,39 @@ class StepInputBuilder:
         ahead = src_rows is not None
         if ahead and (len(src_rows) != b or min(src_rows, default=0) < 0):
             raise EngineError(f"step {batch.step_id}: src_rows must give a row >= 0 per sequence")
-        seqs = list(map(_SEQ, sched))
-        outs = list(map(_OUT, seqs))
-        p = np.fromiter(map(_START, sched), dtype=np.int64, count=b)
-        new = np.fromiter(map(_NEW, sched), dtype=np.int64, count=b)
-        nout = np.fromiter(map(len, outs), dtype=np.int64, count=b)
-        versions = np.fromiter(map(_VERSION, seqs), dtype=np.int64, count=b)
-        cache = self.row_cache
-        rows = cache.rows(seqs, versions)
-        have = cache.filled[rows]  # blocks of each table (up to max_blocks_per_seq)
-        known = cache.prompt_len[rows] + nout
+        slot_rows = batch.rows  # decode rows over the scheduler's slot arrays
+        if (
+            ahead
+            or slot_rows is None
+            or slot_rows.state.width < self.row_cache.width
+            or not slot_rows.valid(b)
+        ):
+            slot_rows = None
+            seqs = list(map(_SEQ, sched))
+            outs = list(map(_OUT, seqs))
+            p = np.fromiter(map(_START, sched), dtype=np.int64, count=b)
+            new_ok = np.fromiter(map(_NEW, sched), dtype=np.int64, count=b) == 1
+            nout = np.fromiter(map(len, outs), dtype=np.int64, count=b)
+            versions = np.fromiter(map(_VERSION, seqs), dtype=np.int64, count=b)
+            cols_of = self.row_cache
+            rows = cache_rows = cols_of.rows(seqs, versions)
+            have = cols_of.filled[rows]  # blocks of each table (up to max_blocks_per_seq)
+            known = cols_of.prompt_len[rows] + nout
+            tables = cols_of.table
+        else:  # one new token each, by construction
+            st, rows = slot_rows.state, slot_rows.slots
+            seqs, p, new_ok = slot_rows.seqs, slot_rows.start, True
+            nout, have, tables = st.num_out[rows], st.blocks[rows], st.table
+            known = st.prompt_len[rows] + nout
+            cols_of = self.slot_columns
+            cache_rows = cols_of.rows(slot_rows)
         tpb = self.limits.tokens_per_block
         if span is not None:  # the window's last position of each row
             nblk = (p + span - 1) // tpb + 1
         else:
             nblk = p // tpb + 1
         rows_ok = (p == known) if ahead else (p >= 0) & (p < known)
-        ok = bool((rows_ok & (new == 1) & (p < self.limits.max_seq_len) & (have >= nblk)).all())
+        ok = bool((rows_ok & new_ok & (p < self.limits.max_seq_len) & (have >= nblk)).all())
         if not ok:
             if ahead:
                 raise RequestError(
@@ -307,27 +325,30 @@ class StepInputBuilder:
         if ahead:
             ids = np.zeros(b, dtype=np.int64)
         elif bool((p == known - 1).all() and (nout > 0).all()):
-            ids = np.fromiter(map(_LAST, outs), dtype=np.int64, count=b)
+            if slot_rows is not None:
+                ids = slot_rows.state.last[rows]
+            else:
+                ids = np.fromiter(map(_LAST, outs), dtype=np.int64, count=b)
         else:
             ids = np.fromiter(map(Sequence.token_at, seqs, p.tolist()), dtype=np.int64, count=b)
         if b and (ids.min() < 0 or ids.max() >= self.spec.vocab_size):
             self._check_vocab(ids, sched, list(range(b + 1)))
         blk = p // tpb
         nb = int(nblk.max()) if b else 1
-        table = cache.table[rows, :nb]
+        table = tables[rows, :nb]
         if bool((have > nblk).any()):
             table[np.arange(nb) >= nblk[:, None]] = -1
         slots = table[np.arange(b), blk].astype(np.int64) * tpb + p % tpb
         src = np.asarray(src_rows, dtype=np.int64) if ahead else np.full(b, -1, dtype=np.int64)
         cols = {
-            "seeds": cache.seed[rows],
+            "seeds": cols_of.seed[cache_rows],
             "offsets": nout + 1 if ahead else nout,
-            "top_k": cache.top_k[rows],
+            "top_k": cols_of.top_k[cache_rows],
         }
-        floats = cache.floats[rows]
+        floats = cols_of.floats[cache_rows]
         for j, name in enumerate(smp.FLOAT_COLUMNS):
             cols[name] = floats[:, j]
-        return (ids, p, slots, src, table), cols, cache.plain[rows]
+        return (ids, p, slots, src, table), cols, cols_of.plain[cache_rows]
 
     def _check_vocab(self, flat_ids: np.ndarray, order: Any, cu: list[int]) -> None:
         if flat_ids.size and (flat_ids.min() < 0 or flat_ids.max() >= self.spec.vocab_size):

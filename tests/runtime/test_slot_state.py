@@ -8,6 +8,9 @@ the end."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
 import pytest
 
 from helpers.runner import tiny_runtime
@@ -23,6 +26,7 @@ from helpers.scenarios import (
 from llmc.runtime.executor import Executor
 from llmc.runtime.scheduler import Scheduler
 from llmc.runtime.slot_state import SlotState
+from llmc.runtime.step_inputs import StepInputBuilder
 from llmc.runtime.types import Request, SamplingParams, Sequence
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -45,8 +49,9 @@ def tiny(tiny_llama_weights, tiny_tok):
 
 @pytest.fixture
 def mirrored(monkeypatch):
-    """Every checked Scheduler call is followed by the mirror check; returns [checks made,
-    updates the vectorised path applied] (a list, so the test can read it after the run)."""
+    """Every checked Scheduler call is followed by the mirror check, every decode step over
+    slot rows compared with the same step from the objects; returns [checks made, updates
+    the vectorised paths applied, decode steps compared] (read after the run)."""
     calls = [0]
     for name in CHECKED:
         original = getattr(Scheduler, name)
@@ -60,6 +65,22 @@ def mirrored(monkeypatch):
 
         monkeypatch.setattr(Scheduler, name, checked)
     calls.append(0)  # [1]: updates (of a step or a window) the vectorised paths applied
+    calls.append(0)  # [2]: decode steps whose inputs came from the slot arrays
+    decode_step = StepInputBuilder.decode_step
+
+    def both(self, batch, src_rows=None, span=None):
+        """The step inputs from the slots equal those from the objects, array for array."""
+        got = decode_step(self, batch, src_rows, span)
+        if batch.rows is not None and src_rows is None:
+            want = decode_step(self, dataclasses.replace(batch, rows=None), src_rows, span)
+            for g, w in zip((*got[0], *got[1].values(), got[2]), (*want[0], *want[1].values(),
+                            want[2]), strict=True):  # fmt: skip
+                np.testing.assert_array_equal(g, w)
+            assert list(got[1]) == list(want[1])
+            calls[2] += 1
+        return got
+
+    monkeypatch.setattr(StepInputBuilder, "decode_step", both)
     for name in ("_update_rows", "_update_window_rows"):
         vector = getattr(Scheduler, name)
 
@@ -150,6 +171,7 @@ def test_slot_arrays_equal_the_objects_after_every_step(tiny, monkeypatch, mirro
     assert mirrored[1] == 0
     vector, ex = run(tiny, sp, prompts, vector=True, monkeypatch=monkeypatch, **kw)
     assert mirrored[1] > 0 or "samples" in name  # the vectorised update ran (no groups)
+    assert mirrored[2] > 0 or "samples" in name  # decode steps read inputs from the slots
     assert all(o.ok for o in vector), [o.error for o in vector]
     assert tokens(vector) == tokens(scalar)
     assert mirrored[0] > checks_scalar > len(ex.step_records)  # checked on every step
