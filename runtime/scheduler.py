@@ -382,17 +382,17 @@ class Scheduler(BranchScheduling, WindowScheduling, SlotScheduling):
         the beam rule of ``llmc.runtime.beam_search``) finishes them all.
         """
         seqs = batch.sequences
+        branch_steps = branch_steps or ()
+        if not branch_steps and len(seqs) >= self.vector_rows:  # decode rows over slots
+            done = self._update_rows(batch, sampled_token_ids)
+            if done is not None:
+                return done
         n_sampled = sum(map(_SAMPLE, seqs))
         if len(sampled_token_ids) != n_sampled:
             raise ValueError(
                 f"step {batch.step_id} sampled {n_sampled} sequences but "
                 f"{len(sampled_token_ids)} token ids were given"
             )
-        branch_steps = branch_steps or ()
-        if not branch_steps and len(seqs) >= self.vector_rows:
-            done = self._update_rows(batch, sampled_token_ids)
-            if done is not None:
-                return done
         forks = {b.request_id: b for b in branch_steps}
         finished: list[Sequence] = []
         slots = self.slots

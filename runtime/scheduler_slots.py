@@ -4,12 +4,13 @@ instead of a Python pass per row.
 
 A mixin of ``Scheduler`` (runtime/scheduler.py, whose module docstring states the rules):
 ``_decode_prefix`` makes the decode rows of the running list's longest prefix whose next
-step is one token in a block it owns, exactly the rows the per-row loop of ``schedule``
-would make of them; ``_update_rows`` applies a batch whose every row samples a token of a
-sequence with no other branches, with the stop decision (``_token_stop``) of the per-row
-loop for the rows whose token may stop them (a stop id, the last by length, more stop ids
-than the table holds), so the tokens and stops are those of the loop. Both change the
-arrays and the Sequence objects together; ``check_slots`` compares them.
+step is one decode token (with a new block where it starts one), exactly the rows and
+blocks the per-row loop of ``schedule`` would make of them; ``_update_rows`` (a step) and
+``_update_window_rows`` (a multi-step window) apply a batch of such rows, with the stop
+decision of the per-row loops (``_token_stop``, ``_window_row``) for the rows whose tokens
+may stop them (a stop id, the last by length, more stop ids than the table holds), so the
+tokens and stops are those of the loops. They change the arrays and the Sequence objects
+together; ``check_slots`` compares them.
 
 Batches of fewer than ``vector_rows`` rows take the per-row loops (numpy's cost per call
 exceeds theirs).
@@ -56,9 +57,10 @@ class SlotScheduling:
 
     def _decode_prefix(self, budget: int) -> tuple[list[ScheduledSequence], DecodeRows | None]:
         """The decode rows of the longest prefix of the running list (at most ``budget``)
-        whose next step is one token past the prompt in a block it already owns, of a
-        sequence with no other branches: what the per-row loop of ``schedule`` would make
-        of them, decided over their slots' arrays (``SlotState``) at once."""
+        whose next step is one token past the prompt, in a block of its own (it gets a new
+        one when its token starts one), of a sequence with no other branches: what the
+        per-row loop of ``schedule`` would make of them (the same blocks, in the same
+        order), decided over their slots' arrays (``SlotState``) at once."""
         running = self._running
         n = min(len(running), budget)
         if n < self.vector_rows:
@@ -71,11 +73,18 @@ class SlotScheduling:
         fast = (
             (prompt + st.num_out[slots] - computed == 1)
             & (computed >= prompt)
-            & (computed < st.blocks[slots] * self.kv.tokens_per_block)
             & ~st.shares[slots]
             & ~st.grouped[slots]
         )
         k = n if fast.all() else int(np.argmin(fast))  # the first row that is not
+        # rows whose token starts a new block get it, in order, as the loop gives it; the
+        # first that finds no free block ends the prefix (the loop preempts for it)
+        grow = computed[:k] >= st.blocks[slots[:k]] * self.kv.tokens_per_block
+        for i in np.flatnonzero(grow).tolist():
+            if not self.kv.append_slots(running[i], 1):
+                k = i
+                break
+            st.write(running[i])
         seqs = running[:k]
         start = computed[:k]
         rows = decode_slices(seqs, start.tolist())
@@ -105,7 +114,7 @@ class SlotScheduling:
             for i in np.flatnonzero(after % tpb == 0).tolist():
                 self.kv.register_full_blocks(seqs[i])
         maybe = (
-            (st.stops[slots] == toks[:, None]).any(axis=1)
+            (st.stops[slots, : st.stop_cols] == toks[:, None]).any(axis=1)
             | (st.num_out[slots] >= st.max_new[slots])
             | st.many_stops[slots]
         )
@@ -142,7 +151,7 @@ class SlotScheduling:
                 toks[i] = row_tokens[i]
         maybe = (
             ~full
-            | (st.stops[slots][:, None, :] == toks[:, :, None]).any(axis=(1, 2))
+            | (st.stops[slots, None, : st.stop_cols] == toks[:, :, None]).any(axis=(1, 2))
             | (st.num_out[slots] + k >= st.max_new[slots])
             | st.many_stops[slots]
         )

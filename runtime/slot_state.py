@@ -18,7 +18,8 @@ with a few numpy operations over its rows' slots instead of one Python pass per 
 - ``gen``: bumped whenever the slot is assigned or released, so a ``DecodeRows`` taken
   earlier tells whether its slots still hold its sequences;
 - ``min_tokens``: ``sampling.min_tokens``; ``stops`` [capacity, ``stop_width``]: the ids
-  that stop it (``types.stop_ids``), padded with -1; ``many_stops``: more ids than
+  that stop it (``types.stop_ids``), padded with -1 (only the first ``stop_cols`` columns
+  were ever used); ``many_stops``: more ids than
   ``stop_width`` (its stop check is the scalar one every step).
 
 The Sequence objects stay the API's state (RequestState, responses, the KV manager read
@@ -88,6 +89,8 @@ class SlotState:
         for name in _BOOL_FIELDS:
             setattr(self, name, np.zeros(0, dtype=bool))
         self.stops = np.zeros((0, stop_width), dtype=np.int64)
+        self.stop_cols = 0
+        """Columns of ``stops`` any slot has used (the rest are -1 everywhere)."""
         self.table = np.zeros((0, width), dtype=np.int32)
         self._free: list[int] = []
         self._grow(max(1, capacity))
@@ -127,6 +130,7 @@ class SlotState:
         self.many_stops[s] = len(ids) > self.stop_width
         if not self.many_stops[s]:
             row[: len(ids)] = ids
+            self.stop_cols = max(self.stop_cols, len(ids))
         self.min_tokens[s] = seq.sampling.min_tokens
         self.prompt_len[s] = len(seq.prompt_token_ids)
         self.grouped[s] = seq.group is not None
