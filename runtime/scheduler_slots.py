@@ -142,10 +142,12 @@ class SlotScheduling:
         np = self.slots._np
         st = self.slots
         slots, seqs, before = rows.slots, rows.seqs, rows.start
-        full = np.fromiter(map(len, row_tokens), dtype=np.int64, count=b) == k
-        if full.all():
-            toks = np.asarray(row_tokens, dtype=np.int64).reshape(b, k)
+        if sum(map(len, row_tokens)) == b * k:  # every row made all k tokens
+            full = np.ones(b, dtype=bool)
+            flat = itertools.chain.from_iterable(row_tokens)
+            toks = np.fromiter(flat, dtype=np.int64, count=b * k).reshape(b, k)
         else:
+            full = np.fromiter(map(len, row_tokens), dtype=np.int64, count=b) == k
             toks = np.full((b, k), -1, dtype=np.int64)
             for i in np.flatnonzero(full).tolist():
                 toks[i] = row_tokens[i]
@@ -161,9 +163,13 @@ class SlotScheduling:
         st.computed[cs] = after
         st.num_out[cs] += k
         st.last[cs] = toks[common, -1]
-        picked = [seqs[i] for i in common.tolist()] if len(common) < b else seqs
+        if len(common) < b:
+            picked = [seqs[i] for i in common.tolist()]
+            made = [row_tokens[i] for i in common.tolist()]
+        else:
+            picked, made = seqs, row_tokens
         deque(map(setattr, picked, itertools.repeat("num_computed_tokens"), after.tolist()), 0)
-        deque(map(list.extend, map(_OUT, picked), toks[common].tolist()), 0)
+        deque(map(list.extend, map(_OUT, picked), made), 0)
         tpb = self.kv.tokens_per_block
         if self.kv.enable_block_reuse:  # the rows where a block filled up in the window
             for i in np.flatnonzero(after // tpb != before[common] // tpb).tolist():

@@ -90,28 +90,28 @@ class WindowScheduling:
             or (self._waiting and len(running) < self.limits.max_batch_size)
         ):
             return batch
-        seqs = list(map(_SEQ, rows))
-        if (
-            any(map(_GROUP, seqs))
-            or any(map(_SHARES, seqs))
-            or not all(map(_SAMPLE, rows))
-            or any(n != 1 for n in map(_NEW, rows))
-        ):
-            return batch
-        params = dict(zip(map(id, map(_PARAMS, seqs)), map(_PARAMS, seqs), strict=True))
-        if not all(
-            p.is_plain and len(self._stop_ids(p)) <= MAX_WINDOW_STOP_IDS for p in params.values()
-        ):
-            return batch
+        b = len(rows)
+        slot_rows = batch.rows
+        if slot_rows is not None and slot_rows.valid(b):  # decode rows over the slot arrays
+            st, slots = slot_rows.state, slot_rows.slots
+            if (
+                st.grouped[slots].any()
+                or st.shares[slots].any()
+                or not st.plain[slots].all()
+                or st.many_stops[slots].any()  # more than MAX_WINDOW_STOP_IDS
+            ):
+                return batch
+            seqs, start = slot_rows.seqs, slot_rows.start
+            left = st.max_new[slots] - st.num_out[slots]
+            have = st.blocks[slots]
+        else:
+            found = self._window_rows(rows)
+            if found is None:
+                return batch
+            seqs, start, left, have = found
+        k = min(max_steps, int(left.max()))
         import numpy as np  # lazily (see tokens_left)
 
-        b = len(rows)
-        start = np.fromiter(map(_START, rows), dtype=np.int64, count=b)
-        if (start < np.fromiter(map(len, map(_PROMPT, seqs)), dtype=np.int64, count=b)).any():
-            return batch  # a re-prefill of outputs after preemption is not a decode row
-        left = tokens_left(seqs)
-        have = np.fromiter(map(len, map(_TABLE, seqs)), dtype=np.int64, count=b)
-        k = min(max_steps, int(left.max()))
         tpb, free = self.kv.tokens_per_block, self.kv.num_free_blocks
         while k >= 2:
             grow = np.maximum(0, -(-(start + np.minimum(k, left)) // tpb) - have)
@@ -126,6 +126,31 @@ class WindowScheduling:
             self.slots.write(seqs[i])
         self._num_tokens += (k - 1) * len(rows)
         return dataclasses.replace(batch, window=DecodeWindow(k, self._eos))
+
+    def _window_rows(self, rows: Any) -> tuple[list[Sequence], Any, Any, Any] | None:
+        """(sequences, starts, tokens left, blocks held) of ``rows`` read from the objects,
+        or None when a row cannot be in a window (see the module docstring)."""
+        seqs = list(map(_SEQ, rows))
+        if (
+            any(map(_GROUP, seqs))
+            or any(map(_SHARES, seqs))
+            or not all(map(_SAMPLE, rows))
+            or any(n != 1 for n in map(_NEW, rows))
+        ):
+            return None
+        params = dict(zip(map(id, map(_PARAMS, seqs)), map(_PARAMS, seqs), strict=True))
+        if not all(
+            p.is_plain and len(self._stop_ids(p)) <= MAX_WINDOW_STOP_IDS for p in params.values()
+        ):
+            return None
+        import numpy as np  # lazily (see tokens_left)
+
+        b = len(rows)
+        start = np.fromiter(map(_START, rows), dtype=np.int64, count=b)
+        if (start < np.fromiter(map(len, map(_PROMPT, seqs)), dtype=np.int64, count=b)).any():
+            return None  # a re-prefill of outputs after preemption is not a decode row
+        have = np.fromiter(map(len, map(_TABLE, seqs)), dtype=np.int64, count=b)
+        return seqs, start, tokens_left(seqs), have
 
     def update_window(self, batch: ScheduledBatch, row_tokens: list[list[int]]) -> list[Sequence]:
         """Apply a computed window: ``row_tokens[i]`` are the tokens row ``i`` of ``batch``
