@@ -37,6 +37,9 @@ Stop decisions: ``update`` decides every stop that the tokens show (EOS, stop to
 length; see there) and records it on the Sequence (``finish_reason``, ``stop_token_id``);
 ``finish`` applies the ones decided outside (cancel, stop string). Nobody re-derives them.
 
+Running sequences' per-step fields are mirrored in slot arrays (``self.slots``, runtime/
+slot_state.py); decode rows go over them (``scheduler_slots``), other changes ``write`` them.
+
 ``SchedulerConfig``, ``SchedulerStats``, the policy names and the per-request admission checks
 live in ``llmc.runtime.admission`` and are re-exported here.
 """
