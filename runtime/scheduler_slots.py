@@ -23,6 +23,7 @@ import operator
 from collections import deque
 from typing import Any
 
+from llmc.runtime import types
 from llmc.runtime.slot_state import DecodeRows
 from llmc.runtime.types import ScheduledBatch, ScheduledSequence, Sequence
 
@@ -115,7 +116,7 @@ class SlotScheduling:
                 self.kv.register_full_blocks(seqs[i])
         maybe = (
             (st.stops[slots, : st.stop_cols] == toks[:, None]).any(axis=1)
-            | (st.num_out[slots] >= st.max_new[slots])
+            | types.last_by_length(st.num_out[slots], st.max_new[slots])
             | st.many_stops[slots]
         )
         finished: list[Sequence] = []
@@ -154,7 +155,7 @@ class SlotScheduling:
         maybe = (
             ~full
             | (st.stops[slots, None, : st.stop_cols] == toks[:, :, None]).any(axis=(1, 2))
-            | (st.num_out[slots] + k >= st.max_new[slots])
+            | types.last_by_length(st.num_out[slots] + k, st.max_new[slots])
             | st.many_stops[slots]
         )
         common = np.flatnonzero(~maybe)

@@ -228,8 +228,15 @@ class Sequence:
         rule: ``max_new_tokens`` already includes the ``max_seq_len`` limit (see there).
         ``Scheduler.update`` asks it of a sampled token; async scheduling
         (``Scheduler.schedule_ahead``, ``engine_step.ahead_ok``) asks it of the token a
-        step in flight is sampling (``len(output_token_ids) + 1``)."""
-        return num_output_tokens >= self.max_new_tokens
+        step in flight is sampling (``len(output_token_ids) + 1``); the slot arrays' paths
+        (``scheduler_slots``) ask ``last_by_length`` of whole rows at once."""
+        return last_by_length(num_output_tokens, self.max_new_tokens)
+
+
+def last_by_length(num_output_tokens: Any, max_new_tokens: Any) -> Any:
+    """The length rule of ``Sequence.is_last_by_length`` on ints or on numpy arrays of rows
+    (``max_new_tokens`` is the whole length limit, see ``Sequence.max_new_tokens``)."""
+    return num_output_tokens >= max_new_tokens
 
 
 class ScheduledSequence(NamedTuple):

@@ -27,7 +27,7 @@ from llmc.runtime.executor import Executor
 from llmc.runtime.scheduler import Scheduler
 from llmc.runtime.slot_state import SlotState
 from llmc.runtime.step_inputs import StepInputBuilder
-from llmc.runtime.types import Request, SamplingParams, Sequence
+from llmc.runtime.types import FinishReason, Request, SamplingParams, Sequence
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -216,3 +216,33 @@ def test_slots_are_reused_and_grow_past_their_capacity():
     assert st.assign(seqs[1], frozenset(range(40))) == 1  # the freed slot again
     assert st.many_stops[1] and not st.many_stops[0]
     assert st.mismatches(seqs, lambda s: range(40) if s is seqs[1] else {7}) == []
+
+
+def test_the_slot_paths_ask_the_one_length_rule(monkeypatch):
+    """The vectorised update decides length stops with ``types.last_by_length``, the rule
+    ``Sequence.is_last_by_length`` states (patched here to end every request at 2 tokens)."""
+    from helpers.fakes import make_scheduler
+    from llmc.runtime import types
+
+    monkeypatch.setattr(Scheduler, "vector_rows", 1)
+    monkeypatch.setattr(types, "last_by_length", lambda n, limit: n >= 2)
+    s = make_scheduler(
+        64,
+        max_batch_size=8,
+        max_num_tokens=64,
+        max_seq_len=64,
+        max_input_len=32,
+        tokens_per_block=4,
+    )
+    a, b = (
+        Sequence(i, [5, 6, 7 + i], SamplingParams(max_new_tokens=9, ignore_eos=True), 9, 0.0)
+        for i in range(2)
+    )
+    s.add(a)
+    s.add(b)
+    s.update(s.schedule(), [30, 31])  # the prompts' step (no slot rows: prefill)
+    second = s.schedule()
+    assert second.rows is not None
+    assert s.update(second, [32, 33]) == [a, b]
+    assert a.finish_reason is b.finish_reason is FinishReason.LENGTH
+    assert a.output_token_ids == [30, 32] and s.slots.num_used == 0
