@@ -37,8 +37,7 @@ Stop decisions: ``update`` decides every stop that the tokens show (EOS, stop to
 length; see there) and records it on the Sequence (``finish_reason``, ``stop_token_id``);
 ``finish`` applies the ones decided outside (cancel, stop string). Nobody re-derives them.
 
-Running sequences' per-step fields are mirrored in slot arrays (``self.slots``, runtime/
-slot_state.py); decode rows go over them (``scheduler_slots``), other changes ``write`` them.
+Running sequences' per-step fields are mirrored in slot arrays (runtime/slot_state.py).
 
 ``SchedulerConfig``, ``SchedulerStats``, the policy names and the per-request admission checks
 live in ``llmc.runtime.admission`` and are re-exported here.
@@ -354,7 +353,8 @@ class Scheduler(BranchScheduling, WindowScheduling, SlotScheduling):
             self.slots.write(seq)
         self._step += 1
         self._num_tokens += len(picked)
-        return ScheduledBatch(step_id=self._step - 1, sequences=tuple(picked))
+        rows = self._ahead_rows(picked)
+        return ScheduledBatch(step_id=self._step - 1, sequences=tuple(picked), rows=rows)
 
     def _slice(self, seq: Sequence, n: int) -> ScheduledSequence:
         start = seq.num_computed_tokens
@@ -420,7 +420,7 @@ class Scheduler(BranchScheduling, WindowScheduling, SlotScheduling):
             if reuse and after // tpb != before // tpb:  # a block filled up in this step
                 self.kv.register_full_blocks(seq)
             if token is None:
-                slots.write(seq)
+                slots.advance(seq)
                 continue
             g = seq.group
             if g is not None and (g.beam or not g.forked):
@@ -435,7 +435,7 @@ class Scheduler(BranchScheduling, WindowScheduling, SlotScheduling):
             token = int(token)
             out = seq.output_token_ids
             out.append(token)
-            slots.write(seq)
+            slots.advance(seq)
             if seq.sampling is not last_sp:  # consecutive rows often share one params object
                 last_sp = seq.sampling
                 stops = self._stop_ids(last_sp)

@@ -172,6 +172,16 @@ class SlotState:
             self.blocks[s] = n
             self.table_version[s] = seq.block_table_version
 
+    def advance(self, seq: Sequence) -> None:
+        """Row ``seq.slot`` := its computed tokens, output count and last token (what a
+        step's update changes; ``write`` for anything else)."""
+        s = seq.slot
+        if s >= 0:
+            out = seq.output_token_ids
+            self.computed[s] = seq.num_computed_tokens
+            self.num_out[s] = len(out)
+            self.last[s] = out[-1] if out else seq.prompt_token_ids[-1]
+
     def write_all(self, seqs: Any) -> None:
         for seq in seqs:
             self.write(seq)
