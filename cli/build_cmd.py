@@ -124,6 +124,15 @@ def build_command(
             metavar="DTYPE",
         ),
     ] = None,
+    tp_size: Annotated[
+        int | None,
+        option(
+            "tp_size",
+            "Tensor-parallel ranks, one GPU each: a power of two dividing the model's "
+            "attention heads and MLP size; the engine holds one weight file and one memory "
+            "plan per rank (unquantized weights only). Default: 1.",
+        ),
+    ] = None,
     target: Annotated[
         str | None,
         option(
@@ -213,6 +222,7 @@ def build_command(
         "quantization": quantization,
         "group_size": group_size,
         "kv_cache_dtype": kv_cache_dtype,
+        "tp_size": tp_size,
         "target": target,
         "load_format": load_format,
         "dummy_seed": dummy_seed,
@@ -254,6 +264,7 @@ _TYPES = {
     "tokens_per_block": int,
     "dummy_seed": int,
     "group_size": int,
+    "tp_size": int,
     "gpu_memory_gb": (int, float),
     "kv_cache_free_gpu_mem_fraction": (int, float),
     "enable_chunked_prefill": bool,

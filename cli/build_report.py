@@ -13,7 +13,9 @@ from rich.table import Table
 from llmc.base.text import printable
 from llmc.cli.options import human_bytes
 from llmc.compiler.builder import BuildResult
+from llmc.compiler.memory_plan import MemoryPlan
 from llmc.compiler.quantization import SCALE_SUFFIX, describe, is_fp8_projection
+from llmc.compiler.tp_layout import rank_spec
 
 
 def summary_table(result: BuildResult) -> Table:
@@ -29,6 +31,14 @@ def summary_table(result: BuildResult) -> Table:
         f"vocab {spec.vocab_size}" + (", tied embeddings" if spec.tie_word_embeddings else ""),
     )
     t.add_row("dtype / target", f"{lim.dtype} / {b.target}")
+    if b.tp_size > 1:
+        r = rank_spec(spec, b.tp_size)
+        t.add_row(
+            "tensor parallel",
+            f"tp_size {b.tp_size}; each rank: {r.num_heads} q heads, {r.num_kv_heads} KV heads"
+            f"{' (replicated)' if spec.num_kv_heads < b.tp_size else ''}, MLP "
+            f"{r.intermediate_size}; embedding, lm_head and norms replicated",
+        )
     quant = (result.manifest or {}).get("quantization") or result.quantization or describe(lim)
     t.add_row("quantization", escape(printable(quant["weights"])))
     if quant.get("layouts"):
@@ -66,17 +76,28 @@ def summary_table(result: BuildResult) -> Table:
 
 
 def plan_table(result: BuildResult) -> Table:
-    p = result.plan
-    t = Table(title="memory plan")
+    """The memory plan; with tensor parallelism one column per rank (each its own device)."""
+    plans = result.plans
+    t = Table(title="memory plan" + (f" per rank (tp_size {len(plans)})" if len(plans) > 1 else ""))
     t.add_column("item", style="bold")
-    t.add_column("value", justify="right")
-    t.add_row("weights", f"{human_bytes(p.weight_bytes_total)} ({len(p.weight_bytes)} tensors)")
+    columns = [_plan_rows(p) for p in plans]
+    for r in range(len(plans)):
+        t.add_column("value" if len(plans) == 1 else f"rank {r}", justify="right")
+    for i, (item, _) in enumerate(columns[0]):
+        t.add_row(item, *(rows[i][1] for rows in columns))
+    return t
+
+
+def _plan_rows(p: MemoryPlan) -> list[tuple[str, str]]:
+    rows = [("weights", f"{human_bytes(p.weight_bytes_total)} ({len(p.weight_bytes)} tensors)")]
     if p.limits.quantization == "fp8":
         codes = sum(n for k, n in p.weight_bytes.items() if is_fp8_projection(k))
         scales = sum(n for k, n in p.weight_bytes.items() if k.endswith(SCALE_SUFFIX))
-        t.add_row(
-            "  of which fp8",
-            f"{human_bytes(codes)} e4m3 projections + {human_bytes(scales)} float32 scales",
+        rows.append(
+            (
+                "  of which fp8",
+                f"{human_bytes(codes)} e4m3 projections + {human_bytes(scales)} float32 scales",
+            )
         )
     packed = {k: n for k, n in p.weight_bytes.items() if k.endswith(("_scale", "_offset"))}
     if p.limits.quantization in ("int8_wo", "int4_wo", "gguf") and packed:
@@ -84,47 +105,55 @@ def plan_table(result: BuildResult) -> Table:
         codes = sum(
             p.weight_bytes.get(k.rsplit("_", 1)[0], 0) for k in packed if k.endswith("_scale")
         )
-        t.add_row(
-            "  of which weight-only",
-            f"{human_bytes(codes)} codes + {human_bytes(extra)} scales and offsets",
+        rows.append(
+            (
+                "  of which weight-only",
+                f"{human_bytes(codes)} codes + {human_bytes(extra)} scales and offsets",
+            )
         )
     saved = 1 - p.workspace_bytes / p.naive_workspace_bytes if p.naive_workspace_bytes else 0.0
-    t.add_row(
-        "workspace (packed / naive)",
-        f"{human_bytes(p.workspace_bytes)} / {human_bytes(p.naive_workspace_bytes)} "
-        f"({saved:.0%} saved, {len(p.buffers)} buffers)",
+    rows.append(
+        (
+            "workspace (packed / naive)",
+            f"{human_bytes(p.workspace_bytes)} / {human_bytes(p.naive_workspace_bytes)} "
+            f"({saved:.0%} saved, {len(p.buffers)} buffers)",
+        )
     )
-    t.add_row("KV cache per token", human_bytes(p.kv_bytes_per_token))
-    t.add_row(
-        "KV cache per block",
-        f"{human_bytes(p.kv_bytes_per_block)} ({p.limits.tokens_per_block} tokens)",
+    rows.append(("KV cache per token", human_bytes(p.kv_bytes_per_token)))
+    rows.append(
+        (
+            "KV cache per block",
+            f"{human_bytes(p.kv_bytes_per_block)} ({p.limits.tokens_per_block} tokens)",
+        )
     )
     one_request = p.blocks_per_max_seq * p.kv_bytes_per_block
-    t.add_row(
-        "one max_seq_len request", f"{p.blocks_per_max_seq} blocks ({human_bytes(one_request)})"
+    rows.append(
+        ("one max_seq_len request", f"{p.blocks_per_max_seq} blocks ({human_bytes(one_request)})")
     )
     cap = p.capacity
     if cap is None:
-        for note in p.notes:
-            t.add_row("KV capacity", escape(printable(note)))
-    else:
-        source = escape(printable(cap.memory_source))
-        t.add_row("device memory", f"{human_bytes(cap.device_memory_bytes)} ({source})")
-        t.add_row(
+        rows += [("KV capacity", escape(printable(note))) for note in p.notes]
+        return rows
+    source = escape(printable(cap.memory_source))
+    rows.append(("device memory", f"{human_bytes(cap.device_memory_bytes)} ({source})"))
+    rows.append(
+        (
             "KV pool",
             f"{human_bytes(cap.kv_pool_bytes)} (x {cap.kv_cache_free_gpu_mem_fraction} of "
             f"{human_bytes(cap.free_after_weights_bytes)} free)",
         )
-        t.add_row("KV capacity", f"{cap.kv_tokens:,} tokens in {cap.kv_blocks:,} blocks")
-        t.add_row(
-            f"requests at max_seq_len={p.limits.max_seq_len}", f"{cap.max_concurrent_requests:,}"
-        )
-    return t
+    )
+    rows.append(("KV capacity", f"{cap.kv_tokens:,} tokens in {cap.kv_blocks:,} blocks"))
+    rows.append(
+        (f"requests at max_seq_len={p.limits.max_seq_len}", f"{cap.max_concurrent_requests:,}")
+    )
+    return rows
 
 
 def buffers_table(result: BuildResult) -> Table:
     p = result.plan
-    t = Table(title=f"workspace arena at max_num_tokens={p.limits.max_num_tokens}")
+    each = " (each rank)" if len(result.plans) > 1 else ""
+    t = Table(title=f"workspace arena at max_num_tokens={p.limits.max_num_tokens}{each}")
     for col in ("buffer", "shape", "dtype", "live ops", "offset", "size"):
         t.add_column(col, justify="right" if col in ("offset", "size") else "left")
     for b in sorted(p.buffers, key=lambda b: (b.offset, b.name)):

@@ -24,6 +24,7 @@ from llmc.compiler.limits import (
     check_positive_int,
 )
 from llmc.compiler.quantization import check_choice, check_fp8_target
+from llmc.compiler.tp_layout import check_tp_size
 from llmc.compiler.wo_layout import DEFAULT_GROUP_SIZE, check_group_size
 
 LOAD_FORMATS = ("auto", "dummy")
@@ -75,6 +76,9 @@ class BuildConfig:
     max_beam_width: int = 1
     """Widest beam search a request may ask for; each beam is a row of a step (at most
     max_batch_size and max_num_tokens), and the capacity check holds that many sequences."""
+    tp_size: int = 1
+    """Tensor-parallel ranks (TensorRT-LLM's ``--tp_size``): a power of two; the engine holds
+    one weight file and one memory plan per rank (``compiler/tp_layout.py``)."""
 
     def __post_init__(self) -> None:
         # types first (a list where a number belongs, NaN), so the rules below compare numbers
@@ -92,6 +96,7 @@ class BuildConfig:
         for name in ("max_input_len", "max_seq_len"):
             if getattr(self, name) is not None:
                 check_positive_int(name, getattr(self, name))
+        check_tp_size(self.tp_size)
         check_choice("dtype", self.dtype, DTYPES)
         check_choice("quantization", self.quantization, BUILD_QUANTIZATIONS)
         check_group_size(self.group_size)

@@ -53,6 +53,7 @@ from llmc.compiler.output_dir import (
 from llmc.compiler.quantization import describe
 from llmc.compiler.resolve import ResolvedBuild, detect_gpu, device_memory, resolve_build
 from llmc.compiler.spec import ModelSpec
+from llmc.compiler.tp_layout import rank_spec, tp_section
 from llmc.compiler.wo_layout import WeightLayout, families, layouts_to_manifest, wo_layouts
 from llmc.cuda.build import compile_engine_kernels
 
@@ -91,10 +92,17 @@ class BuildResult:
     """Stale temp dirs of interrupted builds removed from the output's parent."""
     quantization: dict[str, Any] = field(default_factory=dict, repr=False)
     """The manifest's ``quantization`` section (also for a dry run)."""
+    rank_plans: tuple[MemoryPlan, ...] = ()
+    """One memory plan per tensor-parallel rank (``plan`` is rank 0's); empty: ``(plan,)``."""
 
     @property
     def dry_run(self) -> bool:
         return self.output_dir is None
+
+    @property
+    def plans(self) -> tuple[MemoryPlan, ...]:
+        """The memory plan of each rank, rank 0 first."""
+        return self.rank_plans or (self.plan,)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -107,6 +115,10 @@ class BuildResult:
             "timings_s": self.timings_s,
             "plan": self.plan.to_dict(),
             "quantization": self.quantization,
+            "tensor_parallel": tp_section(
+                self.spec, self.build.tp_size, self.build.load_format != "dummy"
+            ),
+            "rank_plans": [p.to_dict() for p in self.plans] if self.build.tp_size > 1 else [],
         }
 
 
@@ -217,25 +229,36 @@ def build(
         asked = resolve_gguf_quantization(config.quantization, native, source)
         resolved, notes = resolve_build(config, spec, gpu, asked)
         layouts = _layouts(spec, resolved.limits.quantization, config.group_size, native)
-    with phase("plan", "memory plan"):
+    tp = resolved.tp_size
+    with phase("plan", "memory plan" if tp == 1 else f"memory plans of {tp} ranks"):
         mem, mem_source = device_memory(config, gpu)
-        plan = plan_memory(
-            spec,
-            resolved.limits,
-            device_memory_bytes=mem,
-            memory_source=mem_source,
-            kv_cache_free_gpu_mem_fraction=config.kv_cache_free_gpu_mem_fraction,
-            layouts=layouts,
+        plans = tuple(
+            plan_memory(
+                rank_spec(spec, tp),  # every rank: its own device of this memory
+                resolved.limits,
+                device_memory_bytes=mem,
+                memory_source=mem_source,
+                kv_cache_free_gpu_mem_fraction=config.kv_cache_free_gpu_mem_fraction,
+                layouts=layouts,
+            )
+            for _ in range(tp)
         )
         if mem is None:
-            plan = _with_note(plan, f"KV capacity not computed: {mem_source}")
+            plans = tuple(_with_note(p, f"KV capacity not computed: {mem_source}") for p in plans)
+        plan = plans[0]
     dummy = resolved.load_format == "dummy"
     wo_section = _wo_section(spec, layouts, native if asked == "gguf" else None, plan)
     fmt = "dummy" if dummy else "gguf" if native is not None else "hf"
     quant = _quantization_notes(resolved.limits, None, fmt, wo_section)
     if dry_run:
         return BuildResult(
-            spec, resolved, plan, notes, phase.timings, quantization=quant["section"]
+            spec,
+            resolved,
+            plan,
+            notes,
+            phase.timings,
+            quantization=quant["section"],
+            rank_plans=plans,
         )
 
     # Before the long work: the output location is usable (a read-only or missing parent,
@@ -278,7 +301,9 @@ def build(
                 config, model_config, spec, hf_config, resolved, kernels, sorted(tok_files), fmt
             )
             manifest["quantization"] = quant["section"]
-            manifest = write_engine_files(tmp, manifest, plan, weights, tok_files)
+            manifest["tensor_parallel"] = tp_section(spec, tp, weights is not None)
+            per_rank = None if weights is None else _rank_weights(spec, weights, tp)
+            manifest = write_engine_files(tmp, manifest, plans, per_rank, tok_files)
         # After the last progress event: a callback that raises aborts the build before the
         # engine exists, so build() returns exactly when the engine is written.
         with writing(out):
@@ -287,8 +312,19 @@ def build(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return BuildResult(
-        spec, resolved, plan, notes, phase.timings, out, manifest, cleaned, quant["section"]
+        spec, resolved, plan, notes, phase.timings, out, manifest, cleaned, quant["section"], plans
     )
+
+
+def _rank_weights(
+    spec: ModelSpec, weights: Mapping[str, Any], tp_size: int
+) -> Callable[[int], Mapping[str, Any]]:
+    """A rank → its engine tensors (the whole model's at tp_size 1)."""
+    if tp_size == 1:
+        return lambda rank: weights
+    from llmc.compiler.tp_shard import rank_tensors
+
+    return lambda rank: rank_tensors(spec, weights, tp_size, rank)
 
 
 def _manifest(

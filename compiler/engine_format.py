@@ -11,6 +11,9 @@ Layout (the contract between ``llmc build`` and the runtime)::
                          <name>_offset, its layout in quantization.layouts; absent for
                          load_format 'dummy' (build.dummy_seed regenerates them)
     plan.json            the MemoryPlan (compiler/memory_plan.py), for the build's EngineLimits
+    weights.rank{r}.safetensors, plan.rank{r}.json
+                         with tp_size > 1, instead of the two above: rank r's tensors and plan
+                         (compiler/tp_layout.py); the manifest's tensor_parallel section names them
     tokenizer.json, tokenizer_config.json, generation_config.json   (when the source had them)
     kernels/             cubins for build.target when it is a CUDA arch
 
@@ -32,13 +35,13 @@ from __future__ import annotations
 import json
 import os
 import shlex
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmc.base import version
-from llmc.base.errors import ConfigError, EngineError
+from llmc.base.errors import ConfigError, EngineError, UnsupportedError
 from llmc.base.text import printable
 from llmc.compiler.engine_files import (
     check_files,
@@ -52,6 +55,16 @@ from llmc.compiler.memory_plan import MemoryPlan, plan_mismatch
 from llmc.compiler.output_dir import TMP_MARKER
 from llmc.compiler.resolve import ResolvedBuild
 from llmc.compiler.spec import ModelSpec
+from llmc.compiler.tp_layout import (
+    PLAN_FILE,
+    WEIGHTS_FILE,
+    check_rank,
+    check_tp,
+    plan_file,
+    rank_spec,
+    tp_section,
+    weights_file,
+)
 from llmc.compiler.wo_layout import (
     GGUF_NATIVE,
     WO_QUANTIZATIONS,
@@ -63,8 +76,9 @@ if TYPE_CHECKING:
     import torch
 
 MANIFEST = "manifest.json"
-WEIGHTS = "weights.safetensors"
-PLAN = "plan.json"
+WEIGHTS = WEIGHTS_FILE
+"""The weight file of a tp_size-1 engine (``tp_layout.weights_file`` names each rank's)."""
+PLAN = PLAN_FILE
 KERNELS_DIR = "kernels"
 
 
@@ -72,20 +86,28 @@ KERNELS_DIR = "kernels"
 def write_engine_files(
     tmp_dir: Path,
     manifest: dict[str, Any],
-    plan: MemoryPlan,
-    weights: Mapping[str, torch.Tensor] | None,
+    plans: Sequence[MemoryPlan],
+    weights: Callable[[int], Mapping[str, torch.Tensor]] | None,
     tokenizer_files: Mapping[str, bytes],
 ) -> dict[str, Any]:
-    """Write every file into ``tmp_dir`` (kernels/ already there), manifest last; returns it."""
+    """Write every file into ``tmp_dir`` (kernels/ already there), manifest last; returns it.
+    ``plans`` has one memory plan per tensor-parallel rank; ``weights(rank)`` gives that
+    rank's engine tensors (called once per rank, so one rank's copy exists at a time)."""
     (tmp_dir / KERNELS_DIR).mkdir(exist_ok=True)
-    if weights is not None:
-        from safetensors.torch import save_file
+    tp = len(plans)
+    for rank, plan in enumerate(plans):
+        if weights is not None:
+            from safetensors.torch import save_file
 
-        meta = {"format": "pt", "llmc_version": version.__version__}
-        save_file({k: v.contiguous() for k, v in weights.items()}, tmp_dir / WEIGHTS, meta)
-    (tmp_dir / PLAN).write_text(plan.to_json())
+            meta = {"format": "pt", "llmc_version": version.__version__}
+            tensors = {k: v.contiguous() for k, v in weights(rank).items()}
+            save_file(tensors, tmp_dir / weights_file(tp, rank), meta)
+            del tensors
+        (tmp_dir / plan_file(tp, rank)).write_text(plan.to_json())
+    reserved = {MANIFEST, *(weights_file(tp, r) for r in range(tp))}
+    reserved |= {plan_file(tp, r) for r in range(tp)}
     for name, data in tokenizer_files.items():
-        if Path(name).name != name or name in (MANIFEST, WEIGHTS, PLAN):
+        if Path(name).name != name or name in reserved:
             raise ConfigError(f"tokenizer file name {name!r} is not allowed in an engine")
         (tmp_dir / name).write_bytes(data)
     files = {
@@ -149,6 +171,22 @@ class LoadedEngine:
     layouts: dict[str, WeightLayout] = field(default_factory=dict)
     """The weight-only packed engine tensors and their layouts (manifest
     ``quantization.layouts``; ``llmc.compiler.wo_layout``); empty for other engines."""
+    rank: int = 0
+    """The tensor-parallel rank loaded: ``plan`` and ``load_weights`` are this rank's."""
+
+    @property
+    def tp_size(self) -> int:
+        return self.build.tp_size
+
+    @property
+    def rank_spec(self) -> ModelSpec:
+        """The model this rank computes (its heads and MLP columns; ``spec`` at tp_size 1)."""
+        return rank_spec(self.spec, self.tp_size)
+
+    @property
+    def weights_path(self) -> Path:
+        """This rank's weight file (absent for dummy weights)."""
+        return self.dir / weights_file(self.tp_size, self.rank)
 
     @property
     def limits(self) -> EngineLimits:
@@ -164,9 +202,10 @@ class LoadedEngine:
         _check_target(self.manifest, self.dir, self.build.target, target)
 
     def load_weights(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-        """Engine tensors on ``device``: read from weights.safetensors, or regenerated from
-        the dummy seed (quantized there for an fp8 engine). Names, shapes and dtypes are
-        checked against the engine's tensor table (``quantization.engine_tensors``)."""
+        """This rank's engine tensors on ``device``: read from its weight file, or
+        regenerated from the dummy seed (each whole tensor cut for the rank as it comes;
+        quantized there for an fp8 engine). Names, shapes and dtypes are checked against
+        the rank's tensor table (``quantization.engine_tensors`` of ``rank_spec``)."""
         import torch
 
         from llmc.compiler.quantization import check_engine_tensors
@@ -174,11 +213,13 @@ class LoadedEngine:
         lim = self.limits
         if self.build.load_format == "dummy":
             from llmc.compiler.dummy import iter_dummy_weights
+            from llmc.compiler.tp_shard import iter_rank_tensors
             from llmc.compiler.weight_passes import quantize_engine_weights
 
             made = iter_dummy_weights(self.spec, lim.dtype, self.build.dummy_seed, device)
+            made = iter_rank_tensors(self.spec, made, self.tp_size, self.rank)
             tensors = quantize_engine_weights(
-                self.spec, made, lim.quantization, lim.kv_cache_dtype, "dummy weights",
+                self.rank_spec, made, lim.quantization, lim.kv_cache_dtype, "dummy weights",
                 self.layouts,
             )  # fmt: skip
         else:
@@ -186,11 +227,11 @@ class LoadedEngine:
             from safetensors.torch import load_file
 
             try:
-                tensors = load_file(self.dir / WEIGHTS, device=str(torch.device(device)))
+                tensors = load_file(self.weights_path, device=str(torch.device(device)))
             except (SafetensorError, OSError) as e:
-                raise EngineError(f"{self.dir / WEIGHTS}: cannot read weights: {e}") from e
-        where = printable(self.dir / WEIGHTS)
-        check_engine_tensors(tensors, self.spec, lim, where, layouts=self.layouts)
+                raise EngineError(f"{self.weights_path}: cannot read weights: {e}") from e
+        where = printable(self.weights_path)
+        check_engine_tensors(tensors, self.rank_spec, lim, where, layouts=self.layouts)
         return tensors
 
 
@@ -226,12 +267,18 @@ def _check_target(manifest: dict[str, Any], engine_dir: Path, built: str, target
 
 
 def load_engine(
-    engine_dir: str | Path, *, target: str | None = None, verify_checksums: bool = True
+    engine_dir: str | Path,
+    *,
+    target: str | None = None,
+    verify_checksums: bool = True,
+    rank: int = 0,
 ) -> LoadedEngine:
     """Open and verify an engine directory (see module docstring for what is refused).
 
     ``target``: None or 'cpu' for the torch backend (runs any engine on CPU or CUDA), or
     the GPU arch ('sm_90') the CUDA backend will run on (the engine must be built for it).
+    ``rank``: the tensor-parallel rank whose plan (and weights) the LoadedEngine holds;
+    every rank's files are checked.
     """
     d = Path(engine_dir)
     if not d.is_dir():
@@ -254,15 +301,33 @@ def load_engine(
     files = checksum_table(d, manifest)
     spec, build, kernel_names = manifest_sections(manifest, where)
     fix = f"rebuild it: {rebuild_command(manifest, d)}"
-    required = [PLAN] + ([WEIGHTS] if build.load_format != "dummy" else [])
+    tp = build.tp_size
+    try:
+        check_tp(spec, tp, build.limits.quantization, build.limits.kv_cache_dtype)
+        check_rank(tp, rank)
+    except (ConfigError, UnsupportedError) as e:
+        raise EngineError(f"{where}: build.tp_size: {printable(e)}; {fix}") from None
+    section = manifest.get("tensor_parallel")
+    if (section is not None or tp > 1) and section != tp_section(
+        spec, tp, build.load_format != "dummy"
+    ):
+        raise EngineError(
+            f"{where}: the tensor_parallel section is not the one of tp_size {tp} for this "
+            f"model; {fix}"
+        )
+    required = [plan_file(tp, r) for r in range(tp)]
+    if build.load_format != "dummy":
+        required += [weights_file(tp, r) for r in range(tp)]
     check_files(d, files, required, kernel_names, verify_checksums=verify_checksums, fix=fix)
-    plan = MemoryPlan.from_json((d / PLAN).read_bytes().decode("utf-8"))
+    plan_path = d / plan_file(tp, rank)
+    plan = MemoryPlan.from_json(plan_path.read_bytes().decode("utf-8"))
     if plan.limits != build.limits:
         raise EngineError(
-            f"{printable(d / PLAN)} was planned for {plan.limits}, the manifest's build is "
+            f"{printable(plan_path)} was planned for {plan.limits}, the manifest's build is "
             f"{build.limits}; {fix}"
         )
-    layouts = layouts_from_manifest(manifest, spec.tensor_shapes(), where)
+    rspec = rank_spec(spec, tp)
+    layouts = layouts_from_manifest(manifest, rspec.tensor_shapes(), where)
     q = build.limits.quantization
     if (q in WO_QUANTIZATIONS and not layouts) or (
         q not in (*WO_QUANTIZATIONS, GGUF_NATIVE) and layouts
@@ -271,10 +336,10 @@ def load_engine(
             f"{where}: quantization {build.limits.quantization!r} with {len(layouts)} packed "
             f"weight layouts; {fix}"
         )
-    mismatch = plan_mismatch(plan, spec, layouts)
+    mismatch = plan_mismatch(plan, rspec, layouts)
     if mismatch is not None:
         raise EngineError(
-            f"{printable(d / PLAN)} is not this llmc's memory plan for the engine: "
+            f"{printable(plan_path)} is not this llmc's memory plan for the engine: "
             f"{printable(mismatch)}; {fix}"
         )
     if target is not None:
@@ -289,4 +354,5 @@ def load_engine(
         tokenizer_path=tok if tok.is_file() else None,
         kernels_dir=d / KERNELS_DIR,
         layouts=layouts,
+        rank=rank,
     )

@@ -23,6 +23,7 @@ from llmc.compiler.build_config import BuildConfig
 from llmc.compiler.limits import EngineLimits
 from llmc.compiler.quantization import check_fp8_target
 from llmc.compiler.spec import ModelSpec
+from llmc.compiler.tp_layout import check_tp, check_tp_size
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,8 @@ class ResolvedBuild:
     load_format: str
     dummy_seed: int | None
     """The seed of the dummy weights (load_format 'dummy'), else None."""
+    tp_size: int = 1
+    """Tensor-parallel ranks the weights and plans are split over (compiler/tp_layout.py)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -68,13 +71,14 @@ class ResolvedBuild:
             "target": self.target,
             "load_format": self.load_format,
             "dummy_seed": self.dummy_seed,
+            "tp_size": self.tp_size,
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ResolvedBuild:
         limit_names = EngineLimits.field_names()
-        names = {*limit_names, "target", "load_format", "dummy_seed"}
-        d = {"max_beam_width": 1, **d}  # engines built before beam search
+        names = {*limit_names, "target", "load_format", "dummy_seed", "tp_size"}
+        d = {"max_beam_width": 1, "tp_size": 1, **d}  # engines built before beams, TP
         missing = sorted(names - set(d))
         unknown = sorted(set(d) - names)
         if missing or unknown:
@@ -86,6 +90,7 @@ class ResolvedBuild:
             target=d["target"],
             load_format=d["load_format"],
             dummy_seed=d["dummy_seed"],
+            tp_size=check_tp_size(d["tp_size"]),
         )
 
 
@@ -130,12 +135,14 @@ def resolve_build(
     else:
         target = config.target
     check_fp8_target(config.quantization, target)  # a detected GPU below sm_89
+    check_tp(spec, config.tp_size, quantization, config.kv_cache_dtype)
     dummy = config.load_format == "dummy"
     resolved = ResolvedBuild(
         limits=limits,
         target=target,
         load_format=config.load_format,
         dummy_seed=config.dummy_seed if dummy else None,
+        tp_size=config.tp_size,
     )
     return resolved, tuple(notes)
 

@@ -196,6 +196,12 @@ class EngineRuntime:
         config = config or RuntimeConfig()
         device = resolve_device(config.device)
         engine = load_engine(engine_dir)
+        if engine.tp_size > 1:
+            raise UnsupportedError(
+                f"engine {engine_dir} is split over tp_size {engine.tp_size} ranks; this llmc "
+                "runs tensor-parallel engines through no runtime yet (build it with "
+                "--tp_size 1 to run it)"
+            )
         if device == "cuda" and config.backend != "torch":
             _check_fp8_gpu(engine)
         backend, target = cls._pick_backend(config.backend, device, engine)
