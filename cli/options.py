@@ -383,6 +383,9 @@ RUNTIME_FLAGS: tuple[Flag, ...] = (
          "bursts of up to this many tokens. A step holding a request with logprobs, "
          "penalties, min_tokens, n/best_of > 1, beam search or more than 16 stop ids (EOS "
          "included) runs one decode step per iteration. Default: 1."),
+    Flag("tp_timeout_s", float, "Engines built with --tp_size > 1: seconds the ranks may take "
+         "to start and each collective may wait for the other ranks; a rank that dies or "
+         "hangs ends the run with an error naming it (exit 7). Default: 60."),
 )
 # fmt: on
 """The runtime flags of ``llmc run``, ``bench`` and ``profile`` (``RuntimeConfig`` fields)."""

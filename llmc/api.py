@@ -203,7 +203,7 @@ class LLM:
         """The RuntimeConfig this LLM was loaded with."""
         self._runtime: EngineRuntime | None = runtime
         self._executor: Executor | None = runtime.executor().start()
-        self._finalizer = weakref.finalize(self, self._executor.shutdown)
+        self._finalizer = weakref.finalize(self, _stop, self._executor, runtime)
         _LIVE.add(self)
 
     # ---- state ---------------------------------------------------------------------------
@@ -399,6 +399,8 @@ class LLM:
         while ex.has_work() and not ex.failed and time.monotonic() < deadline:  # next step
             time.sleep(0.002)
         ex.shutdown()
+        if rt is not None:
+            rt.close()  # a tensor-parallel run's other ranks
         self._finalizer.detach()
         device = rt.device if rt is not None else "cpu"
         self._executor = self._runtime = None
@@ -428,3 +430,9 @@ class LLM:
         if not isinstance(params, BeamSearchParams):
             raise ConfigError(f"beam_search takes a BeamSearchParams, got {type(params).__name__}")
         return self.generate(prompts, params.sampling_params())
+
+
+def _stop(executor: Executor, runtime: EngineRuntime) -> None:
+    """An LLM collected without ``shutdown``: its loop stopped, its other ranks too."""
+    executor.shutdown()
+    runtime.close()

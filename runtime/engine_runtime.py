@@ -73,6 +73,9 @@ class RuntimeConfig:
     decode_steps_per_iteration: int = 1
     """Multi-step decoding: decode steps run on the device per host iteration when every
     scheduled row decodes (``Scheduler.plan_window``); 1 = one step per iteration."""
+    tp_timeout_s: float = 60.0
+    """Tensor-parallel engines: seconds a collective (or the ranks' start) may wait for the
+    other ranks before the run ends with an EngineError naming the rank."""
 
     def __post_init__(self) -> None:
         for name, allowed in (("device", DEVICES), ("backend", BACKENDS)):
@@ -102,6 +105,8 @@ class RuntimeConfig:
             )
         if self.device == "cpu" and self.backend == "cuda":
             raise ConfigError("backend 'cuda' needs device cuda (or auto on a GPU machine)")
+        if not self.tp_timeout_s > 0:
+            raise ConfigError(f"tp_timeout_s must be positive, got {self.tp_timeout_s}")
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -158,6 +163,16 @@ def _free_bytes(device: str, workspace_bytes: int) -> int:
     return max(0, int(free) - workspace_bytes)
 
 
+def check_tp_config(config: RuntimeConfig, tp_size: int) -> None:
+    """What a tensor-parallel run does not serve: multi-step decoding (its token feedback
+    stays on rank 0's device), ConfigError naming it."""
+    if config.decode_steps_per_iteration > 1:
+        raise ConfigError(
+            f"decode_steps_per_iteration {config.decode_steps_per_iteration} with an engine "
+            f"of tp_size {tp_size} is not supported; use 1"
+        )
+
+
 class EngineRuntime:
     """Every component of a runnable engine; ``executor()`` drives them. The runner and
     the scheduler serve under the same ``EngineLimits`` (``limits``)."""
@@ -185,23 +200,56 @@ class EngineRuntime:
         self.vocab_size = self.spec.vocab_size
         self.async_scheduling = False
         self.decode_steps_per_iteration = 1
+        self.tp: Any = None
+        """The TPRanks of a tensor-parallel run (``runtime/tp_launch.py``), else None."""
 
     # ---- construction --------------------------------------------------------------
     @classmethod
     def load(cls, engine_dir: str | Path, config: RuntimeConfig | None = None) -> EngineRuntime:
-        """Load and verify an engine directory and build every runtime component."""
+        """Load and verify an engine directory and build every runtime component. An engine
+        with tp_size > 1 starts its other ranks (``runtime/tp_launch.py``: spawned on this
+        host, or joined under torchrun); this process is rank 0. Under torchrun a process of
+        another rank follows rank 0 here until the run ends, then exits (SystemExit 0)."""
         from llmc.compiler.engine_format import load_engine
-        from llmc.compiler.memory_plan import arena_bytes, kv_cache_blocks, run_workspace
 
         config = config or RuntimeConfig()
         device = resolve_device(config.device)
         engine = load_engine(engine_dir)
-        if engine.tp_size > 1:
-            raise UnsupportedError(
-                f"engine {engine_dir} is split over tp_size {engine.tp_size} ranks; this llmc "
-                "runs tensor-parallel engines through no runtime yet (build it with "
-                "--tp_size 1 to run it)"
-            )
+        if engine.tp_size == 1:
+            return cls._load(engine, config, device)
+        from llmc.runtime.tp_launch import start_ranks
+
+        check_tp_config(config, engine.tp_size)
+        ranks = start_ranks(str(engine.dir), engine.tp_size, config, device)
+        try:
+            if ranks.rank != 0:
+                from llmc.runtime.tp_steps import follow
+
+                rt = cls.load_rank(engine_dir, config, ranks)
+                follow(rt.runner, ranks.group)
+                raise SystemExit(0)
+            return cls._load(engine, config, device, ranks)
+        except BaseException:
+            ranks.close(None)
+            raise
+
+    @classmethod
+    def load_rank(cls, engine_dir: str | Path, config: RuntimeConfig, ranks: Any) -> EngineRuntime:
+        """The runtime of rank ``ranks.rank`` (> 0) of a tensor-parallel engine: its shard,
+        reducing through ``ranks.group``; driven by ``tp_steps.follow``."""
+        from llmc.compiler.engine_format import load_engine
+
+        engine = load_engine(engine_dir, rank=ranks.rank)
+        return cls._load(engine, config, resolve_device(config.device), ranks)
+
+    @classmethod
+    def _load(
+        cls, engine: Any, config: RuntimeConfig, device: str, ranks: Any = None
+    ) -> EngineRuntime:
+        """Every component of one rank of a loaded engine (``ranks``: its TPRanks, or None
+        at tp_size 1). The ranks agree on the smallest KV pool any of them can hold."""
+        from llmc.compiler.memory_plan import arena_bytes, kv_cache_blocks, run_workspace
+
         if device == "cuda" and config.backend != "torch":
             _check_fp8_gpu(engine)
         backend, target = cls._pick_backend(config.backend, device, engine)
@@ -212,7 +260,8 @@ class EngineRuntime:
             max_num_tokens=config.max_num_tokens,
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
-        workspace = run_workspace(engine.spec, limits, engine.plan)
+        spec = engine.rank_spec  # the engine's spec at tp_size 1
+        workspace = run_workspace(spec, limits, engine.plan)
         weights = engine.load_weights(device)
         cap = limits.max_batch_size * limits.max_seq_len
         if device == "cpu" and config.max_kv_tokens is None:
@@ -223,11 +272,13 @@ class EngineRuntime:
         num_blocks = kv_cache_blocks(
             engine.plan, free, config.kv_cache_free_gpu_mem_fraction, max_kv
         )
+        if ranks is not None:
+            num_blocks = ranks.group.min_int(num_blocks)
         tokenizer = None
         if engine.tokenizer_path is not None:
             tokenizer = Tokenizer.from_dir(engine.tokenizer_path, engine.spec.eos_token_ids)
         return cls.from_weights(
-            engine.spec,
+            spec,
             weights,
             limits=limits,
             num_kv_blocks=num_blocks,
@@ -238,6 +289,7 @@ class EngineRuntime:
             engine=engine,
             workspace=workspace,
             layouts=engine.layouts,
+            tp=ranks,
         )
 
     @staticmethod
@@ -275,10 +327,14 @@ class EngineRuntime:
         engine: Any = None,
         workspace: tuple[PlannedBuffer, ...] | None = None,
         layouts: Any = None,
+        tp: Any = None,
     ) -> EngineRuntime:
         """Build the runtime around engine-layout weights already in memory. ``workspace``:
         the arena layout (``PlannedBuffer``s; None: the memory planner's for ``limits``);
-        ``layouts``: the weight-only packed tensors' (``LoadedEngine.layouts``)."""
+        ``layouts``: the weight-only packed tensors' (``LoadedEngine.layouts``); ``tp``: one
+        tensor-parallel rank's TPRanks (``spec`` and ``weights`` the rank's): its runner
+        all-reduces through the group, rank 0's sends every step (``StepLeader``), and
+        steps run eagerly and synchronously (no CUDA graphs, no async scheduling)."""
         from llmc.runtime.model_runner import ModelRunner
 
         config = config or RuntimeConfig()
@@ -299,14 +355,29 @@ class EngineRuntime:
             num_kv_blocks=num_kv_blocks,
             workspace=workspace,
             layouts=layouts,
+            reduce=None if tp is None else tp.group.all_reduce,
         )
         steps = config.decode_steps_per_iteration
-        if config.cuda_graphs and backend == "cuda" and device == "cuda":
+        if tp is not None:
+            check_tp_config(config, tp.group.world_size)
+            from llmc.runtime.tp_steps import StepLeader
+
+            runner.leader = StepLeader(tp.group) if tp.rank == 0 else None
+        elif config.cuda_graphs and backend == "cuda" and device == "cuda":
             runner.capture_cuda_graphs(decode_steps_per_iteration=steps)
         rt = cls(runner, scheduler, tokenizer, device=device, backend=backend, engine=engine)
-        rt.async_scheduling = config.async_scheduling and device == "cuda"  # Executor reads it
+        eager = tp is None and device == "cuda"
+        rt.async_scheduling = config.async_scheduling and eager  # Executor reads it
         rt.decode_steps_per_iteration = steps  # the Executor reads it too
+        rt.tp = tp
         return rt
+
+    def close(self) -> None:
+        """End a tensor-parallel run: the other ranks are stopped (nothing at tp_size 1).
+        Idempotent; the LLM calls it at shutdown."""
+        tp, self.tp = self.tp, None
+        if tp is not None:
+            tp.close(getattr(self.runner, "leader", None))
 
     @staticmethod
     def _make_backend(backend: str, device: str, engine: Any, max_batch_size: int) -> Any:
@@ -347,4 +418,5 @@ class EngineRuntime:
             "cuda_graphs": getattr(self.runner, "graphs", None) is not None,
             "async_scheduling": self.async_scheduling,
             "decode_steps_per_iteration": self.decode_steps_per_iteration,
+            "tp_size": 1 if self.tp is None else self.tp.group.world_size,
         }

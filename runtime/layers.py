@@ -34,7 +34,7 @@ rope_and_cache_write and attention; a 16/32-bit cache is called exactly as befor
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -129,7 +129,14 @@ class DecoderLayers:
         kv_cache: KVCacheTensors,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         workspace: Workspace,
+        reduce: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
+        """``reduce`` (tensor parallelism: ``TPGroup.all_reduce``): sums o_proj's and
+        down's partial outputs over the ranks, in place, before their residual add; only
+        the unfused activation-dtype sequence runs then."""
+        if reduce is not None and limits.quantization == "fp8":
+            raise EngineError("tensor parallelism runs no fp8 engine")
+        self.reduce = reduce
         self.spec, self.backend, self.kv_cache, self.ws = spec, backend, kv_cache, workspace
         self.cos, self.sin = cos_sin
         self.layers = layer_weights(spec, weights, limits)
@@ -178,10 +185,14 @@ class DecoderLayers:
             be.linear(normed, lw.qkv, lw.qkv_bias, out=qkv)
             self._attend(i, inp, qkv, q, attn_out)
             be.linear(attn_out, lw.o, out=proj_out)
+            if self.reduce is not None:  # tensor parallelism: the ranks' partial sums
+                self.reduce(proj_out)
             be.add_rms_norm(proj_out, residual, lw.post_attn_norm, eps, out=normed)
             be.linear(normed, lw.gate_up, out=gate_up)
             be.silu_and_mul(gate_up, out=act)
             be.linear(act, lw.down, out=proj_out)
+            if self.reduce is not None:
+                self.reduce(proj_out)
 
     def _rows(self, name: str, t: int) -> Fp8Rows:
         return Fp8Rows(self.ws[name][:t], self.ws[name + "_scale"][:t])

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +67,7 @@ from llmc.runtime.kv_tensors import KVCacheTensors, allocate_kv_cache
 from llmc.runtime.layers import DecoderLayers
 from llmc.runtime.rope import cos_sin_tables
 from llmc.runtime.step_inputs import StepInputBuilder, StepInputs
+from llmc.runtime.tp_steps import StepLeader
 from llmc.runtime.types import RequestFault, ScheduledBatch
 from llmc.runtime.workspace import TORCH_DTYPES, Workspace
 
@@ -101,11 +102,15 @@ class ModelRunner:
         num_kv_blocks: int,
         workspace: tuple[PlannedBuffer, ...] | None = None,
         layouts: Mapping[str, WeightLayout] | None = None,
+        reduce: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
         """``workspace``: the arena layout (a memory plan's buffers, planned for ``limits``);
         None: the memory planner's for ``limits`` (``llmc.compiler.memory_plan``).
         ``layouts``: the weight-only packed engine tensors (``LoadedEngine.layouts``), which
-        the runner holds as ``PackedWeight``s; every op takes one where it takes a weight."""
+        the runner holds as ``PackedWeight``s; every op takes one where it takes a weight.
+        ``reduce``: one tensor-parallel rank's (``TPGroup.all_reduce``; ``spec`` and
+        ``weights`` are then the rank's, ``compiler/tp_layout.py``); on rank 0, ``leader``
+        (a ``StepLeader``, set by the EngineRuntime) sends each step to the other ranks."""
         check_positive_int("num_kv_blocks", num_kv_blocks)
         self.spec = spec
         self.backend = backend
@@ -123,8 +128,9 @@ class ModelRunner:
         self.workspace = Workspace(workspace, self.device)
         self.layers = DecoderLayers(
             spec, self.weights, limits, backend, self.kv_cache, (self.cos, self.sin),
-            self.workspace,
+            self.workspace, reduce,
         )  # fmt: skip
+        self.leader: StepLeader | None = None
         self.inputs = StepInputBuilder(spec, self.workspace, self.device, limits)
         pin = self.device.type == "cuda"
         # two read-back buffers: step N+1 may be launched before step N's ids are read
@@ -191,7 +197,8 @@ class ModelRunner:
         t, s = inp.num_tokens, inp.num_sampled
         eps = spec.rms_norm_eps
         residual, normed, proj_out = ws["residual"][:t], ws["normed"][:t], ws["proj_out"][:t]
-        fused = 0 < t <= getattr(be, "fused_decode_max_tokens", 0)
+        # tensor parallelism reduces between o_proj / down and their residual add: unfused
+        fused = 0 < t <= getattr(be, "fused_decode_max_tokens", 0) and self.layers.reduce is None
 
         be.embedding(inp.input_ids, w["embed_tokens"], out=residual)
         self.layers.run(inp, fused)  # runtime/layers.py: the activation-dtype or fp8 sequence
@@ -215,7 +222,7 @@ class ModelRunner:
     # ---- public --------------------------------------------------------------------
     def forward_logits(self, batch: ScheduledBatch) -> torch.Tensor:
         """Logits [S, V] float32 of the sampled rows (batch order); a copy (for tests)."""
-        inp = self.inputs.prepare(batch)
+        inp = self._prepare(batch)
         logits = self.forward(inp)
         if logits is None:
             return torch.empty(0, self.spec.vocab_size, device=self.device)
@@ -238,6 +245,8 @@ class ModelRunner:
         if batch.is_empty:
             return PendingStep(self, None, None, {}, token_ids=[])
         if batch.block_copies:  # copy-on-write of forked sequences' last blocks, first
+            if self.leader is not None:
+                self.leader.send_copies(batch.block_copies)
             self._copy_blocks(batch.block_copies)
         if batch.window is not None:
             return self._launch_window(batch)
@@ -250,7 +259,7 @@ class ModelRunner:
             pending.times["forward"] = time.perf_counter() - t1
             return pending
         t0 = time.perf_counter()
-        inp = self.inputs.prepare(batch, src_rows)
+        inp = self._prepare(batch, src_rows)
         t1 = time.perf_counter()
         logits = self.forward(inp)
         t2 = time.perf_counter()
@@ -268,6 +277,14 @@ class ModelRunner:
                 raise
             times["sample"] = time.perf_counter() - t2
         return pending
+
+    def _prepare(self, batch: ScheduledBatch, src_rows: list[int] | None = None) -> StepInputs:
+        """``inputs.prepare``; under tensor parallelism the staged step goes to the other
+        ranks too (``StepLeader.send_step``), which then run the same forward."""
+        inp = self.inputs.prepare(batch, src_rows)
+        if self.leader is not None:
+            self.leader.send_step(inp, self.inputs.staging)
+        return inp
 
     def _launch_window(self, batch: ScheduledBatch) -> PendingStep:
         """Start a multi-step window (``ScheduledBatch.window``): its inputs staged once,

@@ -364,6 +364,46 @@ class StepInputBuilder:
         prev = self.workspace["sampled_ids"].index_select(0, src.clamp(min=0))
         torch.where(src >= 0, prev, staged, out=out)
 
+    def place(
+        self,
+        dev: dict[str, torch.Tensor],
+        b: int,
+        nb: int,
+        num_decode: int,
+        max_query: int,
+        max_seq_len: int,
+    ) -> tuple[dict[str, torch.Tensor], AttentionMetadata]:
+        """Uploaded sections ``dev`` → their static workspace buffers (``src_rows``: the
+        previous step's ids) and the AttentionMetadata of ``b`` sequences, tables [b, nb];
+        also a tensor-parallel follower's, on the sections rank 0 broadcast."""
+        ws, static = self.workspace, {}
+        for name in ("input_ids", "positions", "slot_mapping", "logits_indices"):
+            if name not in dev:
+                continue
+            static[name] = ws[name][: dev[name].shape[0]]
+            if name == "input_ids" and "src_rows" in dev:
+                self.gather_input_ids(static[name], dev[name], dev["src_rows"])
+            else:
+                static[name].copy_(dev[name])
+        for name in ("cu_seqlens_q", "seq_lens"):
+            static[name] = ws[name][: dev[name].shape[0]]
+            static[name].copy_(dev[name])
+        bt = ws["block_tables"].view(-1)[: b * nb].view(b, nb)
+        bt.copy_(dev["block_tables"].view(b, nb))
+        attn = AttentionMetadata(
+            positions=static["positions"],
+            slot_mapping=static["slot_mapping"],
+            cu_seqlens_q=static["cu_seqlens_q"],
+            seq_lens=static["seq_lens"],
+            block_tables=bt,
+            num_decode_seqs=num_decode,
+            max_query_len=max_query,
+            max_seq_len=max_seq_len,
+            partial_out=ws["attn_partial_out"],
+            partial_lse=ws["attn_partial_lse"],
+        )
+        return static, attn
+
     def prepare(
         self,
         batch: ScheduledBatch,
@@ -441,40 +481,14 @@ class StepInputBuilder:
         dev = st.upload()
         if prompt is not None:
             prompt.index, prompt.target_ids = dev["prompt_rows"], dev["prompt_targets"]
-        ws = self.workspace
-        t = len(flat_ids)
-        static = {}
-        for name in ("input_ids", "positions", "slot_mapping", "logits_indices"):
-            n = dev[name].shape[0]
-            static[name] = ws[name][:n]
-            if name == "input_ids" and "src_rows" in dev:
-                self.gather_input_ids(static[name], dev[name], dev["src_rows"])
-            else:
-                static[name].copy_(dev[name])
-        for name in ("cu_seqlens_q", "seq_lens"):
-            static[name] = ws[name][: dev[name].shape[0]]
-            static[name].copy_(dev[name])
-        bt = ws["block_tables"].view(-1)[: b * nb].view(b, nb)
-        bt.copy_(dev["block_tables"].view(b, nb))
-        attn = AttentionMetadata(
-            positions=static["positions"],
-            slot_mapping=static["slot_mapping"],
-            cu_seqlens_q=static["cu_seqlens_q"],
-            seq_lens=static["seq_lens"],
-            block_tables=bt,
-            num_decode_seqs=num_decode,
-            max_query_len=max_query,
-            max_seq_len=int(max(seq_lens)),
-            partial_out=ws["attn_partial_out"],
-            partial_lse=ws["attn_partial_lse"],
-        )
+        static, attn = self.place(dev, b, nb, num_decode, max_query, int(max(seq_lens)))
         meta = None
         if sampled:
             meta = smp.build_metadata(
                 dev, [s.seq for s in sampled], self.spec.vocab_size, self.device
             )
         return StepInputs(
-            num_tokens=t,
+            num_tokens=len(flat_ids),
             num_sampled=len(sampled),
             sampled=sampled,
             attn=attn,

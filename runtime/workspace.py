@@ -105,6 +105,22 @@ class Staging:
         self._used = off + nbytes
         return self._np[off : off + nbytes].view(np_dtype)
 
+    @property
+    def used(self) -> int:
+        """Bytes of the sections added since ``begin()``."""
+        return self._used
+
+    def offsets(self) -> dict[str, int]:
+        """Each section's byte offset (a tensor-parallel follower rebuilds the views)."""
+        return {name: off for name, off, _, _ in self._sections}
+
+    def views(self, layout: dict[str, tuple[int, int, str]]) -> dict[str, torch.Tensor]:
+        """Typed views of the device mirror: name → (byte offset, values, dtype)."""
+        return {
+            name: self.dev[off : off + n * TORCH_DTYPES[dt].itemsize].view(TORCH_DTYPES[dt])
+            for name, (off, n, dt) in layout.items()
+        }
+
     def upload(self) -> dict[str, torch.Tensor]:
         if self.dev is not self.host and self._used:
             self.dev[: self._used].copy_(self.host[: self._used], non_blocking=True)

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from helpers.checkpoints import TINY_LLAMA
-from llmc.base.errors import EngineError, UnsupportedError
+from llmc.base.errors import EngineError
 from llmc.cli.main import app
 from llmc.compiler import builder
 from llmc.compiler.build_config import BuildConfig
@@ -160,14 +160,6 @@ def test_a_tampered_tp_size_is_refused(tiny_llama_dir, tmp_path):
     path.write_text(json.dumps(m))
     with pytest.raises(EngineError, match="tensor_parallel section"):
         load_engine(tmp_path / "e", verify_checksums=False)
-
-
-def test_the_runtime_refuses_a_tp_engine_it_cannot_run(tiny_llama_dir, tmp_path):
-    from llmc.runtime.engine_runtime import EngineRuntime
-
-    _build(tiny_llama_dir, tmp_path / "e", 2)
-    with pytest.raises(UnsupportedError, match="tp_size 2"):
-        EngineRuntime.load(tmp_path / "e")
 
 
 # ---- the CLI ----------------------------------------------------------------------------
