@@ -3,9 +3,10 @@ their own (gloo on CPU, NCCL on GPUs), never the global default group, so one pr
 load several engines one after another.
 
 Two groups share one TCPStore (rank 0 hosts it): ``ctrl`` carries only the header of each
-step message, which a follower may wait for as long as rank 0 has no work (its timeout is
-``IDLE_TIMEOUT``); ``data`` carries everything else — the step's staged inputs, KV block
-copies, and the all-reduces of every layer — with the run's ``timeout_s``. A rank that dies
+step message, which a follower may wait for as long as rank 0 has no work (a follower's
+timeout on it is ``IDLE_TIMEOUT``, rank 0's the run's); ``data`` carries everything
+else — the step's staged inputs, KV block copies, and the all-reduces of every layer — with
+the run's ``timeout_s``. A rank that dies
 closes its sockets, so the others fail at their next collective (at once, or after
 ``timeout_s`` when it hangs); every failure is an EngineError naming the rank it waited on
 (``describe_peer`` of the launcher says which process exited and how).
@@ -84,7 +85,10 @@ class TPGroup:
         if self.nccl:
             no_multicast_env()
         try:
-            self.ctrl = self._group(dist.PrefixStore("ctrl", store), IDLE_TIMEOUT)
+            # a follower may wait for rank 0's next header as long as rank 0 is idle; rank
+            # 0's side of it (the header reaching every rank) has the run's timeout
+            idle = timeout if rank == 0 else IDLE_TIMEOUT
+            self.ctrl = self._group(dist.PrefixStore("ctrl", store), idle)
             self.data = self._group(dist.PrefixStore("data", store), timeout)
         except (RuntimeError, OSError) as e:
             raise EngineError(

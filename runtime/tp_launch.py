@@ -25,6 +25,8 @@ from llmc.runtime.tp_steps import StepLeader
 
 TORCHRUN_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 HOST = "127.0.0.1"
+EXIT_GRACE_S = 0.5
+"""How long a failed collective waits for a spawned rank to be reaped, to name how it ended."""
 
 
 @dataclass
@@ -63,11 +65,13 @@ class TPRanks:
 def exited(procs: list[subprocess.Popen]) -> str:
     """The spawned ranks (rank r at index r - 1) that have exited, with their exit codes
     (empty: none known)."""
-    gone = [
-        f"rank {r} (pid {p.pid}) exited with code {p.returncode}"
-        for r, p in enumerate(procs, start=1)
-        if p.poll() is not None
-    ]
+    gone = []
+    for r, p in enumerate(procs, start=1):
+        try:  # a killed rank's sockets close just before it can be reaped: wait a moment
+            p.wait(timeout=EXIT_GRACE_S)
+        except subprocess.TimeoutExpired:
+            continue
+        gone.append(f"rank {r} (pid {p.pid}) exited with code {p.returncode}")
     return "; ".join(gone)
 
 

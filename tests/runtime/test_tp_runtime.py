@@ -182,3 +182,39 @@ def test_ranks_started_as_torchrun_starts_them(engines):
         want = llm.generate([[5, 6, 7, 8, 9]], sp)[0].outputs[0].token_ids
     assert json.loads(results[0][0]) == want
     assert results[1][0] == ""  # rank 1 printed nothing: it left inside LLM()
+
+
+def test_forked_samples_copy_their_kv_blocks_on_every_rank(engines):
+    # n=3 samples of one prompt share its blocks; each fork's first own token copies the
+    # shared last block (copy-on-write), which every rank must make in its own KV shard
+    sp = llmc.SamplingParams(max_tokens=12, n=3, temperature=1.0, seed=7, ignore_eos=True)
+    got = {}
+    for tp in (1, 2):
+        with llmc.LLM(engines["qwen2", tp], device="cpu") as llm:
+            runner, copies = llm.runtime.runner, []
+            made = runner._copy_blocks
+            runner._copy_blocks = lambda pairs, c=copies, m=made: (c.append(pairs), m(pairs))[1]
+            out = llm.generate([PROMPTS[3]], sp)[0]
+            got[tp] = [c.token_ids for c in out.outputs]
+        assert copies
+    assert got[2] == got[1] and len(got[1]) == 3
+
+
+def test_a_hung_rank_ends_the_run_after_the_timeout(engines):
+    import signal
+
+    timeout = 3.0
+    config = RuntimeConfig(device="cpu", tp_timeout_s=timeout)
+    llm = llmc.LLM(engines["llama", 2], runtime_config=config)
+    follower = llm.runtime.tp.procs[0]
+    try:
+        follower.send_signal(signal.SIGSTOP)  # alive, never answering
+        sp = llmc.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        t0 = time.monotonic()
+        out = llm.generate([PROMPTS[1]], sp)[0]
+        elapsed = time.monotonic() - t0
+        assert not out.ok and "rank 1 stopped answering (timeout 3 s)" in out.error
+        assert timeout <= elapsed < timeout + 10
+    finally:
+        llm.shutdown()  # kills the stopped rank after the timeout
+        assert follower.poll() is not None
