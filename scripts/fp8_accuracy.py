@@ -26,10 +26,11 @@ from pathlib import Path
 from typing import Any
 
 ENGINES = {  # name → build settings (scripts/eval_smollm2.sh's limits)
-    "float32": dict(dtype="float32"),
-    "bfloat16": dict(dtype="bfloat16"),
+    # quantization "none": the default "auto" would keep the GGUF's Q4_1 blocks native
+    "float32": dict(dtype="float32", quantization="none"),
+    "bfloat16": dict(dtype="bfloat16", quantization="none"),
     "fp8 weights": dict(dtype="bfloat16", quantization="fp8"),
-    "fp8 KV": dict(dtype="bfloat16", kv_cache_dtype="fp8"),
+    "fp8 KV": dict(dtype="bfloat16", quantization="none", kv_cache_dtype="fp8"),
     "fp8 weights + KV": dict(dtype="bfloat16", quantization="fp8", kv_cache_dtype="fp8"),
 }
 PROMPTS = (
