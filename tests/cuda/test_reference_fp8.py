@@ -48,6 +48,20 @@ def test_saturate_to_fp8_rounds_to_the_nearest_e4m3_value():
     assert torch.all(dist_got <= dist_best + 1e-12)  # ties may go either way: even
 
 
+def test_saturate_to_fp8_sends_every_tie_to_the_even_code():
+    """Every midpoint between adjacent e4m3 values (subnormals included) goes to the value
+    whose mantissa's last bit is 0 (CUDA's round-to-nearest-even), never up or down alone."""
+    grid = _e4m3_values()
+    grid = grid[grid >= 0]
+    lo, hi = grid[:-1], grid[1:]
+    mid = (lo + hi) / 2
+    got = ref8.saturate_to_fp8(mid.float()).double()
+    codes = torch.stack([lo, hi]).float().to(torch.float8_e4m3fn).view(torch.uint8)
+    even = torch.where(codes[0] % 2 == 0, lo, hi)
+    assert torch.equal(got, even)
+    assert torch.equal(ref8.saturate_to_fp8(-mid.float()).double(), -even)
+
+
 def test_quantize_fp8_per_row_recipe():
     x = torch.randn(6, 64, generator=_gen(1)) * torch.tensor([1, 1e-3, 10, 300, 1e4, 0])[:, None]
     rows = ref8.quantize_fp8(x)
