@@ -12,7 +12,8 @@ A variant is ``NAME=SPEC``, SPEC a space-separated list of
 - ``kv:k`` / ``kv:v`` / ``kv:kv`` an e4m3 KV cache for K, V or both (the values written are
   e4m3-rounded; the bf16 cache then holds them, exactly for scale 1.0);
 - ``smooth:ALPHA`` SmoothQuant on the ``a:`` families: per input channel ``s = amax_x^ALPHA /
-  amax_w^(1-ALPHA)`` (amax_x over ``--calib_file``), x / s and w * s quantized (float math);
+  amax_w^(1-ALPHA)`` (amax_x over ``--calib_file``), x / s and w * s quantized (float math;
+  w is the bf16 engine's, also with ``--fp8_engine``);
 - ``kvscale:one|layer|head`` the KV scales: 1.0, per layer or per KV head from max |k| / |v|
   over ``--calib_file`` (k after RoPE).
 
