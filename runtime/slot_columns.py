@@ -18,6 +18,19 @@ from llmc.runtime import sampling as smp
 from llmc.runtime.types import RequestFault
 
 
+def fill_columns(cols: Any, r: int, seq: Any) -> None:
+    """Row ``r`` of ``cols``' ``seed``, ``top_k``, ``floats`` and ``plain`` arrays := the
+    sampling columns of ``seq`` (``sampling.row_columns``); a sequence whose columns cannot
+    be built is a RequestFault of its request, and nothing is written. Shared by this
+    module's SlotColumns and step_inputs' DecodeRowCache."""
+    try:
+        seed, const = smp.row_columns(seq)
+    except Exception as e:  # this request's params only
+        raise RequestFault.caused(seq.request_id, "building its sampling columns", e) from e
+    cols.seed[r], cols.top_k[r], cols.floats[r] = seed, const[0], const[1:]
+    cols.plain[r] = seq.sampling.is_plain
+
+
 class SlotColumns:
     """Seed, top_k, float columns and the plain flag per slot (see the module docstring)."""
 
@@ -46,12 +59,7 @@ class SlotColumns:
                 new[:n] = arr[:n]
             self._state = st
         for i in np.flatnonzero(self.gen[slots] != slot_rows.gens).tolist():
-            seq, s = slot_rows.seqs[i], int(slots[i])
-            try:
-                seed, const = smp.row_columns(seq)
-            except Exception as e:  # this request's params only
-                raise RequestFault.caused(seq.request_id, "building its sampling columns", e) from e
-            self.seed[s], self.top_k[s], self.floats[s] = seed, const[0], const[1:]
-            self.plain[s] = seq.sampling.is_plain
+            s = int(slots[i])
+            fill_columns(self, s, slot_rows.seqs[i])
             self.gen[s] = slot_rows.gens[i]
         return slots

@@ -155,10 +155,7 @@ class SlotState:
         s = seq.slot
         if s < 0:
             return
-        self.computed[s] = seq.num_computed_tokens
-        out = seq.output_token_ids
-        self.num_out[s] = len(out)
-        self.last[s] = out[-1] if out else seq.prompt_token_ids[-1]
+        self.advance(seq)
         self.max_new[s] = seq.max_new_tokens
         self.shares[s] = seq.shares_last_block
         if seq.block_table_version != self.table_version[s]:

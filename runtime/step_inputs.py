@@ -35,7 +35,7 @@ from llmc.compiler.spec import ModelSpec
 from llmc.cuda.backend import AttentionMetadata, SamplingMetadata
 from llmc.runtime import prompt_logprobs as plp
 from llmc.runtime import sampling as smp
-from llmc.runtime.slot_columns import SlotColumns
+from llmc.runtime.slot_columns import SlotColumns, fill_columns
 from llmc.runtime.types import RequestFault, ScheduledBatch, ScheduledSequence, Sequence
 from llmc.runtime.workspace import Staging, Workspace
 
@@ -91,21 +91,13 @@ class DecodeRowCache:
     def _fill(self, r: int, seq: Any) -> None:
         """(Re)fill row ``r`` from ``seq`` (its blocks are copied in by ``rows``). A row
         whose columns cannot be built is a RequestFault of its request; nothing is kept."""
-        p = seq.sampling
-        try:
-            seed, const = smp.row_columns(seq)
-        except Exception as e:  # this request's params only
-            raise RequestFault.caused(seq.request_id, "building its sampling columns", e) from e
-        self.seqs[r], self.params[r] = seq, p
+        fill_columns(self, r, seq)
+        self.seqs[r], self.params[r] = seq, seq.sampling
         self.prompts[r] = seq.prompt_token_ids
         self.prompt_len[r] = len(seq.prompt_token_ids)
         self.table[r] = -1
         self.filled[r] = 0
         self.version[r] = -1
-        self.seed[r] = seed
-        self.top_k[r] = const[0]
-        self.floats[r] = const[1:]
-        self.plain[r] = p.is_plain
 
     def rows(self, seqs: list[Any], versions: np.ndarray) -> np.ndarray:
         """The rows [b] int64 of ``seqs`` (whose ``block_table_version`` are ``versions``),
