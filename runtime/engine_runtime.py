@@ -222,10 +222,12 @@ class EngineRuntime:
         check_tp_config(config, engine.tp_size)
         ranks = start_ranks(str(engine.dir), engine.tp_size, config, device)
         try:
-            if ranks.rank != 0:
+            if ranks.rank != 0:  # under torchrun: this process follows rank 0
                 from llmc.runtime.tp_steps import follow
 
-                rt = cls.load_rank(engine_dir, config, ranks)
+                # load_engine above checked every rank's files: not hashed a second time
+                mine = load_engine(engine_dir, rank=ranks.rank, verify_checksums=False)
+                rt = cls._load(mine, config, device, ranks)
                 follow(rt.runner, ranks.group)
                 raise SystemExit(0)
             return cls._load(engine, config, device, ranks)
@@ -366,8 +368,8 @@ class EngineRuntime:
         elif config.cuda_graphs and backend == "cuda" and device == "cuda":
             runner.capture_cuda_graphs(decode_steps_per_iteration=steps)
         rt = cls(runner, scheduler, tokenizer, device=device, backend=backend, engine=engine)
-        eager = tp is None and device == "cuda"
-        rt.async_scheduling = config.async_scheduling and eager  # Executor reads it
+        overlap = tp is None and device == "cuda"  # steps may overlap the host's work
+        rt.async_scheduling = config.async_scheduling and overlap  # Executor reads it
         rt.decode_steps_per_iteration = steps  # the Executor reads it too
         rt.tp = tp
         return rt
