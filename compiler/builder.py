@@ -232,20 +232,17 @@ def build(
     tp = resolved.tp_size
     with phase("plan", "memory plan" if tp == 1 else f"memory plans of {tp} ranks"):
         mem, mem_source = device_memory(config, gpu)
-        plans = tuple(
-            plan_memory(
-                rank_spec(spec, tp),  # every rank: its own device of this memory
-                resolved.limits,
-                device_memory_bytes=mem,
-                memory_source=mem_source,
-                kv_cache_free_gpu_mem_fraction=config.kv_cache_free_gpu_mem_fraction,
-                layouts=layouts,
-            )
-            for _ in range(tp)
+        plan = plan_memory(
+            rank_spec(spec, tp),  # each rank's shard, on a device of this memory
+            resolved.limits,
+            device_memory_bytes=mem,
+            memory_source=mem_source,
+            kv_cache_free_gpu_mem_fraction=config.kv_cache_free_gpu_mem_fraction,
+            layouts=layouts,
         )
         if mem is None:
-            plans = tuple(_with_note(p, f"KV capacity not computed: {mem_source}") for p in plans)
-        plan = plans[0]
+            plan = _with_note(plan, f"KV capacity not computed: {mem_source}")
+        plans = (plan,) * tp  # the ranks' shards are the same shape: one plan each, equal
     dummy = resolved.load_format == "dummy"
     wo_section = _wo_section(spec, layouts, native if asked == "gguf" else None, plan)
     fmt = "dummy" if dummy else "gguf" if native is not None else "hf"
