@@ -375,6 +375,11 @@ RUNTIME_FLAGS: tuple[Flag, ...] = (
          "recompute). Default: guaranteed_no_evict."),
     Flag("cuda_graphs", bool, "Replay CUDA graphs for decode-only steps (CUDA backend). "
          "Default: on.", switch=True),
+    Flag("prefill_graph_max_tokens", int, "With CUDA graphs: a step holding only one "
+         "request's last prompt chunk of up to this many tokens (and plain sampling) replays "
+         "a captured graph of its token-count bucket (16, 32, ... tokens) instead of "
+         "launching each kernel from Python: the time to first token of an idle engine. "
+         "0 = off. Default: 512."),
     Flag("async_scheduling", bool, "On CUDA, schedule and launch step N+1 while step N runs "
          "on the GPU (sampled ids stay on the device). Default: on.", switch=True),
     Flag("decode_steps_per_iteration", int, "Multi-step decoding: decode steps (1 to 64) the "

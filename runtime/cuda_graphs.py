@@ -37,10 +37,11 @@ capture for ``max_seq_len`` (the kernel divides each sequence's actual context a
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import operator
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -52,6 +53,7 @@ from llmc.runtime import sampling as smp
 from llmc.runtime.decode_window import WindowState
 from llmc.runtime.step_inputs import StepInputBuilder, StepInputs
 from llmc.runtime.types import ScheduledBatch
+from llmc.runtime.workspace import Staging
 
 _NEW = operator.attrgetter("num_new_tokens")
 _SAMPLE = operator.attrgetter("sample")
@@ -69,6 +71,41 @@ _PAD_COLUMN = {
     "presence_penalty": 0.0,
     "frequency_penalty": 0.0,
 }
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Collect garbage now, and not again until the block ends (a graph capture): a
+    collection during capture can free an earlier runtime's pinned buffers or events
+    (cudaFreeHost / event calls are illegal while capturing and invalidate the capture)."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def stage_columns(st: Staging, big: int, b: int, cols: dict[str, Any]) -> None:
+    """Stage the sampling columns of ``b`` rows, padded to ``big`` rows with each column's
+    neutral value (``_PAD_COLUMN``), in SamplingMetadata's section order."""
+    for names, dt in (
+        (smp.INT64_COLUMNS, "int64"),
+        (smp.INT32_COLUMNS, "int32"),
+        (smp.FLOAT_COLUMNS, "float32"),
+    ):
+        for name in names:
+            view = st.reserve(name, big, dt)
+            view[:b] = cols[name]
+            view[b:] = _PAD_COLUMN[name]
+
+
+def sampling_metadata(dev: dict[str, torch.Tensor]) -> SamplingMetadata:
+    """The SamplingMetadata over staged column sections (``stage_columns``)."""
+    names = (*smp.INT64_COLUMNS, *smp.INT32_COLUMNS, *smp.FLOAT_COLUMNS)
+    return SamplingMetadata(**{n: dev[n] for n in names})
 
 
 def default_buckets(max_batch_size: int) -> tuple[int, ...]:
@@ -100,7 +137,8 @@ Layout = list[tuple[str, int, int, torch.dtype]]
 """(section, device address, rows, dtype) of each staged section, in staging order."""
 
 
-def _layout(dev: dict[str, torch.Tensor]) -> Layout:
+def staged_layout(dev: dict[str, torch.Tensor]) -> Layout:
+    """The (section, address, rows, dtype) of each uploaded staging section."""
     return [(name, t.data_ptr(), t.shape[0], t.dtype) for name, t in dev.items()]
 
 
@@ -187,18 +225,10 @@ class DecodeGraphs:
             tables[:b, : bt.shape[1]] = bt
             tables[:b, bt.shape[1] :] = -1
         tables[b:] = -1
-        for names, dt in (
-            (smp.INT64_COLUMNS, "int64"),
-            (smp.INT32_COLUMNS, "int32"),
-            (smp.FLOAT_COLUMNS, "float32"),
-        ):
-            for name in names:
-                view = st.reserve(name, big, dt)
-                view[:b] = cols[name]
-                view[b:] = _PAD_COLUMN[name]
+        stage_columns(st, big, b, cols)
         dev = st.upload()
         if rows is None:
-            self._layout[big] = _layout(dev)
+            self._layout[big] = staged_layout(dev)
             self._dev[big] = dev
         return dev
 
@@ -225,9 +255,7 @@ class DecodeGraphs:
             partial_out=ws["attn_partial_out"],
             partial_lse=ws["attn_partial_lse"],
         )
-        meta = SamplingMetadata(
-            **{n: dev[n] for n in (*smp.INT64_COLUMNS, *smp.INT32_COLUMNS, *smp.FLOAT_COLUMNS)}
-        )
+        meta = sampling_metadata(dev)
         inp = StepInputs(
             num_tokens=big,
             num_sampled=big,
@@ -252,17 +280,8 @@ class DecodeGraphs:
             n = max(getattr(be, "max_num_seqs", 0), self.buckets[-1])
             reserve(n, spec.num_heads, spec.head_dim, vocab_rows=self.buckets[-1])
         self._pool = torch.cuda.graph_pool_handle()
-        # A garbage collection during capture can free an earlier runtime's pinned buffers
-        # or events (cudaFreeHost / event calls are illegal while capturing and invalidate
-        # the capture): collect now, and not again until the graphs are captured.
-        gc.collect()
-        gc_was_enabled = gc.isenabled()
-        gc.disable()
-        try:
+        with gc_paused():
             self._capture_buckets()
-        finally:
-            if gc_was_enabled:
-                gc.enable()
         self.capture_seconds = time.perf_counter() - t0
 
     def _capture_buckets(self) -> None:
@@ -285,6 +304,11 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
 
     # ---- replay ----------------------------------------------------------------------
+    @property
+    def pool(self) -> Any:
+        """The graphs' memory pool (after ``capture``), shared by the prefill graphs."""
+        return self._pool
+
     def bucket_for(self, n: int) -> int | None:
         for b in self.buckets:
             if b >= n:
@@ -314,7 +338,7 @@ class DecodeGraphs:
         big = self.bucket_for(b)
         assert big is not None
         dev = self._stage(big, rows, [], 1 if src_rows is not None else 0, cols)
-        if _layout(dev) != self._layout[big]:
+        if staged_layout(dev) != self._layout[big]:
             raise EngineError(f"CUDA graph bucket {big}: staging layout changed since capture")
         return b, big
 

@@ -43,6 +43,8 @@ from llmc.runtime.tokenizer import Tokenizer
 
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "torch", "cuda")
+DEFAULT_PREFILL_GRAPH_TOKENS = 512
+"""Largest one-sequence prefill step replayed as a CUDA graph by default."""
 MAX_DECODE_STEPS_PER_ITERATION = 64
 """Most decode steps of one multi-step window (its id buffer is K x max_batch_size)."""
 CPU_DEFAULT_KV_BYTES = 1 << 30
@@ -67,6 +69,10 @@ class RuntimeConfig:
     """None: the engine's build setting."""
     cuda_graphs: bool = True
     """Replay CUDA graphs for decode-only steps (CUDA backend only; ``--no_cuda_graphs``)."""
+    prefill_graph_max_tokens: int = DEFAULT_PREFILL_GRAPH_TOKENS
+    """With ``cuda_graphs``: a step of one request's last prompt chunk of up to this many
+    tokens replays a CUDA graph of its token-count bucket (``llmc.runtime.prefill_graphs``:
+    an idle engine's time to first token); 0 = eager prefill only."""
     async_scheduling: bool = True
     """Schedule and launch decode step N+1 while step N runs on the GPU (CUDA device only;
     CPU runs stay synchronous). See docs/RUNTIME.md."""
@@ -93,6 +99,9 @@ class RuntimeConfig:
             if getattr(self, name) is not None:
                 check_positive_int(name, getattr(self, name))
         check_positive_int("decode_steps_per_iteration", self.decode_steps_per_iteration)
+        n = self.prefill_graph_max_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ConfigError(f"prefill_graph_max_tokens must be an integer >= 0, got {n!r}")
         if self.decode_steps_per_iteration > MAX_DECODE_STEPS_PER_ITERATION:
             raise ConfigError(
                 f"decode_steps_per_iteration {self.decode_steps_per_iteration} is above "
@@ -366,7 +375,10 @@ class EngineRuntime:
 
             runner.leader = StepLeader(tp.group) if tp.rank == 0 else None
         elif config.cuda_graphs and backend == "cuda" and device == "cuda":
-            runner.capture_cuda_graphs(decode_steps_per_iteration=steps)
+            runner.capture_cuda_graphs(
+                decode_steps_per_iteration=steps,
+                prefill_max_tokens=config.prefill_graph_max_tokens,
+            )
         rt = cls(runner, scheduler, tokenizer, device=device, backend=backend, engine=engine)
         overlap = tp is None and device == "cuda"  # steps may overlap the host's work
         rt.async_scheduling = config.async_scheduling and overlap  # Executor reads it
@@ -408,6 +420,7 @@ class EngineRuntime:
     def summary(self) -> dict[str, Any]:
         """What was loaded, for logs and --json."""
         kv = self.kv.stats()
+        pre = getattr(self.runner, "prefill_graphs", None)
         return {
             "device": self.device,
             "backend": self.backend,
@@ -418,6 +431,7 @@ class EngineRuntime:
             "enable_block_reuse": self.kv.enable_block_reuse,
             "scheduler_policy": self.scheduler.config.policy,
             "cuda_graphs": getattr(self.runner, "graphs", None) is not None,
+            "prefill_graph_buckets": list(getattr(pre, "buckets", ())),
             "async_scheduling": self.async_scheduling,
             "decode_steps_per_iteration": self.decode_steps_per_iteration,
             "tp_size": 1 if self.tp is None else self.tp.group.world_size,

@@ -23,7 +23,10 @@ Per ``step(batch)``:
 After ``capture_cuda_graphs()``, decode-only steps (one new token per sequence, plain
 sampling) instead replay the CUDA graph of their batch-size bucket
 (``llmc.runtime.cuda_graphs.DecodeGraphs``, built on the runner's StepInputBuilder,
-``forward`` and backend): one staging copy, one graph launch, one copy of the ids.
+``forward`` and backend): one staging copy, one graph launch, one copy of the ids. With
+``prefill_max_tokens``, a step of one sequence's last prompt chunk of up to that many tokens
+replays a prefill graph of its token-count bucket the same way
+(``llmc.runtime.prefill_graphs.PrefillGraphs``: the idle engine's time to first token).
 
 A multi-step window (``ScheduledBatch.window``, ``--decode_steps_per_iteration``) is staged
 once and runs K forward + sample steps (or K replays of its bucket's graph), each followed by
@@ -65,6 +68,7 @@ from llmc.runtime.cuda_graphs import DecodeGraphs
 from llmc.runtime.decode_window import WindowState, window_span
 from llmc.runtime.kv_tensors import KVCacheTensors, allocate_kv_cache
 from llmc.runtime.layers import DecoderLayers
+from llmc.runtime.prefill_graphs import PrefillGraphs, prefill_buckets
 from llmc.runtime.rope import cos_sin_tables
 from llmc.runtime.step_inputs import StepInputBuilder, StepInputs
 from llmc.runtime.tp_steps import StepLeader
@@ -138,23 +142,36 @@ class ModelRunner:
         self._launches = 0
         self._unread = 0  # launched steps whose ids were not read back yet
         self.graphs: DecodeGraphs | None = None  # once captured
+        self.prefill_graphs: PrefillGraphs | None = None  # once captured (optional)
         self.window: WindowState | None = None  # multi-step decoding's, once needed
 
     def capture_cuda_graphs(
-        self, buckets: tuple[int, ...] | None = None, decode_steps_per_iteration: int = 1
+        self,
+        buckets: tuple[int, ...] | None = None,
+        decode_steps_per_iteration: int = 1,
+        prefill_max_tokens: int = 0,
     ) -> float:
         """Capture decode-only CUDA graphs per batch-size bucket (default
         ``cuda_graphs.default_buckets``); later decode-only steps replay them. Returns the
         capture time in seconds. Needs a CUDA device and a backend whose launches are
         capturable (the CudaBackend). ``decode_steps_per_iteration`` > 1: multi-step
         windows of up to that many steps replay them too, with a captured token feedback
-        (``llmc.runtime.decode_window``)."""
+        (``llmc.runtime.decode_window``). ``prefill_max_tokens`` > 0: also one-sequence
+        prefill graphs up to that many tokens (``llmc.runtime.prefill_graphs``)."""
         if decode_steps_per_iteration > 1:
             self.window = WindowState(self.limits, self.device, decode_steps_per_iteration)
         graphs = DecodeGraphs(self.inputs, self.forward, self.backend, buckets, window=self.window)
         graphs.capture()
         self.graphs = graphs
-        return graphs.capture_seconds
+        seconds = graphs.capture_seconds
+        fused = int(getattr(self.backend, "fused_decode_max_tokens", 0))
+        sizes = prefill_buckets(prefill_max_tokens, fused, self.limits.max_num_tokens)
+        if sizes:
+            pre = PrefillGraphs(self.inputs, self.forward, self.backend, sizes)
+            pre.capture(graphs.pool)
+            self.prefill_graphs = pre
+            seconds += pre.capture_seconds
+        return seconds
 
     # ---- set-up --------------------------------------------------------------------
     def _load_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -255,9 +272,14 @@ class ModelRunner:
             b, big = self.graphs.stage(batch, src_rows)
             t1 = time.perf_counter()
             self.graphs.replay(big)
-            pending = self._read_back_ids(b, {"prepare": t1 - t0})
-            pending.times["forward"] = time.perf_counter() - t1
-            return pending
+            return self._replayed(b, t0, t1)
+        pre = self.prefill_graphs
+        if pre is not None and src_rows is None and pre.can_run(batch):
+            t0 = time.perf_counter()
+            big = pre.stage(batch)
+            t1 = time.perf_counter()
+            pre.replay(big)
+            return self._replayed(1, t0, t1)
         t0 = time.perf_counter()
         inp = self._prepare(batch, src_rows)
         t1 = time.perf_counter()
@@ -276,6 +298,13 @@ class ModelRunner:
                 pending.result()  # (its ids are read and dropped: no unread step is left)
                 raise
             times["sample"] = time.perf_counter() - t2
+        return pending
+
+    def _replayed(self, n: int, t0: float, t1: float) -> PendingStep:
+        """The PendingStep of a replayed graph staged from ``t0`` to ``t1``: its first
+        ``n`` sampled ids on their way to the host."""
+        pending = self._read_back_ids(n, {"prepare": t1 - t0})
+        pending.times["forward"] = time.perf_counter() - t1
         return pending
 
     def _prepare(self, batch: ScheduledBatch, src_rows: list[int] | None = None) -> StepInputs:

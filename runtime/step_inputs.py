@@ -238,6 +238,21 @@ class StepInputBuilder:
                     f"{end} tokens (tokens_per_block={lim.tokens_per_block})",
                 )
 
+    def prefill_row(
+        self, batch: ScheduledBatch
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(token ids, positions, cache slots [T] int64, block table [nb] int32) of a step
+        whose one sequence takes a chunk of T new tokens (the prefill CUDA graphs'), checked
+        as ``prepare`` checks a batch (RequestFault naming a request whose tokens, positions
+        or blocks are out of range)."""
+        self._check(batch)
+        (ss,) = batch.sequences
+        flat_ids, positions, slots = _flatten([ss], self.limits.tokens_per_block)
+        self._check_vocab(flat_ids, [ss], [0, len(flat_ids)])
+        end = ss.start_position + ss.num_new_tokens
+        table = np.asarray(ss.seq.block_table[: -(-end // self.limits.tokens_per_block)])
+        return flat_ids, positions, slots, table.astype(np.int32)
+
     def decode_rows(
         self, batch: ScheduledBatch, src_rows: list[int] | None = None
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

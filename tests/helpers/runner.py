@@ -20,6 +20,7 @@ from helpers.engines import make_limits, pop_limits
 from llmc.cuda.torch_backend import TorchBackend
 from llmc.runtime.cuda_graphs import DecodeGraphs
 from llmc.runtime.model_runner import ModelRunner
+from llmc.runtime.prefill_graphs import PrefillGraphs
 from llmc.runtime.types import SamplingParams, ScheduledBatch, ScheduledSequence, Sequence
 
 
@@ -57,6 +58,24 @@ class EagerGraphs(DecodeGraphs):
         for big in sorted(self.buckets, reverse=True):
             dev = self._stage(big, None, [])  # records the bucket's staging layout
             self.graphs[big] = _EagerReplay(self, big, dev)
+
+
+class _EagerPrefillReplay:
+    def __init__(self, graphs: PrefillGraphs, big: int, dev: dict) -> None:
+        self.graphs, self.big, self.dev = graphs, big, dev
+
+    def replay(self) -> None:
+        self.graphs._body(self.big, self.dev)
+
+
+class EagerPrefillGraphs(PrefillGraphs):
+    """The prefill-graph path on CPU: 'replay' runs the captured body eagerly on the same
+    (fixed-address) staging views, so layout, padding and the fixed grid are exercised."""
+
+    def capture(self, pool=None) -> None:
+        for big in sorted(self.buckets, reverse=True):
+            dev = self._stage(big, None, None)  # records the bucket's staging layout
+            self.graphs[big] = _EagerPrefillReplay(self, big, dev)
 
 
 def tiny_runtime(
@@ -97,12 +116,18 @@ def tiny_runtime(
         )
         g.capture()
         r.graphs = g
+        pre = EagerPrefillGraphs(r.inputs, r.forward, r.backend, (16, 32), allow_cpu=True)
+        pre.capture()
+        r.prefill_graphs = pre
     return rt
 
 
-def gpu_runtime(model, *, backend="cuda", num_blocks=64, **config):
+def gpu_runtime(
+    model, *, backend="cuda", num_blocks=64, max_num_tokens=128, dtype="float32", **config
+):
     """A CUDA EngineRuntime of ``model`` = (spec, weights): 8 rows, 8-token blocks, prompts
-    up to 64 tokens; ``config``: RuntimeConfig fields (the GPU tests of the runtime)."""
+    up to 64 tokens, activations in ``dtype``; ``config``: RuntimeConfig fields (the GPU
+    tests of the runtime)."""
     from llmc.runtime.engine_runtime import EngineRuntime, RuntimeConfig
 
     spec, weights = model
@@ -110,8 +135,9 @@ def gpu_runtime(model, *, backend="cuda", num_blocks=64, **config):
         max_batch_size=8,
         max_input_len=64,
         max_seq_len=128,
-        max_num_tokens=128,
+        max_num_tokens=max_num_tokens,
         tokens_per_block=8,
+        dtype=dtype,
     )
     return EngineRuntime.from_weights(
         spec,
