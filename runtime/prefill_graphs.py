@@ -15,8 +15,8 @@ smallest bucket ``B >= T``:
 - rows ``T..B-1`` are padding: token 0 at position 0, cache slot -1 (the RoPE/KV-write
   kernel skips it). The attention kernels read the real query length from
   ``cu_seqlens_q = [0, T]`` (padding rows: zeros or left as they were); every other op
-  works row by row, so padding rows (whatever the workspace held) never reach a real row, the KV cache
-  or the sampled row;
+  works row by row, so padding rows (whatever the workspace held) never reach a real row,
+  the KV cache or the sampled row;
 - the attention launch grid is fixed at capture by ``max_query_len = B`` (the kernels skip
   tiles past a sequence's query length, as they do for the shorter sequences of any
   prefill batch); ``seq_lens = [start + T]``; the block table row is padded with -1 to
@@ -25,8 +25,9 @@ smallest bucket ``B >= T``:
 The real rows get the eager step's values: the same ops (every bucket is above the fused
 small-step path's ``fused_decode_max_tokens``, so both take the unfused layer sequence); on
 the GPU a matmul over ``B`` rows may run another cuBLAS kernel than over ``T`` rows, so
-agreement there is to rounding (bitwise on CPU). Graphs are captured after the decode graphs, largest bucket first, into the
-decode graphs' memory pool (one pool; steps never run concurrently).
+agreement there is to rounding (bitwise on CPU). Graphs are captured after the decode
+graphs, largest bucket first, into the decode graphs' memory pool (one pool; steps never
+run concurrently).
 """
 
 from __future__ import annotations
