@@ -19,9 +19,10 @@
 # 14: weight-only int4_wo / int8_wo engines of the 8B profile, dummy weights quantized at
 # build, batch 1 128/512 and 128/128 offline; beside the bf16 rows b1 / 128), beam4 (issue 16:
 # an 8B engine built with --max_beam_width 4, 128/128 at --beam_width 4, N_BEAM requests,
-# default N_128; beside the greedy row 128), smolkK / 128kK / b1kK (issue 17: the smol, 128
-# and b1 rows with --decode_steps_per_iteration K, e.g. smolk4, 128k8, b1k4: multi-step
-# decoding). SKIP_TESTS=1
+# default N_128; beside the greedy row 128), smolb1 (SmolLM2 shape batch 1 128/512), b1nopg
+# (batch 1 with --prefill_graph_max_tokens 0: eager prefill, beside b1), smolkK / 128kK /
+# b1kK (issue 17: the smol, 128 and b1 rows with --decode_steps_per_iteration K, e.g.
+# smolk4, 128k8, b1k4: multi-step decoding). SKIP_TESTS=1
 # skips step 2; PYTEST_ARGS
 # (absolute paths: Python runs outside the checkout) replaces its test files. LLMC_COMMIT names
 # the commit in env.txt and every result (the device tool's copy of the tree keeps a stale .git:
@@ -119,6 +120,10 @@ for r in $ROWS; do
     case $r in
     b1) bench llama8b_b1_128_512 "$L8" 120 --num_requests "$N_B1" --isl 128 --osl 512 \
             --concurrency 1 --warmup 1 ;;
+    smolb1) bench smollm2_b1_128_512 "$SM" 90 --num_requests "$N_B1" --isl 128 --osl 512 \
+            --concurrency 1 --warmup 1 ;;
+    b1nopg) bench llama8b_b1_noprefillgraphs "$L8" 90 --num_requests "$N_B1" --isl 128 \
+            --osl 512 --concurrency 1 --warmup 1 --prefill_graph_max_tokens 0 ;;
     128) bench llama8b_128_128 "$L8" 200 --num_requests "$N_128" --isl 128 --osl 128 ;;
     sampled) bench llama8b_128_128_sampled "$L8" 200 --num_requests "$N_128" --isl 128 \
             --osl 128 --temperature 0.7 --top_p 0.9 ;;
