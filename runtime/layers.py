@@ -34,7 +34,7 @@ rope_and_cache_write and attention; a 16/32-bit cache is called exactly as befor
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,26 +145,41 @@ class DecoderLayers:
 
     def run(self, inp: StepInputs, fused: bool) -> None:
         """Every layer over the step's ``residual`` (see the module docstring)."""
-        if self.fp8:
-            self._run_fp8(inp, fused)
-        else:
-            self._run(inp, fused)
+        for i in self.pieces(inp, fused):
+            self.attention(i, inp)
 
-    def _attend(
-        self, i: int, inp: StepInputs, qkv: torch.Tensor, q: torch.Tensor, attn_out: torch.Tensor
-    ) -> None:
-        """qkv → rope + KV write → attention → attn_out."""
-        be, t = self.backend, inp.num_tokens
+    def pieces(self, inp: StepInputs, fused: bool) -> Iterator[int]:
+        """The layers' ops between their attentions: yields layer ``i`` when its rotated q
+        is in the workspace's ``q`` and its K/V are written, for the caller to run
+        ``attention(i, inp)``; the next ``next()`` runs the ops after it up to the next
+        layer's attention (the last one: to the end of the layers). ``run`` is exactly
+        that loop; the piecewise CUDA graphs (``llmc.runtime.piecewise_graphs``) capture
+        each piece as one graph and run the attentions between them eagerly."""
+        if self.fp8:
+            yield from self._pieces_fp8(inp, fused)
+        else:
+            yield from self._pieces(inp, fused)
+
+    def attention(self, i: int, inp: StepInputs, rows: int | None = None) -> None:
+        """Layer ``i``'s attention: the workspace's rotated ``q`` → ``attn_out`` over
+        ``inp.attn``, on ``rows`` rows (default the step's tokens; a piecewise graph's
+        bucket: its padding rows come out as zeros or as they were)."""
+        t = inp.num_tokens if rows is None else rows
+        k_cache, v_cache = self.kv_cache.layer(i)
+        qh = self.ws["q"][:t].view(t, self.spec.num_heads, self.spec.head_dim)
+        kv = self.layers[i].kv_scales
+        self.backend.attention(qh, k_cache, v_cache, inp.attn, *kv, out=self.ws["attn_out"][:t])
+
+    def _rope_and_write(self, i: int, inp: StepInputs, qkv: torch.Tensor, q: torch.Tensor) -> None:
+        """qkv → rotated q (into ``q``) and layer ``i``'s K/V written at the step's slots."""
         k_cache, v_cache = self.kv_cache.layer(i)
         meta, kv = inp.attn, self.layers[i].kv_scales
-        qh = be.rope_and_cache_write(
+        self.backend.rope_and_cache_write(
             qkv, meta.positions, self.cos, self.sin, k_cache, v_cache, meta.slot_mapping, *kv,
             out=q,
         )  # fmt: skip
-        qh = qh.view(t, self.spec.num_heads, self.spec.head_dim)
-        be.attention(qh, k_cache, v_cache, meta, *kv, out=attn_out)
 
-    def _run(self, inp: StepInputs, fused: bool) -> None:
+    def _pieces(self, inp: StepInputs, fused: bool) -> Iterator[int]:
         be, ws, t = self.backend, self.ws, inp.num_tokens
         eps = self.spec.rms_norm_eps
         residual, normed = ws["residual"][:t], ws["normed"][:t]
@@ -173,7 +188,8 @@ class DecoderLayers:
         for i, lw in enumerate(self.layers):
             if fused:
                 be.norm_linear(residual, lw.input_norm, eps, lw.qkv, lw.qkv_bias, out=qkv)
-                self._attend(i, inp, qkv, q, attn_out)
+                self._rope_and_write(i, inp, qkv, q)
+                yield i
                 be.linear_residual_add(attn_out, lw.o, residual)
                 be.norm_gate_up_silu(residual, lw.post_attn_norm, eps, lw.gate_up, out=act)
                 be.linear_residual_add(act, lw.down, residual)
@@ -183,7 +199,8 @@ class DecoderLayers:
             else:  # the previous layer's MLP residual add, fused with this layer's norm
                 be.add_rms_norm(proj_out, residual, lw.input_norm, eps, out=normed)
             be.linear(normed, lw.qkv, lw.qkv_bias, out=qkv)
-            self._attend(i, inp, qkv, q, attn_out)
+            self._rope_and_write(i, inp, qkv, q)
+            yield i
             be.linear(attn_out, lw.o, out=proj_out)
             if self.reduce is not None:  # tensor parallelism: the ranks' partial sums
                 self.reduce(proj_out)
@@ -197,7 +214,7 @@ class DecoderLayers:
     def _rows(self, name: str, t: int) -> Fp8Rows:
         return Fp8Rows(self.ws[name][:t], self.ws[name + "_scale"][:t])
 
-    def _run_fp8(self, inp: StepInputs, fused: bool) -> None:
+    def _pieces_fp8(self, inp: StepInputs, fused: bool) -> Iterator[int]:
         be, ws, t, dt = self.backend, self.ws, inp.num_tokens, self.dtype
         eps = self.spec.rms_norm_eps
         residual, qkv, q, attn_out = (ws[n][:t] for n in ("residual", "qkv", "q", "attn_out"))
@@ -208,7 +225,8 @@ class DecoderLayers:
                 be.norm_linear_fp8(
                     residual, lw.input_norm, eps, lw.qkv, lw.qkv_scale, lw.qkv_bias, out=qkv
                 )
-                self._attend(i, inp, qkv, q, attn_out)
+                self._rope_and_write(i, inp, qkv, q)
+                yield i
                 be.linear_residual_add_fp8(attn_out, lw.o, lw.o_scale, residual)
                 be.norm_gate_up_silu_fp8(
                     residual, lw.post_attn_norm, eps, lw.gate_up, lw.gate_up_scale, out=act
@@ -220,7 +238,8 @@ class DecoderLayers:
             else:  # the previous layer's MLP residual add, fused with this layer's norm
                 be.add_rms_norm_fp8(proj_out, residual, lw.input_norm, eps, out=n8)
             be.linear_fp8(n8, lw.qkv, lw.qkv_scale, lw.qkv_bias, dt, out=qkv)
-            self._attend(i, inp, qkv, q, attn_out)
+            self._rope_and_write(i, inp, qkv, q)
+            yield i
             be.quantize_fp8(attn_out, out=a8)
             be.linear_fp8(a8, lw.o, lw.o_scale, None, dt, out=proj_out)
             be.add_rms_norm_fp8(proj_out, residual, lw.post_attn_norm, eps, out=n8)

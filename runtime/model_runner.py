@@ -210,15 +210,28 @@ class ModelRunner:
         compute the same values (every intermediate rounded to the dtype). The layers' op
         sequences (and their fp8 forms) are ``DecoderLayers``'s (runtime/layers.py).
         """
+        t = inp.num_tokens
+        # tensor parallelism reduces between o_proj / down and their residual add: unfused
+        fused = 0 < t <= getattr(self.backend, "fused_decode_max_tokens", 0)
+        fused = fused and self.layers.reduce is None
+        self.embed(inp.input_ids, t)
+        self.layers.run(inp, fused)  # runtime/layers.py: the activation-dtype or fp8 sequence
+        return self.head(inp, fused)
+
+    def embed(self, input_ids: torch.Tensor, rows: int) -> None:
+        """The step's token embeddings into the first ``rows`` rows of ``residual``."""
+        residual = self.workspace["residual"][:rows]
+        self.backend.embedding(input_ids, self.weights["embed_tokens"], out=residual)
+
+    def head(self, inp: StepInputs, fused: bool) -> torch.Tensor | None:
+        """After the layers: the final norm, the sampled rows' gather and lm_head → logits
+        [S, V] float32 (a workspace view), None if S = 0; the scored prompt rows' hidden
+        states kept (``inp.prompt``). ``fused``: the layers ran the fused small-step path
+        (the residual holds every add)."""
         be, w, ws, spec = self.backend, self.weights, self.workspace, self.spec
         t, s = inp.num_tokens, inp.num_sampled
         eps = spec.rms_norm_eps
         residual, normed, proj_out = ws["residual"][:t], ws["normed"][:t], ws["proj_out"][:t]
-        # tensor parallelism reduces between o_proj / down and their residual add: unfused
-        fused = 0 < t <= getattr(be, "fused_decode_max_tokens", 0) and self.layers.reduce is None
-
-        be.embedding(inp.input_ids, w["embed_tokens"], out=residual)
-        self.layers.run(inp, fused)  # runtime/layers.py: the activation-dtype or fp8 sequence
         prompt = inp.prompt
         if s == 0 and prompt is None:
             return None
