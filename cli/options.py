@@ -380,6 +380,10 @@ RUNTIME_FLAGS: tuple[Flag, ...] = (
          "a captured graph of its token-count bucket (16, 32, ... tokens) instead of "
          "launching each kernel from Python: the time to first token of an idle engine. "
          "0 = off. Default: 512."),
+    Flag("piecewise_graph_max_tokens", int, "With CUDA graphs: the other steps (prefill "
+         "batches, mixed prefill + decode steps) of up to this many tokens run their layers "
+         "as captured CUDA graphs of their token-count bucket (16 ... 512, then every 256) "
+         "with each attention launched eagerly between them. 0 = off. Default: 0."),
     Flag("async_scheduling", bool, "On CUDA, schedule and launch step N+1 while step N runs "
          "on the GPU (sampled ids stay on the device). Default: on.", switch=True),
     Flag("decode_steps_per_iteration", int, "Multi-step decoding: decode steps (1 to 64) the "

@@ -73,6 +73,11 @@ class RuntimeConfig:
     """With ``cuda_graphs``: a step of one request's last prompt chunk of up to this many
     tokens replays a CUDA graph of its token-count bucket (``llmc.runtime.prefill_graphs``:
     an idle engine's time to first token); 0 = eager prefill only."""
+    piecewise_graph_max_tokens: int = 0
+    """With ``cuda_graphs``: the other steps (prefill batches, mixed prefill + decode) of up
+    to this many tokens run their layers as captured pieces between eagerly launched
+    attentions (``llmc.runtime.piecewise_graphs``); 0 = off (the default until measured on
+    the GPU)."""
     async_scheduling: bool = True
     """Schedule and launch decode step N+1 while step N runs on the GPU (CUDA device only;
     CPU runs stay synchronous). See docs/RUNTIME.md."""
@@ -99,9 +104,10 @@ class RuntimeConfig:
             if getattr(self, name) is not None:
                 check_positive_int(name, getattr(self, name))
         check_positive_int("decode_steps_per_iteration", self.decode_steps_per_iteration)
-        n = self.prefill_graph_max_tokens
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ConfigError(f"prefill_graph_max_tokens must be an integer >= 0, got {n!r}")
+        for name in ("prefill_graph_max_tokens", "piecewise_graph_max_tokens"):
+            n = getattr(self, name)
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise ConfigError(f"{name} must be an integer >= 0, got {n!r}")
         if self.decode_steps_per_iteration > MAX_DECODE_STEPS_PER_ITERATION:
             raise ConfigError(
                 f"decode_steps_per_iteration {self.decode_steps_per_iteration} is above "
@@ -378,6 +384,7 @@ class EngineRuntime:
             runner.capture_cuda_graphs(
                 decode_steps_per_iteration=steps,
                 prefill_max_tokens=config.prefill_graph_max_tokens,
+                piecewise_max_tokens=config.piecewise_graph_max_tokens,
             )
         rt = cls(runner, scheduler, tokenizer, device=device, backend=backend, engine=engine)
         overlap = tp is None and device == "cuda"  # steps may overlap the host's work
@@ -432,6 +439,9 @@ class EngineRuntime:
             "scheduler_policy": self.scheduler.config.policy,
             "cuda_graphs": getattr(self.runner, "graphs", None) is not None,
             "prefill_graph_buckets": list(getattr(pre, "buckets", ())),
+            "piecewise_graph_buckets": list(
+                getattr(getattr(self.runner, "piecewise", None), "buckets", ())
+            ),
             "async_scheduling": self.async_scheduling,
             "decode_steps_per_iteration": self.decode_steps_per_iteration,
             "tp_size": 1 if self.tp is None else self.tp.group.world_size,

@@ -27,6 +27,10 @@ sampling) instead replay the CUDA graph of their batch-size bucket
 ``prefill_max_tokens``, a step of one sequence's last prompt chunk of up to that many tokens
 replays a prefill graph of its token-count bucket the same way
 (``llmc.runtime.prefill_graphs.PrefillGraphs``: the idle engine's time to first token).
+With ``piecewise_max_tokens``, the other steps of more than ``fused_decode_max_tokens``
+tokens run their layers as captured pieces with the attentions between them launched
+eagerly (``llmc.runtime.piecewise_graphs.PiecewiseGraphs``); their head and sampling stay
+eager.
 
 A multi-step window (``ScheduledBatch.window``, ``--decode_steps_per_iteration``) is staged
 once and runs K forward + sample steps (or K replays of its bucket's graph), each followed by
@@ -68,6 +72,7 @@ from llmc.runtime.cuda_graphs import DecodeGraphs
 from llmc.runtime.decode_window import WindowState, window_span
 from llmc.runtime.kv_tensors import KVCacheTensors, allocate_kv_cache
 from llmc.runtime.layers import DecoderLayers
+from llmc.runtime.piecewise_graphs import PiecewiseGraphs, piecewise_buckets
 from llmc.runtime.prefill_graphs import PrefillGraphs, prefill_buckets
 from llmc.runtime.rope import cos_sin_tables
 from llmc.runtime.step_inputs import StepInputBuilder, StepInputs
@@ -143,6 +148,7 @@ class ModelRunner:
         self._unread = 0  # launched steps whose ids were not read back yet
         self.graphs: DecodeGraphs | None = None  # once captured
         self.prefill_graphs: PrefillGraphs | None = None  # once captured (optional)
+        self.piecewise: PiecewiseGraphs | None = None  # once captured (optional)
         self.window: WindowState | None = None  # multi-step decoding's, once needed
 
     def capture_cuda_graphs(
@@ -150,6 +156,7 @@ class ModelRunner:
         buckets: tuple[int, ...] | None = None,
         decode_steps_per_iteration: int = 1,
         prefill_max_tokens: int = 0,
+        piecewise_max_tokens: int = 0,
     ) -> float:
         """Capture decode-only CUDA graphs per batch-size bucket (default
         ``cuda_graphs.default_buckets``); later decode-only steps replay them. Returns the
@@ -157,7 +164,9 @@ class ModelRunner:
         capturable (the CudaBackend). ``decode_steps_per_iteration`` > 1: multi-step
         windows of up to that many steps replay them too, with a captured token feedback
         (``llmc.runtime.decode_window``). ``prefill_max_tokens`` > 0: also one-sequence
-        prefill graphs up to that many tokens (``llmc.runtime.prefill_graphs``)."""
+        prefill graphs up to that many tokens (``llmc.runtime.prefill_graphs``).
+        ``piecewise_max_tokens`` > 0: also the piecewise graphs of the other steps up to
+        that many tokens (``llmc.runtime.piecewise_graphs``)."""
         if decode_steps_per_iteration > 1:
             self.window = WindowState(self.limits, self.device, decode_steps_per_iteration)
         graphs = DecodeGraphs(self.inputs, self.forward, self.backend, buckets, window=self.window)
@@ -171,6 +180,12 @@ class ModelRunner:
             pre.capture(graphs.pool)
             self.prefill_graphs = pre
             seconds += pre.capture_seconds
+        sizes = piecewise_buckets(piecewise_max_tokens, fused, self.limits.max_num_tokens)
+        if sizes:
+            pw = PiecewiseGraphs(self.inputs, self.embed, self.layers, sizes)
+            pw.capture(graphs.pool)
+            self.piecewise = pw
+            seconds += pw.capture_seconds
         return seconds
 
     # ---- set-up --------------------------------------------------------------------
@@ -253,10 +268,19 @@ class ModelRunner:
     def forward_logits(self, batch: ScheduledBatch) -> torch.Tensor:
         """Logits [S, V] float32 of the sampled rows (batch order); a copy (for tests)."""
         inp = self._prepare(batch)
-        logits = self.forward(inp)
+        logits = self._forward(inp)
         if logits is None:
             return torch.empty(0, self.spec.vocab_size, device=self.device)
         return logits.clone()
+
+    def _forward(self, inp: StepInputs) -> torch.Tensor | None:
+        """``forward`` of an eager step, its layers as the piecewise graphs when they serve
+        it (``PiecewiseGraphs.can_run``); the same logits."""
+        pw = self.piecewise
+        if pw is not None and pw.can_run(inp):
+            pw.run(inp)
+            return self.head(inp, fused=False)
+        return self.forward(inp)
 
     def step(self, batch: ScheduledBatch) -> StepOutput:
         """Compute one step; return the sampled token of each ``sample`` sequence."""
@@ -296,7 +320,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         inp = self._prepare(batch, src_rows)
         t1 = time.perf_counter()
-        logits = self.forward(inp)
+        logits = self._forward(inp)
         t2 = time.perf_counter()
         times: dict[str, Any] = {"prepare": t1 - t0, "forward": t2 - t1}
         pending = self._sample(inp, logits, times, batch.branching)

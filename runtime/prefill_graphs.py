@@ -25,7 +25,7 @@ smallest bucket ``B >= T``:
 The real rows get the eager step's values: the same ops (every bucket is above the fused
 small-step path's ``fused_decode_max_tokens``, so both take the unfused layer sequence); on
 the GPU a matmul over ``B`` rows may run another cuBLAS kernel than over ``T`` rows, so
-agreement there is to rounding (bitwise on CPU). Graphs are captured after the decode
+agreement is to rounding (CPU matmuls too block by row count). Graphs are captured after the decode
 graphs, largest bucket first, into the decode graphs' memory pool (one pool; steps never
 run concurrently).
 """

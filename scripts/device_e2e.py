@@ -34,6 +34,8 @@ ROWS = (
     ("llama8b_128_2048", "Llama-3-8B 128/2048 offline"),
     ("smollm2_128_128_peer", "SmolLM2-135M shape 128/128 offline"),
     ("smollm2_b1_128_512", "SmolLM2-135M shape batch 1, 128/512"),
+    ("smollm2_128_128_pw", "SmolLM2-135M shape 128/128 offline, piecewise graphs"),
+    ("llama8b_2048_128_pw", "Llama-3-8B 2048/128 offline, piecewise graphs"),
     ("llama8b_b1_noprefillgraphs", "Llama-3-8B batch 1, --prefill_graph_max_tokens 0"),
     ("llama8b_128_128_nographs", "Llama-3-8B 128/128, --no_cuda_graphs"),
     ("llama8b_b1_nographs", "Llama-3-8B batch 1, --no_cuda_graphs"),

@@ -20,6 +20,7 @@ from helpers.engines import make_limits, pop_limits
 from llmc.cuda.torch_backend import TorchBackend
 from llmc.runtime.cuda_graphs import DecodeGraphs
 from llmc.runtime.model_runner import ModelRunner
+from llmc.runtime.piecewise_graphs import PiecewiseGraphs
 from llmc.runtime.prefill_graphs import PrefillGraphs
 from llmc.runtime.types import SamplingParams, ScheduledBatch, ScheduledSequence, Sequence
 
@@ -76,6 +77,33 @@ class EagerPrefillGraphs(PrefillGraphs):
         for big in sorted(self.buckets, reverse=True):
             dev = self._stage(big, None, None)  # records the bucket's staging layout
             self.graphs[big] = _EagerPrefillReplay(self, big, dev)
+
+
+class _LazyPiece:
+    """One piece of an EagerPiecewiseGraphs bucket: its 'replay' runs the next piece of the
+    bucket's generator (piece 0 starts it), so pieces run in order, eagerly."""
+
+    def __init__(self, graphs: PiecewiseGraphs, big: int, k: int) -> None:
+        self.graphs, self.big, self.k = graphs, big, k
+
+    def replay(self) -> None:
+        live = self.graphs.live  # type: ignore[attr-defined]
+        if self.k == 0:
+            live[self.big] = self.graphs._steps(self.big)
+        next(live[self.big], None)
+
+
+class EagerPiecewiseGraphs(PiecewiseGraphs):
+    """The piecewise path on CPU: each piece's 'replay' runs that piece eagerly on the
+    bucket's workspace views, with the attentions between them run by ``run`` as on the
+    GPU (padding rows, the row clearing, the buckets and the head are all exercised)."""
+
+    def capture(self, pool=None) -> None:
+        self.clear_rows()
+        self.live: dict = {}
+        n = self.layers.spec.num_layers + 1
+        for big in self.buckets:
+            self.graphs[big] = [_LazyPiece(self, big, k) for k in range(n)]
 
 
 def tiny_runtime(

@@ -66,12 +66,13 @@ def test_prefill_graph_logits_equal_eager(tiny_llama_weights) -> None:
     seq = new_seq(0, p, 1)
     drive(runner, [seq], chunk=64, budget=64)
     assert graphs.replays == 1 and seq.output_token_ids == eager.outputs[0]
-    # the replayed step's logits row is the eager step's (the same ops on the same rows)
+    # the replayed step's logits row is the eager step's (the same ops; a matmul over more
+    # rows may sum in another order)
     big_logits = runner.workspace["logits"][:1].clone()
     runner.prefill_graphs = None
     again = new_seq(0, p, 1)
     drive(runner, [again], chunk=64, budget=64)
-    torch.testing.assert_close(runner.workspace["logits"][:1], big_logits, rtol=0, atol=0)
+    torch.testing.assert_close(runner.workspace["logits"][:1], big_logits, rtol=1e-5, atol=1e-5)
 
 
 def _prefill_batch(spec, n=12, *, n_seqs=1, sample=True, **sampling):
