@@ -121,7 +121,9 @@ def graph_eligible(batch: ScheduledBatch) -> bool:
     """True when ``batch`` is decode-only with plain sampling (what the graphs compute)."""
     rows = batch.sequences
     slot_rows = batch.rows
-    if slot_rows is not None and slot_rows.valid(len(rows)):  # decode rows over slots
+    # decode rows over slots (one token each, sampled), also one scheduled ahead whose
+    # previous step is not updated yet: their slots' plain flags decide
+    if slot_rows is not None and slot_rows.current(len(rows)):
         return bool(rows) and bool(slot_rows.state.plain[slot_rows.slots].all())
     if not rows or set(map(_NEW, rows)) != {1} or not all(map(_SAMPLE, rows)):
         return False

@@ -40,6 +40,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from llmc.runtime import types
 from llmc.runtime.records import RequestRecord, StepRecord
 from llmc.runtime.request_state import RequestState
 from llmc.runtime.responses import RequestOutput, Response
@@ -92,6 +93,17 @@ def ahead_src_rows(prev: ScheduledBatch, ahead: ScheduledBatch) -> list[int]:
     """For each row of ``ahead`` (scheduled before ``prev``'s ids reached the host), the row
     of ``prev``'s sampled ids that is its input token. Every ``ahead`` sequence is sampled
     in ``prev`` (``Scheduler.schedule_ahead`` guarantees it)."""
+    pr, ar = prev.rows, ahead.rows
+    if pr is not None and ar is not None and len(pr.seqs) == len(prev.sequences):
+        # both over slots (every row of prev sampled): match the rows by slot
+        if ar.seqs == pr.seqs:  # (list equality: identity, Sequence has no __eq__)
+            return list(range(len(ar.seqs)))
+        np = pr.state._np
+        inv = np.full(pr.state.capacity, -1, dtype=np.int64)
+        inv[pr.slots] = np.arange(len(pr.slots))
+        idx = inv[ar.slots]
+        if bool((idx >= 0).all()) and bool((pr.gens[idx] == ar.gens).all()):
+            return idx.tolist()
     sampled = [ss.seq for ss in prev.sequences if ss.sample]
     rows = ahead.sequences
     if len(sampled) == len(rows) and all(map(ScheduledSequence.is_row_of, rows, sampled)):
@@ -113,6 +125,13 @@ def ahead_ok(batch: ScheduledBatch) -> bool:
     scheduled)."""
     if batch.window is not None:  # a window's rows stop on the device: the host decides
         return False
+    rows = batch.rows
+    if rows is not None and rows.current(len(batch.sequences)):  # decode rows over slots
+        st, slots = rows.state, rows.slots
+        n_out = st.num_out[slots] + 1  # with this step's token
+        return bool(st.plain[slots].all()) and not bool(
+            ((n_out == 1) | types.last_by_length(n_out, st.max_new[slots])).any()
+        )
     checked = None  # rows of one request share a params object: test it once per run
     for ss in batch.sequences:
         seq = ss.seq

@@ -29,6 +29,9 @@ guaranteed_no_evict, blocks for all their lives). Samples run and stop independe
 run in lockstep (scheduled together or not at all; a preempted group goes back whole and
 re-prefills up to the last token, which its beams then compute together).
 
+Async scheduling (``schedule_ahead``, the mixin ``llmc.runtime.scheduler_ahead``): the next
+decode step is scheduled while the step in flight runs, before its tokens are known.
+
 Multi-step decoding (``plan_window`` / ``update_window``, the mixin
 ``llmc.runtime.scheduler_window``): a decode-only step of every running sequence may become
 a window of K decode steps computed in one host iteration.
@@ -62,6 +65,7 @@ from llmc.runtime.admission import (
 )
 from llmc.runtime.branches import BranchStep, SequenceGroup
 from llmc.runtime.kv_cache import KVCacheManager
+from llmc.runtime.scheduler_ahead import AheadScheduling
 from llmc.runtime.scheduler_branches import BranchScheduling
 from llmc.runtime.scheduler_slots import SlotScheduling, decode_slice
 from llmc.runtime.scheduler_window import WindowScheduling
@@ -78,7 +82,7 @@ from llmc.runtime.types import (
 _SAMPLE = operator.attrgetter("sample")
 
 
-class Scheduler(BranchScheduling, WindowScheduling, SlotScheduling):
+class Scheduler(BranchScheduling, WindowScheduling, SlotScheduling, AheadScheduling):
     """In-flight batching over one KVCacheManager; see the module docstring for the rules."""
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
@@ -300,61 +304,6 @@ class Scheduler(BranchScheduling, WindowScheduling, SlotScheduling):
             if fast is not None and not prefill and len(decode) == len(fast.seqs)
             else None,
         )
-
-    def schedule_ahead(self, prev: ScheduledBatch) -> ScheduledBatch | None:
-        """The next decode step, scheduled while ``prev`` runs (async scheduling), or None.
-
-        ``prev`` has been scheduled but not yet ``update``d: its sampled tokens are unknown,
-        and each of its sampled sequences gets its next token computed from that unknown
-        token (the runner takes it from the device). Returns None, and changes nothing, when
-        this step needs the host to know ``prev``'s outcome first: a running sequence that
-        ``prev`` does not sample (a prefill chunk is pending or the budget skipped it), a
-        waiting sequence that could be admitted (free batch slot), too few free blocks (no
-        preemption here), or nothing left to decode. A sequence whose ``prev`` token is its
-        last by length (``Sequence.is_last_by_length``) is left out; one that then stops on
-        EOS / a stop token / a stop string has its extra token discarded by ``update``
-        (it is no longer running) and its blocks were already freed by ``finish``.
-        """
-        cfg, kv = self.limits, self.kv
-        tpb = kv.tokens_per_block
-        running = self._running
-        if not running or (self._waiting and len(running) < cfg.max_batch_size):
-            return None
-        prev_rows = [ss for ss in prev.sequences if ss.sample]
-        # the common case: prev sampled exactly the running sequences, in the same order
-        if len(prev_rows) == len(running) and all(
-            map(ScheduledSequence.is_row_of, prev_rows, running)
-        ):
-            pairs = zip(running, prev_rows, strict=True)
-        else:
-            sampled = {id(ss.seq): ss for ss in prev_rows}
-            pairs = ((seq, sampled.get(id(seq))) for seq in running)
-        picked: list[ScheduledSequence] = []
-        grow: list[tuple[Sequence, int]] = []  # rows whose next token starts a new block
-        need = 0
-        for seq, ss in pairs:
-            if ss is None or seq.num_computed_tokens != ss.start_position:
-                return None
-            if seq.shares_last_block:  # its next write may copy a block: the host decides
-                return None
-            if seq.is_last_by_length(len(seq.output_token_ids) + 1):  # prev's token ends it
-                continue
-            n_prev = ss.num_new_tokens
-            start = ss.start_position + n_prev
-            if start >= len(seq.block_table) * tpb:
-                need += kv.num_blocks_needed(seq, n_prev + 1)  # a new block
-                grow.append((seq, n_prev))
-            picked.append(decode_slice(seq, start))
-        if not picked or len(picked) > cfg.max_num_tokens or need > kv.num_free_blocks:
-            return None
-        for seq, n_prev in grow:
-            if not kv.append_slots(seq, n_prev + 1):
-                raise RuntimeError(f"request {seq.request_id}: block count was wrong (bug)")
-            self.slots.write(seq)
-        self._step += 1
-        self._num_tokens += len(picked)
-        rows = self._ahead_rows(picked)
-        return ScheduledBatch(step_id=self._step - 1, sequences=tuple(picked), rows=rows)
 
     def _slice(self, seq: Sequence, n: int) -> ScheduledSequence:
         start = seq.num_computed_tokens

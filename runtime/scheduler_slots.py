@@ -91,20 +91,6 @@ class SlotScheduling:
         rows = decode_slices(seqs, start.tolist())
         return rows, DecodeRows(seqs, slots[:k], start, st)
 
-    def _ahead_rows(self, picked: list[ScheduledSequence]) -> DecodeRows | None:
-        """The slot rows of a batch scheduled ahead (``schedule_ahead``: decode rows whose
-        positions follow the step in flight), None when it is small or has branches; they
-        are valid once that step's update has computed up to them."""
-        if len(picked) < self.vector_rows:
-            return None
-        np = self.slots._np
-        seqs = [ss.seq for ss in picked]
-        slots = np.fromiter(map(_SLOT, seqs), dtype=np.int64, count=len(seqs))
-        if slots.min() < 0 or self.slots.grouped[slots].any():
-            return None
-        start = np.fromiter((ss.start_position for ss in picked), np.int64, len(picked))
-        return DecodeRows(seqs, slots, start, self.slots)
-
     def _update_rows(self, batch: ScheduledBatch, token_ids: Any) -> list[Sequence] | None:
         """``update`` of a batch of decode rows over their slots (``ScheduledBatch.rows``):
         the same changes and stop decisions as the per-row loop, which only the rows whose

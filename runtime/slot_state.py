@@ -60,14 +60,24 @@ class DecodeRows:
         self.seqs, self.slots, self.start, self.state = seqs, slots, start, state
         self.gens = state.gen[slots]
 
+    def current(self, num_rows: int) -> bool:
+        """Whether these are the ``num_rows`` rows of a batch and every slot still holds its
+        sequence (none finished or was preempted since), whatever it computed since."""
+        return len(self.slots) == num_rows and bool((self.state.gen[self.slots] == self.gens).all())
+
     def valid(self, num_rows: int) -> bool:
         """Whether these are the ``num_rows`` rows of a batch and every slot still holds its
         sequence at the position it was scheduled at."""
-        st, slots = self.state, self.slots
-        return (
-            len(slots) == num_rows
-            and bool((st.gen[slots] == self.gens).all())
-            and bool((st.computed[slots] == self.start).all())
+        return self.current(num_rows) and bool(
+            (self.state.computed[self.slots] == self.start).all()
+        )
+
+    def valid_ahead(self, num_rows: int) -> bool:
+        """``valid`` of a batch scheduled ahead (``Scheduler.schedule_ahead``) before the
+        step in flight was updated: every slot holds its sequence one token short of the
+        position it was scheduled at (that token is the one the step in flight samples)."""
+        return self.current(num_rows) and bool(
+            (self.state.computed[self.slots] + 1 == self.start).all()
         )
 
 

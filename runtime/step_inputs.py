@@ -276,7 +276,9 @@ class StepInputBuilder:
     ]:
         """(``decode_rows``' rows, the rows' sampling columns as numpy arrays keyed like
         ``sampling.sampling_columns``, per-row "plain sampling" flags [b] bool: no
-        penalty, no logprobs). Per-sequence state comes from ``row_cache``.
+        penalty, no logprobs). Per-sequence state comes from the slot arrays when the batch
+        has slot rows (``ScheduledBatch.rows``: ``valid``, or ``valid_ahead`` with
+        ``src_rows``), else from ``row_cache``.
 
         ``span`` [b] int64 (a multi-step window): each row's block table covers its next
         ``span[i]`` positions, whose blocks the scheduler reserved
@@ -289,13 +291,12 @@ class StepInputBuilder:
         if ahead and (len(src_rows) != b or min(src_rows, default=0) < 0):
             raise EngineError(f"step {batch.step_id}: src_rows must give a row >= 0 per sequence")
         slot_rows = batch.rows  # decode rows over the scheduler's slot arrays
-        if (
-            ahead
-            or slot_rows is None
-            or slot_rows.state.width < self.row_cache.width
-            or not slot_rows.valid(b)
+        if slot_rows is not None and (  # a row left (or went stale): the objects decide
+            slot_rows.state.width < self.row_cache.width
+            or not (slot_rows.valid_ahead(b) if ahead else slot_rows.valid(b))
         ):
             slot_rows = None
+        if slot_rows is None:
             seqs = list(map(_SEQ, sched))
             outs = list(map(_OUT, seqs))
             p = np.fromiter(map(_START, sched), dtype=np.int64, count=b)
@@ -307,7 +308,8 @@ class StepInputBuilder:
             have = cols_of.filled[rows]  # blocks of each table (up to max_blocks_per_seq)
             known = cols_of.prompt_len[rows] + nout
             tables = cols_of.table
-        else:  # one new token each, by construction
+        else:  # one new token each, by construction; ahead: num_out lacks the token in
+            # flight, which is this row's input (its position is ``start``)
             st, rows = slot_rows.state, slot_rows.slots
             seqs, p, new_ok = slot_rows.seqs, slot_rows.start, True
             nout, have, tables = st.num_out[rows], st.blocks[rows], st.table

@@ -1,0 +1,172 @@
+"""Async scheduling's step ahead (no torch): ``schedule_ahead`` schedules the next decode
+step of the running sequences while the step in flight (``prev``) runs, before its sampled
+tokens reach the host.
+
+A mixin of ``Scheduler`` (runtime/scheduler.py, whose module docstring states the rules).
+The rows are decided per row by ``_ahead_loop``, or over the slot arrays
+(``runtime/slot_state.py``) by ``_ahead_over_slots`` when ``prev`` is a batch of slot rows
+(``ScheduledBatch.rows``) and at least ``vector_rows`` sequences run: the same checks (each
+running sequence is one of ``prev``'s rows, at the position ``prev`` computes, with a last
+block of its own; a sequence whose ``prev`` token is its last by length is left out) and the
+same new blocks, in the same order, as a few numpy operations; the objects are touched only
+for the rows that start a new block. Either way the batch's rows are ``DecodeRows`` that are
+``valid_ahead`` until ``prev``'s update and ``valid`` after it.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+from llmc.runtime import types
+from llmc.runtime.scheduler_slots import decode_slice, decode_slices
+from llmc.runtime.slot_state import DecodeRows
+from llmc.runtime.types import ScheduledBatch, ScheduledSequence, Sequence
+
+_SLOT = operator.attrgetter("slot")
+
+
+class AheadScheduling:
+    """Scheduler methods of async scheduling's step ahead (see the module docstring)."""
+
+    vector_rows: int
+    limits: Any
+    kv: Any
+    slots: Any  # the scheduler's SlotState
+    _running: list[Sequence]
+    _waiting: dict[Any, Sequence]
+    _step: int
+    _num_tokens: int
+
+    def schedule_ahead(self, prev: ScheduledBatch) -> ScheduledBatch | None:
+        """The next decode step, scheduled while ``prev`` runs (async scheduling), or None.
+
+        ``prev`` has been scheduled but not yet ``update``d: its sampled tokens are unknown,
+        and each of its sampled sequences gets its next token computed from that unknown
+        token (the runner takes it from the device). Returns None, and changes nothing, when
+        this step needs the host to know ``prev``'s outcome first: a running sequence that
+        ``prev`` does not sample (a prefill chunk is pending or the budget skipped it), a
+        waiting sequence that could be admitted (free batch slot), too few free blocks (no
+        preemption here), or nothing left to decode. A sequence whose ``prev`` token is its
+        last by length (``Sequence.is_last_by_length``) is left out; one that then stops on
+        EOS / a stop token / a stop string has its extra token discarded by ``update``
+        (it is no longer running) and its blocks were already freed by ``finish``.
+        """
+        running = self._running
+        if not running or (self._waiting and len(running) < self.limits.max_batch_size):
+            return None
+        over_slots = self._ahead_over_slots(prev)  # the same rows, decided over the slots
+        if over_slots is not None:
+            picked, rows = over_slots
+        else:
+            picked = self._ahead_loop(prev)
+            rows = self._ahead_rows(picked)
+        if not picked:
+            return None
+        self._step += 1
+        self._num_tokens += len(picked)
+        return ScheduledBatch(step_id=self._step - 1, sequences=tuple(picked), rows=rows)
+
+    def _ahead_loop(self, prev: ScheduledBatch) -> list[ScheduledSequence]:
+        """``schedule_ahead``'s rows, one Python pass per row (their new blocks allocated);
+        empty, with nothing changed, when there is no step ahead."""
+        kv = self.kv
+        tpb = kv.tokens_per_block
+        running = self._running
+        prev_rows = [ss for ss in prev.sequences if ss.sample]
+        # the common case: prev sampled exactly the running sequences, in the same order
+        if len(prev_rows) == len(running) and all(
+            map(ScheduledSequence.is_row_of, prev_rows, running)
+        ):
+            pairs = zip(running, prev_rows, strict=True)
+        else:
+            sampled = {id(ss.seq): ss for ss in prev_rows}
+            pairs = ((seq, sampled.get(id(seq))) for seq in running)
+        picked: list[ScheduledSequence] = []
+        grow: list[tuple[Sequence, int]] = []  # rows whose next token starts a new block
+        need = 0
+        for seq, ss in pairs:
+            if ss is None or seq.num_computed_tokens != ss.start_position:
+                return []
+            if seq.shares_last_block:  # its next write may copy a block: the host decides
+                return []
+            if seq.is_last_by_length(len(seq.output_token_ids) + 1):  # prev's token ends it
+                continue
+            n_prev = ss.num_new_tokens
+            start = ss.start_position + n_prev
+            if start >= len(seq.block_table) * tpb:
+                need += kv.num_blocks_needed(seq, n_prev + 1)  # a new block
+                grow.append((seq, n_prev))
+            picked.append(decode_slice(seq, start))
+        if not picked or len(picked) > self.limits.max_num_tokens or need > kv.num_free_blocks:
+            return []
+        for seq, n_prev in grow:
+            if not kv.append_slots(seq, n_prev + 1):
+                raise RuntimeError(f"request {seq.request_id}: block count was wrong (bug)")
+            self.slots.write(seq)
+        return picked
+
+    def _ahead_over_slots(
+        self, prev: ScheduledBatch
+    ) -> tuple[list[ScheduledSequence], DecodeRows | None] | None:
+        """``_ahead_loop``'s rows (empty: no step ahead, nothing changed) and their slot rows,
+        decided over the slot arrays; None, with nothing changed, when ``prev`` has no slot
+        rows of all its rows, few sequences run, or a running sequence is not one of them
+        as it was (the loop then decides)."""
+        pr = prev.rows
+        running = self._running
+        n = len(running)
+        if pr is None or n < self.vector_rows or len(pr.seqs) != len(prev.sequences):
+            return None
+        st = self.slots
+        np = st._np
+        if running == pr.seqs:  # the same sequences in the same order (identity)
+            slots, prev_start = pr.slots, pr.start
+            if not bool((st.gen[slots] == pr.gens).all()):
+                return None
+        else:  # some of prev's rows stopped: find each running sequence's row by its slot
+            slots = np.fromiter(map(_SLOT, running), dtype=np.int64, count=n)
+            if int(slots.min()) < 0:
+                return None
+            inv = np.full(st.capacity, -1, dtype=np.int64)
+            inv[pr.slots] = np.arange(len(pr.slots))
+            idx = inv[slots]
+            if bool((idx < 0).any()) or not bool((pr.gens[idx] == st.gen[slots]).all()):
+                return None
+            prev_start = pr.start[idx]
+        if not bool((st.computed[slots] == prev_start).all()) or bool(st.shares[slots].any()):
+            return [], None  # a row is not where prev computes, or its next write may copy
+        keep = ~types.last_by_length(st.num_out[slots] + 1, st.max_new[slots])  # prev's ends it
+        if bool(keep.all()):
+            seqs, start = running[:], prev_start + 1  # (a copy: the list changes)
+        else:
+            k = np.flatnonzero(keep)
+            seqs, slots, start = [running[i] for i in k.tolist()], slots[k], prev_start[k] + 1
+        b = len(seqs)
+        if not b or b > self.limits.max_num_tokens:
+            return [], None
+        tpb = self.kv.tokens_per_block
+        blocks = st.blocks[slots]
+        # the blocks for two more tokens after computed = start - 1 (kv.num_blocks_needed)
+        if int(np.maximum((start + tpb) // tpb - blocks, 0).sum()) > self.kv.num_free_blocks:
+            return [], None
+        for i in np.flatnonzero(start >= blocks * tpb).tolist():  # its token starts a block
+            if not self.kv.append_slots(seqs[i], 2):
+                raise RuntimeError(f"request {seqs[i].request_id}: block count was wrong (bug)")
+            st.write(seqs[i])
+        rows = DecodeRows(seqs, slots, start, st) if b >= self.vector_rows else None
+        return decode_slices(seqs, start.tolist()), rows
+
+    def _ahead_rows(self, picked: list[ScheduledSequence]) -> DecodeRows | None:
+        """The slot rows of a batch scheduled ahead (``schedule_ahead``: decode rows whose
+        positions follow the step in flight), None when it is small or has branches; they
+        are valid once that step's update has computed up to them."""
+        if len(picked) < self.vector_rows:
+            return None
+        np = self.slots._np
+        seqs = [ss.seq for ss in picked]
+        slots = np.fromiter(map(_SLOT, seqs), dtype=np.int64, count=len(seqs))
+        if slots.min() < 0 or self.slots.grouped[slots].any():
+            return None
+        start = np.fromiter((ss.start_position for ss in picked), np.int64, len(picked))
+        return DecodeRows(seqs, slots, start, self.slots)
