@@ -11,7 +11,13 @@ returns a fixed id (never EOS: requests run to ``--osl``). Two step paths:
   (no-op ops).
 
 Prints µs per phase (median over the decode-only steps after a warm-up), as the profile's
-phase table names them: schedule, prepare, forward, sample, update, and the whole step.
+phase table names them: schedule, prepare, forward, sample, update, the whole step (its
+record's start to end) and ``iter``, the host time per step of the loop (one step's end to
+the next one's: what bounds the steps per second). With ``--async_scheduling`` the phases
+are those ``Executor._step_async`` times: schedule is ``schedule_ahead`` (and the rows'
+sources), prepare/forward the launch of the step ahead, update the update and responses of
+the step in flight; a step's record then spans two loop calls, so ``iter``, not ``step``,
+is its host time per step.
 
     .venv/bin/python scripts/host_overhead.py --batch 128 --isl 128 --osl 256
     .venv/bin/python scripts/host_overhead.py --batch 256 --async_scheduling --profile
@@ -278,6 +284,15 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     out = {p: stat(r.phase_times.get(p, 0.0) / r.num_steps for r in decode) * 1e6 for p in PHASES}
     steps = [(r.end_time - r.start_time) / r.num_steps for r in decode]
     out["step"] = stat(steps) * 1e6
+    # host time per step as the loop runs it: from one step's end (its update) to the next
+    # one's, per decode step (async scheduling: a step's record spans its schedule ahead,
+    # in the previous ``Executor.step`` call, to its update, so ``step`` counts ~2 calls)
+    index = {id(r): i for i, r in enumerate(ex.step_records)}
+    kept = {index[id(r)] for r in decode}
+    recs = ex.step_records
+    gaps = [(recs[i].end_time - recs[i - 1].end_time) / recs[i].num_steps
+            for i in sorted(kept) if i - 1 in kept]  # fmt: skip
+    out["iter"] = stat(gaps) * 1e6 if gaps else float("nan")
     out["decode_steps"] = sum(r.num_steps for r in decode)
     out["wall_s"] = wall
     if prof:
@@ -358,7 +373,9 @@ def main() -> None:
         f"{res['decode_steps']} decode steps, "
         f"wall {res['wall_s']:.2f} s"
     )
-    print("µs per decode step: " + "  ".join(f"{p} {res[p]:.0f}" for p in (*PHASES, "step")))
+    print(
+        "µs per decode step: " + "  ".join(f"{p} {res[p]:.0f}" for p in (*PHASES, "step", "iter"))
+    )
 
 
 if __name__ == "__main__":
