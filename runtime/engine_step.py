@@ -271,7 +271,7 @@ def _deferred_rows_in_bulk(
     b = len(rows.slots)
     running = st.gen[slots] == rows.gens  # update released the slot of a finished row
     got = list(map(states.get, map(_RID, rows.seqs)))
-    if None in got:  # (a request the Executor no longer knows: the loop skips it)
+    if not all(got):  # (a request the Executor no longer knows: the loop skips it)
         running &= np.fromiter(map(operator.is_not, got, repeat(None)), bool, b)
         got = [_GONE if s is None else s for s in got]
     recs = list(map(_RECORD, got))
