@@ -160,7 +160,7 @@ class AheadScheduling:
     def _ahead_rows(self, picked: list[ScheduledSequence]) -> DecodeRows | None:
         """The slot rows of a batch scheduled ahead (``schedule_ahead``: decode rows whose
         positions follow the step in flight), None when it is small or has branches; they
-        are valid once that step's update has computed up to them."""
+        are ``valid_ahead`` until that step's update and ``valid`` after it."""
         if len(picked) < self.vector_rows:
             return None
         np = self.slots._np

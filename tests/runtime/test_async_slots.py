@@ -32,7 +32,7 @@ from llmc.runtime import cuda_graphs, engine_step, executor
 from llmc.runtime.executor import Executor
 from llmc.runtime.scheduler import Scheduler
 from llmc.runtime.step_inputs import StepInputBuilder
-from llmc.runtime.types import Request, SamplingParams
+from llmc.runtime.types import FinishReason, Request, SamplingParams, Sequence
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -192,3 +192,27 @@ def test_deferred_rows_in_bulk_leave_the_rows_that_need_the_loop(tiny, monkeypat
         want = sorted({*done, *(i for i, r in enumerate(rids) if r == ids[1])})
         assert left == want
     assert any(done for _, _, done in seen)
+
+
+def test_rows_scheduled_ahead_are_valid_ahead_until_the_update(monkeypatch):
+    """A batch scheduled ahead reads its slots before the step in flight is updated
+    (``valid_ahead``: one token short), and as any batch of slot rows after it (``valid``);
+    a row that stops running makes neither hold (``current`` is false)."""
+    from helpers.fakes import make_scheduler
+
+    monkeypatch.setattr(Scheduler, "vector_rows", 1)
+    s = make_scheduler(32, max_batch_size=4, max_num_tokens=64, max_seq_len=64,
+                       max_input_len=32, tokens_per_block=4)  # fmt: skip
+    seqs = [Sequence(i, [5, 6, 7 + i], SamplingParams(max_new_tokens=9, ignore_eos=True), 9, 0.0)
+            for i in range(3)]  # fmt: skip
+    for q in seqs:
+        s.add(q)
+    s.update(s.schedule(), [30, 31, 32])  # the prompts (no slot rows: prefill)
+    cur = s.schedule()
+    ahead = s.schedule_ahead(cur)
+    assert cur.rows.valid(3) and ahead.rows.valid_ahead(3) and not ahead.rows.valid(3)
+    assert list(ahead.rows.start) == [4, 4, 4]
+    s.update(cur, [40, 41, 42])
+    assert ahead.rows.valid(3) and not ahead.rows.valid_ahead(3)
+    s.finish(1, FinishReason.CANCELLED)
+    assert not ahead.rows.current(3) and not ahead.rows.valid(3)

@@ -399,11 +399,14 @@ def _run_with_ahead(s: Scheduler, seqs: list[Sequence], max_steps: int = 10_000)
     raise AssertionError("workload did not finish")
 
 
+@pytest.mark.parametrize("vector", [False, True], ids=["per-row", "over-slots"])
 @pytest.mark.parametrize("case", ["same_lengths", "staggered"])
-def test_schedule_ahead_gives_the_synchronous_tokens(case: str) -> None:
+def test_schedule_ahead_gives_the_synchronous_tokens(case: str, vector: bool, monkeypatch) -> None:
     """Steps scheduled ahead (one pass over the running set; a zip fast path when the previous
-    step sampled exactly the running sequences in order, a lookup otherwise) produce the
-    same tokens as the synchronous loop, and some steps really are scheduled ahead."""
+    step sampled exactly the running sequences in order, a lookup otherwise; or over the slot
+    arrays) produce the same tokens as the synchronous loop, and some steps really are
+    scheduled ahead."""
+    monkeypatch.setattr(Scheduler, "vector_rows", 1 if vector else 1 << 30)
     if case == "same_lengths":
         specs = [(6, 9)] * 5
         kw: dict = {}
@@ -426,9 +429,11 @@ def test_schedule_ahead_gives_the_synchronous_tokens(case: str) -> None:
     assert s.kv.num_free_blocks == s.kv.total_blocks
 
 
-def test_schedule_ahead_changes_nothing_when_blocks_run_out() -> None:
+@pytest.mark.parametrize("vector", [False, True], ids=["per-row", "over-slots"])
+def test_schedule_ahead_changes_nothing_when_blocks_run_out(vector: bool, monkeypatch) -> None:
     """The next token needs a new block for every row and the pool cannot give them: None,
     and no block table grew."""
+    monkeypatch.setattr(Scheduler, "vector_rows", 1 if vector else 1 << 30)
     s = make(num_blocks=3, tpb=4, max_batch_size=2)
     a, b = mkseq(0, 3, max_new=8), mkseq(1, 3, max_new=8)
     s.add(a)
