@@ -224,7 +224,7 @@ class SamplingParams:
         no logprobs (their own device→host copy) and no penalties (counts of the token
         history, built on the host). The one statement of the rule behind the fast paths:
         CUDA-graph decode steps (``cuda_graphs.graph_eligible``), async scheduling
-        (``engine_step.ahead_ok``) and the decode row cache (``step_inputs.DecodeRowCache``)
+        (``engine_step.ahead_ok``) and the decode row cache (``decode_row_cache.DecodeRowCache``)
         serve only plain rows. ``min_tokens`` masks stop ids on the host's step inputs, so
         such a row is not plain either; nor are beam search (its rows' logits are rescored
         on the host's orders) and best_of > n (every token's logprob ranks the samples)."""

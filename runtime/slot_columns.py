@@ -22,7 +22,7 @@ def fill_columns(cols: Any, r: int, seq: Any) -> None:
     """Row ``r`` of ``cols``' ``seed``, ``top_k``, ``floats`` and ``plain`` arrays := the
     sampling columns of ``seq`` (``sampling.row_columns``); a sequence whose columns cannot
     be built is a RequestFault of its request, and nothing is written. Shared by this
-    module's SlotColumns and step_inputs' DecodeRowCache."""
+    module's SlotColumns and decode_row_cache's DecodeRowCache."""
     try:
         seed, const = smp.row_columns(seq)
     except Exception as e:  # this request's params only

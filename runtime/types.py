@@ -165,7 +165,7 @@ class Sequence:
     block_table_version: int = 0
     """Bumped by the KVCacheManager on every change of ``block_table`` (blocks shared at
     admission, appended blocks, the free at finish or preemption). Whoever keeps a copy of
-    the table (``step_inputs.DecodeRowCache``) re-reads it exactly when this changed."""
+    the table (``decode_row_cache.DecodeRowCache``) re-reads it exactly when this changed."""
     block_table_reset_version: int = 0
     """The ``block_table_version`` at which the table last started over (admission, free).
     Between two resets the table only grows at its end, so a copy taken at a version

@@ -11,8 +11,8 @@ import numpy as np
 
 from helpers.fakes import fake_parts
 from helpers.runner import make_runner
+from llmc.runtime.decode_row_cache import DecodeRowCache
 from llmc.runtime.kv_cache import KVCacheManager
-from llmc.runtime.step_inputs import DecodeRowCache
 from llmc.runtime.types import SamplingParams, ScheduledBatch, ScheduledSequence, Sequence
 
 

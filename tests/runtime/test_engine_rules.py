@@ -18,12 +18,12 @@ import pytest
 
 from helpers import fakes
 from llmc.runtime.cuda_graphs import graph_eligible
+from llmc.runtime.decode_row_cache import DecodeRowCache
 from llmc.runtime.detokenizer import IncrementalDetokenizer
 from llmc.runtime.engine_step import ahead_ok, emit_step_responses
 from llmc.runtime.records import RequestRecord
 from llmc.runtime.request_state import RequestState
 from llmc.runtime.scheduler import Scheduler
-from llmc.runtime.step_inputs import DecodeRowCache
 from llmc.runtime.types import (
     FinishReason,
     Request,
