@@ -36,11 +36,8 @@ Invariants:
 
 from __future__ import annotations
 
-import operator
-from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from itertools import repeat
 from typing import Any, Protocol
 
 from llmc.runtime import types
@@ -56,23 +53,6 @@ from llmc.runtime.types import (
     Sequence,
     SequenceStatus,
 )
-
-_RID = operator.attrgetter("request_id")
-_RECORD = operator.attrgetter("record")
-_FINAL = operator.attrgetter("final")
-_DEFERRED = operator.attrgetter("deferred")
-_SEEN = operator.attrgetter("num_seen")
-_FIRST = operator.attrgetter("first_token_time")
-_TIMES = operator.attrgetter("token_times")
-
-
-class _Gone:
-    """Stands in for a request state the Executor no longer has (never in bulk)."""
-
-    final, deferred, num_seen, record = True, False, 0, RequestRecord(-1, 0.0, 0)
-
-
-_GONE = _Gone()
 
 
 class Finisher(Protocol):
@@ -215,13 +195,11 @@ def emit_step_responses(
         _store_prompt_logprobs(out.prompt_logprobs, states, scheduler, emit)
     logprobs = list(getattr(out, "logprobs", None) or [])
     finished = SequenceStatus.FINISHED
-    # the deferred common decode rows of slot rows (every row samples) first, in bulk
-    left = None if logprobs else _deferred_rows_in_bulk(batch, now, states)
-    if left is None:
-        pairs: Any = enumerate([ss for ss in batch.sequences if ss.sample])
-    else:
-        pairs = zip(left, map(batch.sequences.__getitem__, left), strict=True)
-    for row, ss in pairs:
+    row = -1
+    for ss in batch.sequences:
+        if not ss.sample:
+            continue
+        row += 1
         seq = ss.seq
         state = states.get(seq.request_id)
         if state is None or state.final:  # ended (and maybe delivered) before this step
@@ -253,45 +231,6 @@ def emit_step_responses(
             _fail_row(state, scheduler, emit, "post-processing its tokens", e)
     for step in getattr(out, "branch_steps", None) or ():
         _emit_fork(step, states, now, scheduler, emit)
-
-
-def _deferred_rows_in_bulk(
-    batch: ScheduledBatch, now: float, states: Mapping[int, RequestState]
-) -> list[int] | None:
-    """``emit_step_responses``' inline deferred decode row, for the rows of a batch of slot
-    rows (``ScheduledBatch.rows``, just updated) at once: a row still running (its slot not
-    released: not finished) whose request is deferred, not final, with its first token
-    seen, and this step's one new token gets the token's time. Returns the other rows (for
-    the per-row loop); None, with nothing done, when the batch has no slot rows."""
-    rows = batch.rows
-    if rows is None or batch.window is not None or len(rows.slots) != len(batch.sequences):
-        return None  # (a window's rows have several new tokens: the loop's burst)
-    st, slots = rows.state, rows.slots
-    np = st._np
-    b = len(rows.slots)
-    running = st.gen[slots] == rows.gens  # update released the slot of a finished row
-    got = list(map(states.get, map(_RID, rows.seqs)))
-    if not all(got):  # (a request the Executor no longer knows: the loop skips it)
-        running &= np.fromiter(map(operator.is_not, got, repeat(None)), bool, b)
-        got = [_GONE if s is None else s for s in got]
-    recs = list(map(_RECORD, got))
-    bulk = (
-        running
-        & ~np.fromiter(map(_FINAL, got), bool, b)
-        & np.fromiter(map(_DEFERRED, got), bool, b)
-        & np.fromiter(map(operator.is_not, map(_FIRST, recs), repeat(None)), bool, b)
-        & (st.num_out[slots] - np.fromiter(map(_SEEN, got), np.int64, b) == 1)
-    )
-    n_out = st.num_out[slots]
-    if bool(bulk.all()):
-        left: list[int] = []
-    else:
-        idx = np.flatnonzero(bulk).tolist()
-        got, recs, n_out = [got[i] for i in idx], [recs[i] for i in idx], n_out[bulk]
-        left = np.flatnonzero(~bulk).tolist()
-    deque(map(list.append, map(_TIMES, recs), repeat(now)), 0)
-    deque(map(setattr, got, repeat("num_seen"), n_out.tolist()), 0)
-    return left
 
 
 def _group_row(

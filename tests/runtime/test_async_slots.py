@@ -32,7 +32,7 @@ from llmc.runtime import cuda_graphs, engine_step, executor
 from llmc.runtime.executor import Executor
 from llmc.runtime.scheduler import Scheduler
 from llmc.runtime.step_inputs import StepInputBuilder
-from llmc.runtime.types import FinishReason, Request, SamplingParams, Sequence
+from llmc.runtime.types import FinishReason, SamplingParams, Sequence
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -164,34 +164,6 @@ def test_the_step_ahead_over_slots_equals_the_objects(tiny, monkeypatch, compare
     assert compared["inputs"] > 0 and compared["src_rows"] > 0
     if kw.get("graphs"):
         assert compared["eligible"] > 0
-
-
-def test_deferred_rows_in_bulk_leave_the_rows_that_need_the_loop(tiny, monkeypatch):
-    """The bulk deferred rows of ``emit_step_responses`` take the common rows and leave to
-    the per-row loop a streaming request's rows and a row that finished in the step's
-    update (its slot released: its final Response is the loop's)."""
-    monkeypatch.setattr(Scheduler, "vector_rows", 1)
-    seen = []
-    bulk = engine_step._deferred_rows_in_bulk
-
-    def spy(batch, now, states):
-        left = bulk(batch, now, states)
-        if left is not None:
-            rids = [s.seq.request_id for s in batch.sequences]
-            done = [i for i, s in enumerate(batch.sequences) if s.seq.is_finished]
-            seen.append((rids, left, done))
-        return left
-
-    monkeypatch.setattr(engine_step, "_deferred_rows_in_bulk", spy)
-    ex = Executor(tiny_runtime(tiny), async_scheduling=True)
-    ids = [ex.enqueue_request(Request(prompt_token_ids=p, sampling=sp, streaming=i == 1))
-           for i, (p, sp) in enumerate(zip(PROMPTS, greedy(), strict=True))]  # fmt: skip
-    ex.run_until_complete()
-    assert len(seen) > 5
-    for rids, left, done in seen:
-        want = sorted({*done, *(i for i, r in enumerate(rids) if r == ids[1])})
-        assert left == want
-    assert any(done for _, _, done in seen)
 
 
 def test_rows_scheduled_ahead_are_valid_ahead_until_the_update(monkeypatch):
