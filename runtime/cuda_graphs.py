@@ -37,6 +37,7 @@ capture for ``max_seq_len`` (the kernel divides each sequence's actual context a
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import gc
 import operator
@@ -106,6 +107,12 @@ def sampling_metadata(dev: dict[str, torch.Tensor]) -> SamplingMetadata:
     """The SamplingMetadata over staged column sections (``stage_columns``)."""
     names = (*smp.INT64_COLUMNS, *smp.INT32_COLUMNS, *smp.FLOAT_COLUMNS)
     return SamplingMetadata(**{n: dev[n] for n in names})
+
+
+def smallest_bucket(buckets: tuple[int, ...], n: int) -> int | None:
+    """The smallest of the sorted ``buckets`` that holds ``n`` rows, None if none does."""
+    i = bisect.bisect_left(buckets, n)
+    return buckets[i] if i < len(buckets) else None
 
 
 def default_buckets(max_batch_size: int) -> tuple[int, ...]:
@@ -312,10 +319,7 @@ class DecodeGraphs:
         return self._pool
 
     def bucket_for(self, n: int) -> int | None:
-        for b in self.buckets:
-            if b >= n:
-                return b
-        return None
+        return smallest_bucket(self.buckets, n)
 
     def can_run(self, batch: ScheduledBatch) -> bool:
         return (

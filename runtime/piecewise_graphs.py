@@ -41,7 +41,7 @@ import torch
 
 from llmc.base.errors import ConfigError
 from llmc.cuda.backend import AttentionMetadata
-from llmc.runtime.cuda_graphs import gc_paused
+from llmc.runtime.cuda_graphs import gc_paused, smallest_bucket
 from llmc.runtime.layers import DecoderLayers
 from llmc.runtime.step_inputs import StepInputBuilder, StepInputs
 
@@ -167,10 +167,7 @@ class PiecewiseGraphs:
 
     # ---- replay ----------------------------------------------------------------------
     def bucket_for(self, n: int) -> int | None:
-        for b in self.buckets:
-            if b >= n:
-                return b
-        return None
+        return smallest_bucket(self.buckets, n)
 
     def can_run(self, inp: StepInputs) -> bool:
         return bool(self.graphs) and max(1, self.min_tokens) < inp.num_tokens <= self.buckets[-1]

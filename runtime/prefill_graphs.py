@@ -46,6 +46,7 @@ from llmc.runtime.cuda_graphs import (
     Layout,
     gc_paused,
     sampling_metadata,
+    smallest_bucket,
     stage_columns,
     staged_layout,
 )
@@ -191,10 +192,7 @@ class PrefillGraphs:
 
     # ---- replay ----------------------------------------------------------------------
     def bucket_for(self, n: int) -> int | None:
-        for b in self.buckets:
-            if b >= n:
-                return b
-        return None
+        return smallest_bucket(self.buckets, n)
 
     def can_run(self, batch: ScheduledBatch) -> bool:
         if not self.graphs or len(batch.sequences) != 1 or batch.window is not None:
