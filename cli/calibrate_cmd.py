@@ -40,6 +40,9 @@ CALIBRATE_FLAGS: tuple[Flag, ...] = (
          "Default: 512."),
     Flag("device", str, "auto, cpu or cuda. Default: auto."),
     Flag("backend", str, "auto, torch or cuda. Default: auto."),
+    Flag("smooth_k", bool, "Smooth K (SageAttention): store each layer's mean post-RoPE k per "
+         "KV head and channel, cache k - mean and scale that (attention is unchanged: "
+         "softmax cancels the mean). Default: on.", switch=True),
 )
 # fmt: on
 
@@ -66,8 +69,9 @@ def calibrate_command(
     ] = None,
     **flags: Any,
 ) -> None:
-    """Calibrate an fp8 KV cache: per-layer k/v scales = max |k|, |v| over a text / 448,
-    written into the engine (TensorRT-LLM / ModelOpt max calibration)."""
+    """Calibrate an fp8 KV cache: per-layer k/v scales = max |k - k_mean|, |v| over a text /
+    448 and smooth K's per-channel k_mean, written into the engine (TensorRT-LLM / ModelOpt
+    max calibration; SageAttention's smooth K)."""
     from llmc.runtime.bench.perplexity import read_text
     from llmc.runtime.kv_calibration import CalibrationSettings, calibrate_engine
 
@@ -82,6 +86,7 @@ def calibrate_command(
         window=_count(flags, "window", 512),
         backend=flags.get("backend") or "auto",
         device=flags.get("device") or "auto",
+        smooth_k=flags.get("smooth_k") is not False,
     )
     text, _ = read_text(settings.text_file)  # a bad file fails before the engine loads
     err_console().print(f"calibrating {settings.engine_dir} on {settings.text_file}", markup=False)
@@ -98,7 +103,9 @@ def calibrate_command(
         out_console().print(table)
         out_console().print(
             f"{result['tokens']:,} tokens in {result['windows']} windows, "
-            f"{result['seconds']:.1f} s; scales stored in {result['engine_dir']}",
+            f"{result['seconds']:.1f} s; scales"
+            f"{' and k means (smooth K)' if result['smooth_k'] else ''} stored in "
+            f"{result['engine_dir']}",
             markup=False,
         )
 

@@ -14,7 +14,9 @@ What it owns (no torch: the memory plan and ``llmc build --dry_run`` read it):
   (``llmc.cuda.reference_fp8``); embedding, lm_head, norms and biases stay in the activation
   dtype. An fp8 KV cache stores e4m3 codes with one static (k_scale, v_scale) pair per
   layer, ``layers.{i}.kv_scale`` float32 [2] (1.0 unless the checkpoint brings calibrated
-  scales);
+  scales), and smooth K's ``layers.{i}.k_mean`` float32 [nkv, hd], subtracted from the
+  rotated k before it is quantized (SageAttention; softmax cancels it; zero until ``llmc
+  calibrate`` measures it: ``llmc.runtime.kv_calibration``);
 - ``engine_tensors``: every engine tensor of an engine → (shape, dtype), the table the
   build writes, ``load_engine`` and the ModelRunner check (``check_engine_tensors``: an
   EngineError naming the tensor) and the memory plan counts;
@@ -38,6 +40,7 @@ FP8_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 """The engine tensors of each layer an fp8 engine stores in e4m3 (``layers.{i}.<name>``)."""
 SCALE_SUFFIX = "_scale"
 KV_SCALE = "kv_scale"
+K_MEAN = "k_mean"
 FP8_MIN_SM = 89
 """The first compute capability with FP8 tensor cores (Ada sm_89; Hopper sm_90)."""
 
@@ -79,7 +82,8 @@ def engine_tensors(
     dtype; with fp8 weights the projections in e4m3 followed by their float32 scales [out];
     a weight-only packed tensor (``layouts``: int8_wo, int4_wo, GGUF kept native) as its
     uint8 codes, ``_scale`` and ``_offset`` (``wo_layout.packed_tensor_shapes``); with an fp8
-    KV cache each layer's ``kv_scale`` float32 [2] = (k_scale, v_scale)."""
+    KV cache each layer's ``kv_scale`` float32 [2] = (k_scale, v_scale) and ``k_mean``
+    float32 [nkv, hd] (smooth K)."""
     fp8_weights = limits.quantization == "fp8"
     layouts = layouts or {}
     out: dict[str, tuple[tuple[int, ...], str]] = {}
@@ -94,6 +98,7 @@ def engine_tensors(
     if limits.kv_cache_dtype == "fp8":
         for i in range(spec.num_layers):
             out[f"layers.{i}.{KV_SCALE}"] = ((2,), "float32")
+            out[f"layers.{i}.{K_MEAN}"] = ((spec.num_kv_heads, spec.head_dim), "float32")
     return out
 
 
@@ -199,7 +204,11 @@ def describe(limits: EngineLimits, kv_scales_from: str | None = None) -> dict[st
         weights = f"none: every tensor in {dt}"
     if limits.kv_cache_dtype == "fp8":
         scales = kv_scales_from or "1.0 (no calibrated scales in the checkpoint)"
-        kv = f"fp8: {FP8}, 1 byte per element, one k/v scale pair per layer: {scales}"
+        kv = (
+            f"fp8: {FP8}, 1 byte per element, one k/v scale pair per layer: {scales}; "
+            "smooth K: a per-layer k_mean [kv heads, head_dim] subtracted before quantizing "
+            "(zero until llmc calibrate)"
+        )
     else:
         kv = f"auto: {dt}, {ELEMENT_BYTES[dt]} bytes per element"
     return {"weights": weights, "kv_cache": kv}

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from llmc.base.errors import CheckpointError
-from llmc.compiler.quantization import KV_SCALE, SCALE_SUFFIX, is_fp8_projection
+from llmc.compiler.quantization import K_MEAN, KV_SCALE, SCALE_SUFFIX, is_fp8_projection
 from llmc.compiler.spec import ModelSpec
 from llmc.compiler.wo_layout import OFFSET_SUFFIX, WeightLayout
 from llmc.compiler.wo_weights import fuse_packed, packed_from_tensors, packed_tensors, quantize_wo
@@ -134,7 +134,7 @@ def to_engine_weights(
     fusion concatenates codes and scales (exact, since scales are per row). With
     quantization 'none' a pre-quantized weight is dequantized (code × scale) and cast.
     ``kv_cache_dtype='fp8'`` adds each layer's kv_scale: the checkpoint's (k, v) scales, else
-    (1.0, 1.0)."""
+    (1.0, 1.0), and a zero k_mean (``kv_scale_tensors``)."""
     validate_hf_tensors(spec, {k: tuple(v.shape) for k, v in hf.items()}, source)
     dt = TORCH_DTYPES[dtype]
     scales = prequantized.weight_scales if prequantized is not None else {}
@@ -212,11 +212,15 @@ def quantize_projection(
 def kv_scale_tensors(
     spec: ModelSpec, kv_scales: Mapping[int, tuple[float, float]]
 ) -> dict[str, torch.Tensor]:
-    """``layers.{i}.kv_scale`` float32 [2] = (k_scale, v_scale): given, else (1.0, 1.0)."""
-    return {
-        f"layers.{i}.{KV_SCALE}": torch.tensor(kv_scales.get(i, (1.0, 1.0)), dtype=torch.float32)
-        for i in range(spec.num_layers)
-    }
+    """``layers.{i}.kv_scale`` float32 [2] = (k_scale, v_scale): given, else (1.0, 1.0); and
+    ``layers.{i}.k_mean`` float32 [nkv, hd], zero (smooth K off until ``llmc calibrate``: a
+    checkpoint's k_scale was measured on k itself)."""
+    out = {}
+    for i in range(spec.num_layers):
+        scales = kv_scales.get(i, (1.0, 1.0))
+        out[f"layers.{i}.{KV_SCALE}"] = torch.tensor(scales, dtype=torch.float32)
+        out[f"layers.{i}.{K_MEAN}"] = torch.zeros(spec.num_kv_heads, spec.head_dim)
+    return out
 
 
 def quantize_engine_weights(
@@ -256,7 +260,7 @@ def dequantize_engine_weights(
     layouts = layouts or {}
     out: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
-        if name.endswith((SCALE_SUFFIX, KV_SCALE, OFFSET_SUFFIX)):
+        if name.endswith((SCALE_SUFFIX, KV_SCALE, K_MEAN, OFFSET_SUFFIX)):
             continue
         if name in layouts:
             out[name] = packed_from_tensors(tensors, name, layouts[name]).dequantize().to(dt)

@@ -133,6 +133,7 @@ class CudaBackend(WoOps, GemvOps, GemvFp8Ops, Fp8Ops, SamplingOps):
         self._tokens: torch.Tensor | None = None
         self._gemv_kernels: dict[tuple[torch.dtype, str], Any] = {}
         self._occupancy: dict[int, int] = {}  # id(kernel) -> resident CTAs per SM
+        self._zero_means: dict[tuple[int, int], torch.Tensor] = {}  # fp8 KV without k_mean
         # small decode batches: split over a thread-block cluster (sm_90+; see attention)
         self.cluster_decode = torch.cuda.get_device_capability(self.device)[0] >= 9
         self.force_splits: int | None = None  # benchmark override of num_splits
@@ -157,6 +158,15 @@ class CudaBackend(WoOps, GemvOps, GemvFp8Ops, Fp8Ops, SamplingOps):
         if lib is None:
             lib = self._libs[cfg] = KernelLibrary(cfg, self.kernels_dir)
         return lib
+
+    def _zero_k_mean(self, nkv: int, hd: int) -> torch.Tensor:
+        """A persistent zero k_mean (graph-safe: allocated once per shape, outside steps)."""
+        z = self._zero_means.get((nkv, hd))
+        if z is None:
+            z = self._zero_means[nkv, hd] = torch.zeros(
+                nkv, hd, dtype=torch.float32, device=self.device
+            )
+        return z
 
     def _launch(
         self, kernel: Any, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0
@@ -270,8 +280,11 @@ class CudaBackend(WoOps, GemvOps, GemvFp8Ops, Fp8Ops, SamplingOps):
         slot_mapping: torch.Tensor,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        k_mean: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """The reference's ``rope_and_cache_write``; ``k_mean`` [nkv, hd] float32 (an e4m3
+        cache only: smooth K) is subtracted from rotated k before it is quantized."""
         _need(qkv, "qkv")
         fp8 = _kv_cache(k_cache, v_cache, qkv.dtype, k_scale, v_scale)
         _need(positions, "positions", torch.int64)
@@ -289,6 +302,17 @@ class CudaBackend(WoOps, GemvOps, GemvFp8Ops, Fp8Ops, SamplingOps):
             )
         if t == 0:
             return out
+        mean_ptr = np.uint64(0)  # the 16-bit kernel ignores it
+        if fp8:
+            if k_mean is None:
+                k_mean = self._zero_k_mean(nkv, hd)
+            _need(k_mean, "k_mean", torch.float32)
+            if tuple(k_mean.shape) != (nkv, hd):
+                raise UnsupportedError(
+                    f"CudaBackend.rope_and_cache_write: k_mean is {list(k_mean.shape)}, "
+                    f"expected [{nkv}, {hd}]"
+                )
+            mean_ptr = _p(k_mean)
         name = "rope_kv_fp8_kernel" if fp8 else "rope_kv_kernel"
         k = self._lib(qkv.dtype, hd, nq, nkv).get("rope_kv", name)
         # the reference's float32(1 / scale) (llmc.cuda.reference.to_cache)
@@ -296,7 +320,7 @@ class CudaBackend(WoOps, GemvOps, GemvFp8Ops, Fp8Ops, SamplingOps):
         args = (
             _p(qkv), _p(positions), _p(cos), _p(sin), _p(k_cache), _p(v_cache),
             _p(slot_mapping), _p(out), _i(t), _i(cos.shape[0]), np.float32(inv_k),
-            np.float32(inv_v),
+            np.float32(inv_v), mean_ptr,
         )  # fmt: skip
         self._launch(k, (min(t, 65535),), (128,), args)
         return out

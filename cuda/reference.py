@@ -144,6 +144,7 @@ def rope_and_cache_write(
     slot_mapping: torch.Tensor,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    k_mean: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotate q and k, write k and v to the paged cache; return rotated q.
 
@@ -153,6 +154,11 @@ def rope_and_cache_write(
     write. Returns q [T, nq, hd] in qkv.dtype. Rotation math is float32, cast once.
     An e4m3 cache (``llmc.cuda.reference_fp8``) stores ``sat(k * float32(1 / k_scale))``
     (v likewise) from the float32 rotated k and the v values; other caches ignore the scales.
+    ``k_mean`` [nkv, hd] float32 (an e4m3 cache only; smooth K, as SageAttention): the cache
+    stores ``sat((k - k_mean) * float32(1 / k_scale))``, float32 math. Attention is unchanged
+    by it: q.(k - m) = q.k - q.m shifts every key's score of one query by the same amount,
+    which softmax cancels; what it buys is that the cached values are centred, so e4m3's
+    relative rounding is of the small part of k that varies from token to token.
     """
     nkv, hd = k_cache.shape[2], k_cache.shape[3]
     t = qkv.shape[0]
@@ -163,6 +169,8 @@ def rope_and_cache_write(
     c, s = cos.index_select(0, positions), sin.index_select(0, positions)
     q_rot = apply_rope(q, c, s).to(qkv.dtype)
     k_rot = apply_rope(k, c, s)
+    if k_mean is not None and k_cache.dtype == torch.float8_e4m3fn:
+        k_rot = k_rot - k_mean.float()
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     k_cache.view(-1, nkv, hd)[slots] = to_cache(k_rot[keep], k_cache.dtype, k_scale)

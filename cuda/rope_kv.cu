@@ -11,7 +11,11 @@
 // torch's `x * cos + rotate_half(x) * sin` computes it.
 // rope_kv_fp8_kernel: the cache holds float8_e4m3fn codes: k_cache = sat(rope(k) * inv_k),
 // v_cache = sat(v * inv_v) with inv = float32(1 / scale) (one scale per layer for K and one
-// for V; llmc.cuda.reference.to_cache), round to nearest even (fp8.cuh).
+// for V; llmc.cuda.reference.to_cache), round to nearest even (fp8.cuh). Smooth K
+// (SageAttention): k_mean [NKV, HD] float32 is subtracted from rope(k) first,
+// k_cache = sat((rope(k) - k_mean) * inv_k), float32 ops rounded one by one as the
+// reference; softmax cancels the shift q.k_mean, so the attention kernels are unchanged.
+// The 16-bit kernel takes k_mean too and ignores it (nullptr there).
 // Launch: grid min(T, 65535), block 128; pointers aligned to PV elements (checked by the
 // Python wrapper).
 //
@@ -48,7 +52,8 @@ __device__ __forceinline__ void rope_kv(const scalar_t* __restrict__ qkv,
                                         cache_t* __restrict__ k_cache, cache_t* __restrict__ v_cache,
                                         const long long* __restrict__ slots,
                                         scalar_t* __restrict__ q_out, int T, int max_pos,
-                                        float inv_k, float inv_v) {
+                                        float inv_k, float inv_v,
+                                        const float* __restrict__ k_mean) {
     constexpr int pv = PV, vv = VV;
     constexpr int rot_units = (NQ + NKV) * (HALF / pv);
     constexpr int v_units = NKV * (HD / vv);
@@ -78,6 +83,14 @@ __device__ __forceinline__ void rope_kv(const scalar_t* __restrict__ qkv,
                     store_vec<pv>(dst + HALF + i0, y2);
                 } else {
                     if (slot < 0) continue;
+                    if constexpr (sizeof(cache_t) == 1) {
+                        const float* m = k_mean + (h - NQ) * HD + i0;
+#pragma unroll
+                        for (int e = 0; e < pv; ++e) {
+                            y1[e] = __fsub_rn(y1[e], m[e]);
+                            y2[e] = __fsub_rn(y2[e], m[HALF + e]);
+                        }
+                    }
                     cache_t* dst = k_cache + (slot * NKV + (h - NQ)) * HD;
                     store_cache<cache_t, pv>(dst + i0, y1, inv_k);
                     store_cache<cache_t, pv>(dst + HALF + i0, y2, inv_k);
@@ -100,10 +113,10 @@ __device__ __forceinline__ void rope_kv(const scalar_t* __restrict__ qkv,
         const float *__restrict__ cos_t, const float *__restrict__ sin_t,                      \
         cache_t *__restrict__ k_cache, cache_t *__restrict__ v_cache,                          \
         const long long *__restrict__ slots, scalar_t *__restrict__ q_out, int T, int max_pos, \
-        float inv_k, float inv_v
+        float inv_k, float inv_v, const float *__restrict__ k_mean
 #define ROPE_KV_CALL(cache_t)                                                                 \
     rope_kv<cache_t>(qkv, positions, cos_t, sin_t, k_cache, v_cache, slots, q_out, T, max_pos, \
-                     inv_k, inv_v)
+                     inv_k, inv_v, k_mean)
 
 extern "C" __global__ void rope_kv_kernel(ROPE_KV_ARGS(scalar_t)) { ROPE_KV_CALL(scalar_t); }
 extern "C" __global__ void rope_kv_fp8_kernel(ROPE_KV_ARGS(fp8_t)) { ROPE_KV_CALL(fp8_t); }

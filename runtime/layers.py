@@ -28,7 +28,9 @@ dispatches (``llmc.cuda.reference_wo``).
 Both paths of one engine compute the same values (``llmc.cuda.reference`` and
 ``llmc.cuda.reference_fp8`` compose the fused ops from the unfused ones). An fp8 KV cache
 gets the layer's static (k_scale, v_scale), python floats read once at load, on
-rope_and_cache_write and attention; a 16/32-bit cache is called exactly as before.
+rope_and_cache_write and attention, and its smooth-K ``k_mean`` [nkv, hd] on
+rope_and_cache_write only (attention is invariant to it); a 16/32-bit cache is called
+exactly as before.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import torch
 
 from llmc.base.errors import EngineError
 from llmc.compiler.limits import EngineLimits
-from llmc.compiler.quantization import KV_SCALE, SCALE_SUFFIX
+from llmc.compiler.quantization import K_MEAN, KV_SCALE, SCALE_SUFFIX
 from llmc.compiler.spec import ModelSpec
 from llmc.cuda.backend import Backend
 from llmc.cuda.reference_fp8 import Fp8Rows
@@ -74,6 +76,9 @@ class LayerWeights:
     kv_scales: tuple[float, ...] = ()
     """(k_scale, v_scale) for an fp8 KV cache; () otherwise (not passed). Positional: the
     TorchBackend's ops take only ``out`` by keyword."""
+    k_mean: torch.Tensor | None = None
+    """Smooth K's [nkv, hd] float32 for an fp8 KV cache (rope_and_cache_write's last
+    positional argument); None otherwise."""
 
 
 def _kv_scales(w: Mapping[str, Any], name: str) -> tuple[float, float]:
@@ -85,6 +90,16 @@ def _kv_scales(w: Mapping[str, Any], name: str) -> tuple[float, float]:
                 "finite number"
             )
     return k, v
+
+
+def _k_mean(w: Mapping[str, Any], name: str) -> torch.Tensor:
+    m = w[name]
+    if not bool(torch.isfinite(m).all()):
+        raise EngineError(
+            f"engine weights: tensor {name!r} (smooth K's mean of k) has non-finite values; "
+            "recalibrate the engine (llmc calibrate) or rebuild it"
+        )
+    return m
 
 
 def layer_weights(
@@ -111,6 +126,7 @@ def layer_weights(
                 down=w[p + "down_proj"],
                 down_scale=w.get(p + "down_proj" + SCALE_SUFFIX),
                 kv_scales=_kv_scales(w, p + KV_SCALE) if fp8_kv else (),
+                k_mean=_k_mean(w, p + K_MEAN) if fp8_kv else None,
                 **scale,
             )
         )
@@ -173,10 +189,12 @@ class DecoderLayers:
     def _rope_and_write(self, i: int, inp: StepInputs, qkv: torch.Tensor, q: torch.Tensor) -> None:
         """qkv → rotated q (into ``q``) and layer ``i``'s K/V written at the step's slots."""
         k_cache, v_cache = self.kv_cache.layer(i)
-        meta, kv = inp.attn, self.layers[i].kv_scales
+        lw = self.layers[i]
+        meta, kv = inp.attn, lw.kv_scales
+        smooth = () if lw.k_mean is None else (lw.k_mean,)
         self.backend.rope_and_cache_write(
             qkv, meta.positions, self.cos, self.sin, k_cache, v_cache, meta.slot_mapping, *kv,
-            out=q,
+            *smooth, out=q,
         )  # fmt: skip
 
     def _pieces(self, inp: StepInputs, fused: bool) -> Iterator[int]:

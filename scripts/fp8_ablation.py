@@ -15,7 +15,10 @@ A variant is ``NAME=SPEC``, SPEC a space-separated list of
   amax_w^(1-ALPHA)`` (amax_x over ``--calib_file``), x / s and w * s quantized (float math;
   w is the bf16 engine's, also with ``--fp8_engine``);
 - ``kvscale:one|layer|head`` the KV scales: 1.0, per layer or per KV head from max |k| / |v|
-  over ``--calib_file`` (k after RoPE).
+  over ``--calib_file`` (k after RoPE);
+- ``ksmooth`` smooth K (SageAttention): subtract a per-layer, per-KV-head, per-channel mean m
+  of post-RoPE k over ``--calib_file`` before quantizing and store k - m (softmax is invariant
+  to the same q.m for every key of a query); the K scales then come from max |k - m|.
 
     PYTHONSAFEPATH=1 .venv/bin/python scripts/fp8_ablation.py --engine_dir E \
         --variant "bf16=" --variant "W8A8 qkv=w:qkv a:qkv" --variant "KV=kv:kv"
@@ -50,6 +53,7 @@ class Variant:
     kv: str = ""
     kvscale: str = "one"
     smooth: float | None = None
+    ksmooth: bool = False
 
 
 def parse_variant(text: str) -> Variant:
@@ -69,6 +73,8 @@ def parse_variant(text: str) -> Variant:
             got["kv"] = value
         elif key == "smooth":
             got["smooth"] = float(value)
+        elif key == "ksmooth" and not value:
+            got["ksmooth"] = True
         elif key == "kvscale" and value in ("one", "layer", "head"):
             got["kvscale"] = value
         else:
@@ -87,10 +93,12 @@ class Fp8Probe:
         kv_amax: Any,
         codes: Any = None,
         x_amax: Any = None,
+        k_mean: Any = None,
     ) -> None:
         from llmc.cuda.reference_fp8 import quantize_weight_fp8
 
         self._inner, self.v = inner, variant
+        self.k_mean = k_mean  # (mean [layers, nkv, hd], amax of k - mean [layers, nkv]) or None
         spec = runner.spec
         self.nq, self.nkv, self.hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
         lo, hi = variant.layers or (0, spec.num_layers - 1)
@@ -144,7 +152,10 @@ class Fp8Probe:
     def _scales(self, i: int, which: int) -> torch.Tensor:  # [nkv] float32
         if self.v.kvscale == "one" or self.kv_amax is None:
             return torch.ones(self.nkv)
-        amax = self.kv_amax[i, which].clamp(min=1e-6) / 448.0
+        amax = self.kv_amax[i, which]
+        if which == 0 and self.v.ksmooth:
+            amax = self.k_mean[1][i]
+        amax = amax.clamp(min=1e-6) / 448.0
         return amax if self.v.kvscale == "head" else amax.max().expand(self.nkv)
 
     def rope_and_cache_write(self, qkv: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -166,6 +177,8 @@ class Fp8Probe:
         for which, (x, cache) in enumerate(((k, k_cache), (v, v_cache))):
             if "kv"[which] not in self.v.kv:
                 continue
+            if which == 0 and self.v.ksmooth:
+                x = x - self.k_mean[0][i]
             sc = self._scales(i, which)[None, :, None]
             deq = saturate_to_fp8(x[keep] * (1.0 / sc)).float() * sc
             cache.view(-1, nkv, hd)[slots] = deq.to(cache.dtype)
@@ -195,9 +208,11 @@ class XAmax:
 class KVAmax:
     """Records max |k| (after RoPE) and max |v| per layer and KV head."""
 
-    def __init__(self, inner: Any, runner: Any) -> None:
+    def __init__(self, inner: Any, runner: Any, k_mean: Any = None) -> None:
         spec = runner.spec
-        self._inner = inner
+        self._inner, self.k_mean = inner, k_mean  # k_mean [layers, nkv, hd]: max |k - mean|
+        self.k_sum = torch.zeros(spec.num_layers, spec.num_kv_heads, spec.head_dim)
+        self.k_rows = torch.zeros(spec.num_layers)
         self.nq, self.nkv, self.hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.layer_of = {runner.kv_cache.layer(i)[0].data_ptr(): i for i in range(spec.num_layers)}
         self.amax = torch.zeros(spec.num_layers, 2, spec.num_kv_heads)
@@ -215,6 +230,10 @@ class KVAmax:
         k = ref.apply_rope(qkv[:, nq * hd : (nq + nkv) * hd].view(t, nkv, hd), c, s)
         v = qkv[:, (nq + nkv) * hd :].view(t, nkv, hd).float()
         keep = slot_mapping >= 0
+        self.k_sum[i] += k[keep].sum(0)
+        self.k_rows[i] += int(keep.sum())
+        if self.k_mean is not None:
+            k = k - self.k_mean[i]
         for which, x in enumerate((k[keep], v[keep])):
             if x.shape[0]:
                 self.amax[i, which] = torch.maximum(self.amax[i, which], x.abs().amax((0, 2)))
@@ -253,12 +272,26 @@ def main() -> None:
         runner = llm.runtime.runner
         base = runner.layers.backend
         kv_amax = None
-        if any(v.kvscale != "one" for v in variants):
+        if any(v.kvscale != "one" and not v.ksmooth for v in variants):
             obs = KVAmax(base, runner)
             runner.layers.backend = obs
             calib = EvalSettings(text_file=args.calib_file, max_windows=2)
             evaluate(llm, calib)
             kv_amax = obs.amax
+        k_mean = None
+        if any(v.ksmooth for v in variants):
+            obs = KVAmax(base, runner)
+            runner.layers.backend = obs
+            evaluate(llm, EvalSettings(text_file=args.calib_file, max_windows=2))
+            mean, raw = obs.k_sum / obs.k_rows[:, None, None], obs.amax[:, 0]
+            obs = KVAmax(base, runner, mean)
+            runner.layers.backend = obs
+            evaluate(llm, EvalSettings(text_file=args.calib_file, max_windows=2))
+            k_mean = (mean, obs.amax[:, 0])
+            if kv_amax is None:
+                kv_amax = obs.amax  # v's are unchanged by the mean
+            spread = (raw / k_mean[1]).mean()
+            print(f"ksmooth: max |k| / max |k - mean| = {spread:.2f} (mean over layers, heads)")
         x_amax = None
         if any(v.smooth is not None for v in variants):
             xo = XAmax(base, runner)
@@ -266,7 +299,7 @@ def main() -> None:
             evaluate(llm, EvalSettings(text_file=args.calib_file, max_windows=2))
             x_amax = xo.amax
         for v in variants:
-            runner.layers.backend = Fp8Probe(base, runner, v, kv_amax, codes, x_amax)
+            runner.layers.backend = Fp8Probe(base, runner, v, kv_amax, codes, x_amax, k_mean)
             try:
                 ppl = evaluate(llm, settings).perplexity
             finally:

@@ -65,9 +65,69 @@ def test_scales_are_the_observed_ranges_over_448(engine, text):
     rt = EngineRuntime.load(engine, RuntimeConfig(device="cpu", backend="torch"))
     ids = rt.tokenizer.encode(TEXT)[: out["tokens"]]
     obs = observe(rt, [ids[b : b + 16] for b in range(0, len(ids), 16)])
-    again = torch.tensor([obs.k_amax, obs.v_amax]).T / 448
+    smoothed = [obs.smoothed_k_amax(i) for i in range(2)]  # smooth K: max |k - k_mean|
+    again = torch.tensor([smoothed, obs.v_amax]).T / 448
     torch.testing.assert_close(stored, again.float(), rtol=0.15, atol=0)
     assert (stored > 0).all() and (stored < 1).all()
+    assert out["smooth_k"] and manifest["calibration"]["kv_cache"]["smooth_k"]
+    assert len(out["k_amax_unsmoothed"]) == 2 and min(out["k_amax_unsmoothed"]) > 0
+
+
+def _k_means(engine) -> torch.Tensor:
+    w = load_engine(engine).load_weights()
+    return torch.stack([w[f"layers.{i}.k_mean"] for i in range(2)])
+
+
+def test_k_mean_is_the_mean_rotated_key_and_no_smooth_k_zeroes_it(engine, text):
+    """The stored k_mean is the mean of the keys the cache held (after RoPE), per KV head and
+    channel: checked against a float32-KV run of the same prompts; --no_smooth_k stores
+    zeros and the rotation-pair bound of k."""
+    from llmc.runtime.engine_runtime import EngineRuntime, RuntimeConfig
+    from llmc.runtime.kv_calibration import observe
+
+    assert not _k_means(engine).any()  # built: smooth K off
+    res = calibrate("--engine_dir", engine, "--text_file", text, "--window", "64", "--json", "-")
+    assert res.exit_code == 0, res.stderr
+    means = _k_means(engine)
+    rt = EngineRuntime.load(engine, RuntimeConfig(device="cpu", backend="torch"))
+    ids = rt.tokenizer.encode(TEXT)[: json.loads(res.stdout)["tokens"]]
+    captured: dict[int, list[torch.Tensor]] = {0: [], 1: []}
+    inner = rt.runner.layers.backend
+    layer_of = {rt.runner.kv_cache.layer(i)[0].data_ptr(): i for i in range(2)}
+    spec = rt.runner.spec
+
+    class Capture:  # the rotated k each layer writes, from the reference's own rotation
+        def __getattr__(self, name):
+            return getattr(inner, name)
+
+        def rope_and_cache_write(self, qkv, positions, cos, sin, k_cache, v, slots, *rest, **kw):
+            from llmc.cuda import reference as ref
+
+            nq, nkv, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
+            k = qkv[:, nq * hd : (nq + nkv) * hd].reshape(-1, nkv, hd)
+            c, s = cos.index_select(0, positions), sin.index_select(0, positions)
+            captured[layer_of[k_cache.data_ptr()]].append(ref.apply_rope(k, c, s)[slots >= 0])
+            return inner.rope_and_cache_write(
+                qkv, positions, cos, sin, k_cache, v, slots, *rest, **kw
+            )
+
+    rt.runner.layers.backend = Capture()
+    obs = observe(rt, [ids[b : b + 64] for b in range(0, len(ids), 64)])
+    rt.runner.layers.backend = inner
+    for i in range(2):  # the observer's mean is the mean of what the cache was given
+        torch.testing.assert_close(obs.k_mean(i), torch.cat(captured[i]).mean(0))
+    # layer 0's keys do not depend on the cache: the stored mean is theirs (layer 1's input
+    # carries layer 0's fp8 rounding, which calibration changed)
+    torch.testing.assert_close(means[0], obs.k_mean(0), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(means[1], obs.k_mean(1), rtol=0, atol=0.05)
+    assert means.abs().max() > 0.01
+    del rt
+    res = calibrate("--engine_dir", engine, "--text_file", text, "--window", "64",
+                    "--no_smooth_k", "--json", "-")  # fmt: skip
+    assert res.exit_code == 0, res.stderr
+    assert not _k_means(engine).any() and not json.loads(res.stdout)["smooth_k"]
+    want = torch.tensor(obs.k_amax) / 448
+    torch.testing.assert_close(_scales(engine)[:, 0], want.float(), rtol=0.15, atol=0)
 
 
 def test_observer_bounds_rotated_keys(tiny_engine, tiny_llama_dir):

@@ -117,7 +117,11 @@ def test_engine_tensor_table(quant, kv):
     kv_scales = [n for n in table if n.endswith("kv_scale")]
     assert kv_scales == ([f"layers.{i}.kv_scale" for i in range(2)] if kv == "fp8" else [])
     assert all(table[n] == ((2,), "float32") for n in kv_scales)
-    assert len(table) == len(shapes) + len(scales) + len(kv_scales)
+    k_means = [n for n in table if n.endswith("k_mean")]  # smooth K, one per layer
+    assert k_means == ([f"layers.{i}.k_mean" for i in range(2)] if kv == "fp8" else [])
+    kv_shape = (SPEC.num_kv_heads, SPEC.head_dim)
+    assert all(table[n] == (kv_shape, "float32") for n in k_means)
+    assert len(table) == len(shapes) + len(scales) + len(kv_scales) + len(k_means)
 
 
 @pytest.mark.parametrize("quant, kv", COMBOS)
@@ -129,8 +133,8 @@ def test_memory_plan_counts_fp8_bytes_and_buffers(quant, kv):
     want = bf16.weight_bytes_total
     if quant == "fp8":
         want += -codes + codes // 2 + scales
-    if kv == "fp8":
-        want += SPEC.num_layers * 8
+    if kv == "fp8":  # kv_scale [2] and k_mean [nkv, hd] float32 per layer
+        want += SPEC.num_layers * (8 + 4 * SPEC.num_kv_heads * SPEC.head_dim)
     assert plan.weight_bytes_total == want
     # KV bytes per token: 1 byte per element for fp8 (half of bf16: the pool holds twice)
     assert plan.kv_bytes_per_token * (2 if kv == "fp8" else 1) == bf16.kv_bytes_per_token
@@ -211,6 +215,7 @@ def test_fp8_engine_weights_from_a_float_checkpoint(fixture, request):
         assert torch.equal(eng[name + "_scale"], s), name
     for i in range(spec.num_layers):
         assert eng[f"layers.{i}.kv_scale"].tolist() == [1.0, 1.0]
+        assert not eng[f"layers.{i}.k_mean"].any()  # smooth K off until llmc calibrate
     back = dequantize_engine_weights(eng, "float32")
     assert set(back) == set(spec.tensor_shapes())
     ref = to_engine_weights(spec, hf, "float32")
@@ -253,6 +258,8 @@ def test_engine_tensor_checks_name_the_tensor():
         "layers.0.down_proj_scale": good["layers.0.down_proj_scale"].half(),
         "layers.0.gate_up_proj_scale": good["layers.0.gate_up_proj_scale"][:-1],
         "layers.1.kv_scale": torch.ones(3),
+        "layers.0.k_mean": good["layers.0.k_mean"][:, :-1],
+        "layers.1.k_mean": good["layers.1.k_mean"].bfloat16(),
     }
     for name, bad in cases.items():
         with pytest.raises(EngineError, match=f"w: tensor '{name}' is"):

@@ -256,9 +256,11 @@ def fp8_cache(nblocks: int, bs: int, nkv: int, hd: int, scale: float, unused=())
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hd,nq,nkv", HEADS)
 @pytest.mark.parametrize("scales", [(1.0, 1.0), (0.05, 0.02), (0.001, 0.002)])
-def test_rope_and_cache_write_fp8(be, dtype, hd, nq, nkv, scales):
-    """Codes sat(k * float32(1 / k_scale)) of the float32 rotation, bit for bit (the smallest
-    scales saturate at +-448); slot -1 rows and unwritten slots keep their poison."""
+@pytest.mark.parametrize("smooth", [False, True])
+def test_rope_and_cache_write_fp8(be, dtype, hd, nq, nkv, scales, smooth):
+    """Codes sat((k - k_mean) * float32(1 / k_scale)) of the float32 rotation, bit for bit
+    (the smallest scales saturate at +-448; k_mean None = zero, or random: smooth K); slot -1
+    rows and unwritten slots keep their poison."""
     t, bs, nblocks, max_pos = 37, 16, 11, 500
     mag = 0.3 if scales[0] == 0.05 else 3.0
     qkv = (mag * torch.randn(t, (nq + 2 * nkv) * hd, device=DEV)).to(dtype)
@@ -269,12 +271,14 @@ def test_rope_and_cache_write_fp8(be, dtype, hd, nq, nkv, scales):
     kc = torch.full((nblocks, bs, nkv, hd), 0x7F, dtype=torch.uint8, device=DEV).view(E4M3)
     vc = kc.clone()
     kr, vr = kc.cpu(), vc.cpu()
+    mean = (mag * torch.randn(nkv, hd, device=DEV),) if smooth else ()
     q = be.rope_and_cache_write(
-        qkv, pos, cos, sin, kc, vc, slots, *scales, out=poisoned(t, nq * hd, dtype=dtype)
+        qkv, pos, cos, sin, kc, vc, slots, *scales, *mean, out=poisoned(t, nq * hd, dtype=dtype)
     )
     q_ref = ref.rope_and_cache_write(
-        qkv.cpu(), pos.cpu(), cos.cpu(), sin.cpu(), kr, vr, slots.cpu(), *scales
-    )
+        qkv.cpu(), pos.cpu(), cos.cpu(), sin.cpu(), kr, vr, slots.cpu(), *scales,
+        *(m.cpu() for m in mean),
+    )  # fmt: skip
     assert torch.equal(codes(kc), codes(kr)) and torch.equal(codes(vc), codes(vr))
     assert torch.equal(q.cpu(), q_ref)
     if scales[0] == 0.001:

@@ -50,7 +50,7 @@ KERNELS = [
     ("rmsnorm", "rms_norm_fp8_kernel", 10),
     ("activation", "silu_and_mul_kernel", 5),
     ("activation", "silu_and_mul_fp8_kernel", 6),
-    ("rope_kv", "rope_kv_fp8_kernel", 12),
+    ("rope_kv", "rope_kv_fp8_kernel", 13),
     ("decode_attention", "paged_attention_kernel", 19),
     ("decode_attention", "paged_attention_fp8_kernel", 19),
     ("prefill_attention", "prefill_attention_kernel", 12),
@@ -213,10 +213,13 @@ def test_silu_and_mul_fp8_is_the_recipe_on_silu_and_mul(emu, dt, t, i, aligned):
 
 
 @pytest.mark.parametrize("dt", list(CFG))
-@pytest.mark.parametrize("scales", [(1.0, 1.0), (0.05, 0.02), (0.001, 0.002)])
-def test_rope_kv_fp8_write_bit_exact(emu, dt, scales):
-    """Codes sat(k * float32(1 / k_scale)) from the float32 rotation (the smallest scales
-    saturate many values at +-448), slot -1 rows untouched, q as the reference's."""
+@pytest.mark.parametrize(
+    "scales,smooth", [((1.0, 1.0), False), ((0.05, 0.02), True), ((0.001, 0.002), False)]
+)
+def test_rope_kv_fp8_write_bit_exact(emu, dt, scales, smooth):
+    """Codes sat((k - k_mean) * float32(1 / k_scale)) from the float32 rotation (the smallest
+    scales saturate many values at +-448; k_mean zero or random per KV head and channel),
+    slot -1 rows untouched, q as the reference's."""
     cfg = CFG[dt]
     hd, nq, nkv = cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads
     t, bs, nblocks, max_pos = 13, 4, 7, 64
@@ -232,13 +235,18 @@ def test_rope_kv_fp8_write_bit_exact(emu, dt, scales):
     kr, vr = kc.clone(), vc.clone()
     q = torch.full((t, nq, hd), math.nan, dtype=TORCH[dt])
     ks, vs = scales
+    mean = mag * torch.randn(nkv, hd, generator=g) if smooth else torch.zeros(nkv, hd)
     emu[dt, "rope_kv_fp8_kernel"](
         (t,), 128, qkv, pos, cos, sin, kc, vc, slots, q, t, max_pos,
-        np.float32(1.0 / ks), np.float32(1.0 / vs),
+        np.float32(1.0 / ks), np.float32(1.0 / vs), mean,
     )  # fmt: skip
-    q_ref = ref.rope_and_cache_write(qkv, pos, cos, sin, kr, vr, slots, ks, vs)
+    q_ref = ref.rope_and_cache_write(qkv, pos, cos, sin, kr, vr, slots, ks, vs, mean)
     assert torch.equal(_codes(kc), _codes(kr))
     assert torch.equal(_codes(vc), _codes(vr))
+    if smooth:  # the mean reached the codes: without it they differ
+        unsmoothed = kc.clone()
+        ref.rope_and_cache_write(qkv, pos, cos, sin, unsmoothed, vc.clone(), slots, ks, vs)
+        assert not torch.equal(_codes(kc), _codes(unsmoothed))
     if scales[0] == 0.001:
         assert (kc.float().abs() == 448).sum() > 10 and (vc.float().abs() == 448).sum() > 10
     assert torch.equal(q, q_ref)

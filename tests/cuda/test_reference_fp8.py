@@ -183,3 +183,50 @@ def test_fp8_kv_cache_write_and_attention(scales):
     if k_scale != 1.0:
         off = ref.paged_attention(q, k8, v8, meta).float()
         assert (off - want).norm() / want.norm() > 0.3
+
+
+def test_smooth_k_leaves_attention_and_cuts_its_fp8_error():
+    """Keys with a large per-channel mean (as post-RoPE k of SmolLM2): caching k - mean
+    (k_mean) leaves attention what it was (the cache holds k - m exactly in float32:
+    softmax cancels q.m) and, in e4m3, is closer to the exact attention than caching k."""
+    g = _gen(11)
+    nq, nkv, hd, tpb, nblocks, t = 4, 2, 32, 8, 4, 24
+    qkv = torch.randn(t, (nq + 2 * nkv) * hd, generator=g)
+    k = qkv[:, nq * hd : (nq + nkv) * hd].view(t, nkv, hd)
+    k.mul_(0.3).add_(4.0 * torch.randn(nkv, hd, generator=g))  # a big constant per channel
+    pos = torch.arange(t)
+    cos, sin = torch.ones(64, hd // 2), torch.zeros(64, hd // 2)  # identity rotation
+    slots = torch.arange(tpb, tpb + t)
+    mean = k.mean(0)
+    meta = AttentionMetadata(
+        positions=pos,
+        slot_mapping=slots,
+        cu_seqlens_q=torch.tensor([0, t], dtype=torch.int32),
+        seq_lens=torch.tensor([t], dtype=torch.int32),
+        block_tables=torch.tensor([[1, 2, 3]], dtype=torch.int32),
+        num_decode_seqs=0,
+        max_query_len=t,
+        max_seq_len=t,
+    )
+
+    def attend(dtype: torch.dtype, k_mean: torch.Tensor | None, k_scale: float) -> torch.Tensor:
+        kc = torch.zeros(nblocks, tpb, nkv, hd, dtype=dtype)
+        vc = torch.zeros_like(kc)
+        q = ref.rope_and_cache_write(qkv, pos, cos, sin, kc, vc, slots, k_scale, 1.0, k_mean)
+        if dtype == torch.float32 and k_mean is not None:  # a float cache ignores k_mean:
+            kc.view(-1, nkv, hd)[slots] -= k_mean  # subtract it by hand to check invariance
+        return ref.paged_attention(q, kc, vc, meta, k_scale, 1.0).float()
+
+    exact = attend(torch.float32, None, 1.0)
+    shifted = attend(torch.float32, mean, 1.0)
+    torch.testing.assert_close(shifted, exact, rtol=1e-4, atol=1e-5)
+    e4m3 = torch.float8_e4m3fn
+    plain = attend(e4m3, None, float(k.abs().max()) / FP8_MAX)
+    smooth = attend(e4m3, mean, float((k - mean).abs().max()) / FP8_MAX)
+    err_plain = (plain - exact).norm() / exact.norm()
+    err_smooth = (smooth - exact).norm() / exact.norm()
+    assert err_smooth < 0.5 * err_plain, (err_smooth, err_plain)
+    # and the float32 cache is written as before: k_mean is ignored there
+    kc = torch.zeros(nblocks, tpb, nkv, hd)
+    ref.rope_and_cache_write(qkv, pos, cos, sin, kc, torch.zeros_like(kc), slots, 1, 1, mean)
+    assert torch.equal(kc.view(-1, nkv, hd)[slots], k)

@@ -99,9 +99,11 @@ class RecordingBackend(TorchBackend):
     def __init__(self, fused: int = 0) -> None:
         super().__init__("cpu", fused_decode_max_tokens=fused)
         self.kv_calls: list[tuple[str, torch.dtype, tuple]] = []
+        self.k_means: list[tuple] = []  # rope_and_cache_write's smooth-K argument, if any
 
     def rope_and_cache_write(self, qkv, positions, cos, sin, k, v, slots, *scales, out=None):
-        self.kv_calls.append(("rope", k.dtype, scales))
+        self.kv_calls.append(("rope", k.dtype, scales[:2]))
+        self.k_means.append(scales[2:])
         return super().rope_and_cache_write(qkv, positions, cos, sin, k, v, slots, *scales, out=out)
 
     def attention(self, q, k, v, meta, *scales, out=None):
@@ -128,6 +130,8 @@ def test_an_fp8_kv_cache_is_e4m3_and_gets_each_layers_scales(tiny):
     w = quantize_engine_weights(spec, weights.items(), "fp8", "fp8", "test")
     w["layers.0.kv_scale"] = torch.tensor([0.5, 0.25])
     w["layers.1.kv_scale"] = torch.tensor([2.0, 0.125])
+    assert torch.equal(w["layers.0.k_mean"], torch.zeros(spec.num_kv_heads, spec.head_dim))
+    w["layers.1.k_mean"] = torch.full((spec.num_kv_heads, spec.head_dim), 0.5)
     be = RecordingBackend()
     runner = make_runner(spec, w, quantization="fp8", kv_cache_dtype="fp8", backend=be)
     assert runner.kv_cache.storage.dtype == torch.float8_e4m3fn
@@ -137,10 +141,13 @@ def test_an_fp8_kv_cache_is_e4m3_and_gets_each_layers_scales(tiny):
     assert [c[2] for c in be.kv_calls if c[0] == "rope"] == per_layer
     assert [c[2] for c in be.kv_calls if c[0] == "attention"] == per_layer
     assert all(c[1] == torch.float8_e4m3fn for c in be.kv_calls)
-    # a 16/32-bit cache is called exactly as before: no scales
+    # each layer's smooth-K mean reaches the KV write (and only it)
+    assert [float(m[0].flatten()[0]) for m in be.k_means] == [0.0, 0.5] * 2
+    # a 16/32-bit cache is called exactly as before: no scales, no mean
     be = RecordingBackend()
     drive(make_runner(spec, weights, backend=be), [new_seq(0, [5, 6, 7], 2)], chunk=8, budget=8)
     assert be.kv_calls and all(c[2] == () and c[1] == torch.float32 for c in be.kv_calls)
+    assert all(m == () for m in be.k_means)
 
 
 def test_the_scales_reach_the_cache_values(tiny):
@@ -184,6 +191,9 @@ def test_the_decode_graph_path_runs_an_fp8_engine(tiny):
         ("layers.0.kv_scale", torch.tensor([0.0, 1.0]), "holds k_scale 0.0"),
         ("layers.1.kv_scale", torch.tensor([1.0, math.nan]), "holds v_scale nan"),
         ("layers.1.kv_scale", torch.tensor([1.0, -math.inf]), "holds v_scale -inf"),
+        ("layers.0.k_mean", "half", "'layers.0.k_mean' is [2, 16] float16, expected"),
+        ("layers.1.k_mean", torch.zeros(2, 8), "'layers.1.k_mean' is [2, 8] float32, expected"),
+        ("layers.1.k_mean", torch.full((2, 16), math.nan), "'layers.1.k_mean' (smooth K"),
     ],
 )
 def test_bad_fp8_engine_weights_are_refused_naming_the_tensor(tiny, name, value, says):
