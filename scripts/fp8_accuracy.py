@@ -11,7 +11,10 @@ bf16 engine's.
     PYTHONSAFEPATH=1 .venv/bin/python scripts/fp8_accuracy.py --out /tmp/fp8_acc --eval \
         --text_file /usr/share/common-licenses/GPL-3 --json /tmp/fp8_acc/result.json
 
-Builds are reused when the engine directory exists (``--rebuild`` to force).
+Builds are reused when the engine directory exists (``--rebuild`` to force). A new fp8 KV
+engine is calibrated (``llmc calibrate``: k/v scales and smooth K's k_mean) over
+``--calib_file`` (default the Apache-2.0 text: not the scored one); ``--no_calibrate``
+keeps the build's scales of 1.0 and zero k_mean.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ PROMPTS = (
 )
 
 
-def build_engines(gguf: Path, out: Path, rebuild: bool) -> dict[str, Path]:
+def build_engines(gguf: Path, out: Path, rebuild: bool, calib_file: Path | None) -> dict[str, Path]:
     from llmc.compiler.build_config import BuildConfig
     from llmc.compiler.builder import build
 
@@ -59,8 +62,23 @@ def build_engines(gguf: Path, out: Path, rebuild: bool) -> dict[str, Path]:
             t0 = time.perf_counter()
             build(cfg)
             print(f"built {name} in {time.perf_counter() - t0:.1f} s: {d}", file=sys.stderr)
+            if calib_file is not None and settings.get("kv_cache_dtype") == "fp8":
+                calibrate(d, calib_file)
         dirs[name] = d
     return dirs
+
+
+def calibrate(engine: Path, calib_file: Path) -> None:
+    """``llmc calibrate --engine_dir engine --text_file calib_file --device cpu``."""
+    cmd = [sys.executable, "-m", "llmc.cli.main", "calibrate", "--engine_dir", str(engine)]
+    res = subprocess.run(
+        [*cmd, "--text_file", str(calib_file), "--device", "cpu", "--json", "-"],
+        capture_output=True,
+        text=True,
+    )
+    if res.returncode != 0:
+        raise SystemExit(f"llmc calibrate failed on {engine}: {res.stderr[-2000:]}")
+    print(f"calibrated {engine} on {calib_file}", file=sys.stderr)
 
 
 def greedy(engine: Path, max_new: int) -> list[list[int]]:
@@ -118,6 +136,8 @@ def main() -> None:
     p.add_argument("--eval", action="store_true", help="perplexity through `llmc eval`")
     p.add_argument("--text_file", type=Path, default=Path("/usr/share/common-licenses/GPL-3"))
     p.add_argument("--rebuild", action="store_true")
+    p.add_argument("--calib_file", type=Path, default=Path("/usr/share/common-licenses/Apache-2.0"))
+    p.add_argument("--no_calibrate", action="store_true", help="fp8 KV engines as built")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     args = p.parse_args()
     import torch
@@ -128,7 +148,8 @@ def main() -> None:
     gguf = args.gguf or smollm2_gguf()
     if args.rebuild and args.out.exists():
         shutil.rmtree(args.out)
-    dirs = build_engines(gguf, args.out, args.rebuild)
+    calib = None if args.no_calibrate else args.calib_file
+    dirs = build_engines(gguf, args.out, args.rebuild, calib)
     tokens = {}
     for name, d in dirs.items():
         t0 = time.perf_counter()
