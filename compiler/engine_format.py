@@ -292,15 +292,21 @@ def load_engine(
         raise EngineError(f"{where} is not a regular file; refused")
     manifest = _read_json(path, MANIFEST)
     fmt, ver = manifest.get("format_version"), manifest.get("llmc_version")
-    if fmt != version.ENGINE_FORMAT_VERSION or ver != version.__version__:
+    if fmt not in version.READABLE_FORMAT_VERSIONS or ver != version.__version__:
         raise EngineError(
             f"engine {printable(d)} has format version {printable(repr(fmt))} (llmc "
-            f"{printable(ver)}), this llmc {version.__version__} reads format version "
-            f"{version.ENGINE_FORMAT_VERSION}; rebuild it: {rebuild_command(manifest, d)}"
+            f"{printable(ver)}), this llmc {version.__version__} reads format versions "
+            f"{', '.join(map(str, version.READABLE_FORMAT_VERSIONS))}; rebuild it: "
+            f"{rebuild_command(manifest, d)}"
         )
     files = checksum_table(d, manifest)
     spec, build, kernel_names = manifest_sections(manifest, where)
     fix = f"rebuild it: {rebuild_command(manifest, d)}"
+    if fmt != version.ENGINE_FORMAT_VERSION and build.limits.kv_cache_dtype == "fp8":
+        raise EngineError(
+            f"engine {printable(d)} has format version {fmt}: its fp8 KV cache has no smooth-K "
+            f"k_mean tensors (format {version.ENGINE_FORMAT_VERSION}); {fix}"
+        )
     tp = build.tp_size
     try:
         check_tp(spec, tp, build.limits.quantization, build.limits.kv_cache_dtype)

@@ -163,3 +163,18 @@ def test_bad_inputs_write_nothing(built, tiny_engine, tiny_llama_dir, engine, te
         assert res.exit_code == code, (args, res.output)
         assert needle in res.output and "Traceback" not in res.output, res.output
     assert (engine / WEIGHTS).read_bytes() == before
+
+
+def test_a_format_2_engine_with_an_fp8_kv_cache_is_refused_with_its_rebuild(engine):
+    from llmc.base.errors import EngineError
+
+    m = json.loads((engine / "manifest.json").read_text())
+    m["format_version"] = 2
+    (engine / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(
+        EngineError, match="format version 2: its fp8 KV cache has no smooth-K"
+    ) as e:
+        load_engine(engine)
+    assert "llmc build --checkpoint_dir" in str(e.value)
+    r = CliRunner().invoke(app, ["run", "--engine_dir", str(engine), "--prompt", "hello"])
+    assert r.exit_code == 7 and "smooth-K" in r.output and "Traceback" not in r.output

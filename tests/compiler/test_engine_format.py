@@ -219,3 +219,12 @@ def test_a_file_outside_is_refused_unopened_with_its_digest(engine_copy, tmp_pat
         load_engine(engine_copy)
     assert not any("secret" in p for p in opened)
     assert hashlib.sha256(secret.read_bytes()).hexdigest()[:8] not in str(e.value)
+
+
+def test_a_format_2_engine_without_an_fp8_kv_cache_still_loads(engine_copy):
+    """Format 3 only added an fp8 KV cache's k_mean tensors: an engine of format 2 without
+    that cache is the same directory and loads as it is."""
+    assert llmc.ENGINE_FORMAT_VERSION == 3
+    _edit_manifest(engine_copy, format_version=2)
+    e = load_engine(engine_copy, target="cpu")
+    assert e.manifest["format_version"] == 2 and e.limits.kv_cache_dtype == "auto"
