@@ -98,11 +98,8 @@ def ahead_src_rows(prev: ScheduledBatch, ahead: ScheduledBatch) -> list[int]:
         # both over slots (every row of prev sampled): match the rows by slot
         if ar.seqs == pr.seqs:  # (list equality: identity, Sequence has no __eq__)
             return list(range(len(ar.seqs)))
-        np = pr.state._np
-        inv = np.full(pr.state.capacity, -1, dtype=np.int64)
-        inv[pr.slots] = np.arange(len(pr.slots))
-        idx = inv[ar.slots]
-        if bool((idx >= 0).all()) and bool((pr.gens[idx] == ar.gens).all()):
+        idx = pr.index_of(ar.slots, ar.gens)
+        if idx is not None:
             return idx.tolist()
     sampled = [ss.seq for ss in prev.sequences if ss.sample]
     rows = ahead.sequences

@@ -128,10 +128,8 @@ class AheadScheduling:
             slots = np.fromiter(map(_SLOT, running), dtype=np.int64, count=n)
             if int(slots.min()) < 0:
                 return None
-            inv = np.full(st.capacity, -1, dtype=np.int64)
-            inv[pr.slots] = np.arange(len(pr.slots))
-            idx = inv[slots]
-            if bool((idx < 0).any()) or not bool((pr.gens[idx] == st.gen[slots]).all()):
+            idx = pr.index_of(slots, st.gen[slots])
+            if idx is None:
                 return None
             prev_start = pr.start[idx]
         if not bool((st.computed[slots] == prev_start).all()) or bool(st.shares[slots].any()):

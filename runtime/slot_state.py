@@ -60,6 +60,17 @@ class DecodeRows:
         self.seqs, self.slots, self.start, self.state = seqs, slots, start, state
         self.gens = state.gen[slots]
 
+    def index_of(self, slots: Any, gens: Any) -> Any:
+        """The row [n] int64 of each of ``slots`` among these rows; None when one is not
+        among them or its row's generation is not ``gens`` (the slot changed hands)."""
+        st = self.state
+        inv = st._np.full(st.capacity, -1, dtype=st._np.int64)
+        inv[self.slots] = st._np.arange(len(self.slots))
+        idx = inv[slots]
+        if bool((idx < 0).any()) or not bool((self.gens[idx] == gens).all()):
+            return None
+        return idx
+
     def current(self, num_rows: int) -> bool:
         """Whether these are the ``num_rows`` rows of a batch and every slot still holds its
         sequence (none finished or was preempted since), whatever it computed since."""

@@ -155,8 +155,8 @@ class StepInputBuilder:
         flat_ids, positions, slots = _flatten([ss], self.limits.tokens_per_block)
         self._check_vocab(flat_ids, [ss], [0, len(flat_ids)])
         end = ss.start_position + ss.num_new_tokens
-        table = np.asarray(ss.seq.block_table[: -(-end // self.limits.tokens_per_block)])
-        return flat_ids, positions, slots, table.astype(np.int32)
+        table = ss.seq.block_table[: -(-end // self.limits.tokens_per_block)]
+        return flat_ids, positions, slots, np.asarray(table, dtype=np.int32)
 
     def decode_rows(
         self, batch: ScheduledBatch, src_rows: list[int] | None = None
