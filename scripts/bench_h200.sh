@@ -22,8 +22,9 @@
 # default N_128; beside the greedy row 128), smolb1 (SmolLM2 shape batch 1 128/512), b1nopg
 # (batch 1 with --prefill_graph_max_tokens 0: eager prefill, beside b1), smolkK / 128kK /
 # b1kK (issue 17: the smol, 128 and b1 rows with --decode_steps_per_iteration K, e.g.
-# smolk4, 128k8, b1k4: multi-step decoding), smolpw / 2048pw (the smol and 2048 rows with
-# --piecewise_graph_max_tokens 8192: piecewise CUDA graphs of prefill and mixed steps).
+# smolk4, 128k8, b1k4: multi-step decoding), smolpw / 128pw / 2048pw (the smol, 128 and 2048
+# rows with --piecewise_graph_max_tokens 8192: piecewise CUDA graphs of prefill and mixed
+# steps), smolnopw / 128nopw / 2048nopw (the same rows with --piecewise_graph_max_tokens 0).
 # SKIP_TESTS=1
 # skips step 2; PYTEST_ARGS
 # (absolute paths: Python runs outside the checkout) replaces its test files. LLMC_COMMIT names
@@ -124,6 +125,14 @@ for r in $ROWS; do
             --concurrency 1 --warmup 1 ;;
     smolpw) bench smollm2_128_128_pw "$SM" 200 --num_requests "$N_SMOL" --isl 128 --osl 128 \
             --piecewise_graph_max_tokens 8192 ;;
+    128pw) bench llama8b_128_128_pw "$L8" 200 --num_requests "$N_128" --isl 128 --osl 128 \
+            --piecewise_graph_max_tokens 8192 ;;
+    smolnopw) bench smollm2_128_128_nopw "$SM" 200 --num_requests "$N_SMOL" --isl 128 \
+            --osl 128 --piecewise_graph_max_tokens 0 ;;
+    128nopw) bench llama8b_128_128_nopw "$L8" 200 --num_requests "$N_128" --isl 128 \
+            --osl 128 --piecewise_graph_max_tokens 0 ;;
+    2048nopw) bench llama8b_2048_128_nopw "$L8" 200 --num_requests "$N_2048" --isl 2048 \
+            --osl 128 --piecewise_graph_max_tokens 0 ;;
     2048pw) bench llama8b_2048_128_pw "$L8" 200 --num_requests "$N_2048" --isl 2048 \
             --osl 128 --piecewise_graph_max_tokens 8192 ;;
     smolb1) bench smollm2_b1_128_512 "$SM" 90 --num_requests "$N_B1" --isl 128 --osl 512 \
