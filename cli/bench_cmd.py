@@ -57,6 +57,10 @@ HTTP_FLAGS: tuple[Flag, ...] = (
          "for synthetic token ids and ShareGPT lengths. Default: none.", metavar="DIR"),
     Flag("api_key", str, "With --url: sent as Authorization: Bearer KEY. Default: "
          "$LLMC_API_KEY, else $OPENAI_API_KEY, else none."),
+    Flag("client_workers", int, "With --url: client processes that send the requests "
+         "(one Python process parses a few thousand stream chunks a second before it lags); "
+         "0 = auto: one per 64 concurrent streams, at most a quarter of the CPU cores. "
+         "Default: 0.", metavar="N"),
 )
 # fmt: on
 
@@ -149,8 +153,11 @@ def _bench_url(
         raise UsageError("--peer runs in-process only; leave it out with --url")
     key = s.get("api_key") or os.environ.get("LLMC_API_KEY") or os.environ.get("OPENAI_API_KEY")
     endpoint = Endpoint(s["url"], s["model"], key or None)
+    workers = s.get("client_workers") or 0
+    if workers < 0:
+        raise UsageError(f"--client_workers must be >= 0 (0 = auto), got {workers}")
     model = client_model(engine, s.get("tokenizer"))
-    return run_bench_http(endpoint, settings, model, log=say, progress=bar)
+    return run_bench_http(endpoint, settings, model, log=say, progress=bar, workers=workers)
 
 
 def register(app: typer.Typer) -> None:

@@ -71,6 +71,7 @@ BENCH_KEYS = (
     "model",
     "tokenizer",
     "api_key",
+    "client_workers",
 )
 """Keys a ``workload:`` section may hold beside the workload and the runtime settings."""
 
@@ -115,6 +116,7 @@ class _WorkloadTypes:
     model: str | None
     tokenizer: str | None
     api_key: str | None
+    client_workers: int | None
     n: int | None
     beam_width: int | None
 

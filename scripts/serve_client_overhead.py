@@ -13,7 +13,9 @@ times is the client's own cost (its event loop, HTTP and SSE parsing) plus the l
 - ``send``: the client's arrival time to the server's parse of the request;
 - the client's CPU time per chunk and its share of one core.
 
-``--client aiohttp`` measures aiohttp instead of the driver's plain-TCP client (``sse_client``).
+``--client aiohttp`` measures aiohttp instead of the driver's plain-TCP client (``sse_client``);
+``--workers N`` sends from N client processes (``llmc bench --client_workers``; their CPU
+time counts in the share; the spawn and start of the processes is inside the wall time).
 
     PYTHONSAFEPATH=1 .venv/bin/python scripts/serve_client_overhead.py --concurrency 1 256
 """
@@ -31,7 +33,6 @@ import time
 import urllib.request
 from typing import Any
 
-from llmc.runtime.bench import http_driver
 from llmc.runtime.bench.http_driver import Endpoint, run_http_workload
 from llmc.runtime.bench.workload import ArrivalSpec, SyntheticSpec, synthetic_workload
 
@@ -122,18 +123,27 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def measure(port: int, concurrency: int, num: int, osl: int) -> dict[str, float]:
+def _cpu_s() -> float:  # this process and its finished children (the client workers)
+    total = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        u = resource.getrusage(who)
+        total += u.ru_utime + u.ru_stime
+    return total
+
+
+def measure(
+    port: int, concurrency: int, num: int, osl: int, workers: int, plain: bool
+) -> dict[str, float]:
     spec = SyntheticSpec(num_requests=num, isl=128, osl=osl, seed=concurrency)
     reqs = synthetic_workload(spec, 128000)
-    endpoint = Endpoint(f"http://127.0.0.1:{port}/v1", "fake")
-    cpu0 = resource.getrusage(resource.RUSAGE_SELF)
+    endpoint = Endpoint(f"http://127.0.0.1:{port}/v1", "fake", plain_http=plain)
+    cpu0 = _cpu_s()
     t0 = time.perf_counter()
     run = run_http_workload(
-        endpoint, reqs, ArrivalSpec(mode="concurrency", concurrency=concurrency)
+        endpoint, reqs, ArrivalSpec(mode="concurrency", concurrency=concurrency), workers=workers
     )
     wall = time.perf_counter() - t0
-    cpu1 = resource.getrusage(resource.RUSAGE_SELF)
-    cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
+    cpu = _cpu_s() - cpu0
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/log", timeout=30) as r:
         log = json.loads(r.read())
     first, chunk, send = [], [], []
@@ -170,9 +180,9 @@ def main() -> int:
     ap.add_argument("--step_ms", type=float, default=15.0)
     ap.add_argument("--fake_server", help=argparse.SUPPRESS)  # internal: run the server
     ap.add_argument("--client", choices=("plain", "aiohttp"), default="plain")
+    ap.add_argument("--workers", type=int, default=1, help="client processes (--client_workers)")
     ap.add_argument("--json", help="write the rows to this file")
     args = ap.parse_args()
-    http_driver.PLAIN_HTTP_CLIENT = args.client == "plain"
     if args.fake_server:
         asyncio.run(FakeServer(args.step_ms / 1e3).main(args.fake_server))
         return 0
@@ -188,8 +198,9 @@ def main() -> int:
             port = int(f.read())
         counts = args.requests or [max(16, 4 * c) for c in args.concurrency]
         for c, n in zip(args.concurrency, counts, strict=True):
-            row = measure(port, c, n, args.osl)
+            row = measure(port, c, n, args.osl, args.workers, args.client == "plain")
             row["client"] = args.client
+            row["workers"] = args.workers
             rows.append(row)
             print(", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
                             for k, v in row.items()))  # fmt: skip

@@ -39,7 +39,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, for serve_
 
 from serve_summary import hist_median, hist_minus, parse_histograms  # noqa: E402
 
-from llmc.runtime.bench import http_driver
 from llmc.runtime.bench.benchmark import run_workload
 from llmc.runtime.bench.http_driver import Endpoint, run_http_workload
 from llmc.runtime.bench.workload import ArrivalSpec, SyntheticSpec, synthetic_workload
@@ -159,7 +158,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     c1 = ArrivalSpec(mode="concurrency", concurrency=1)
     llm = LLM(str(engine), runtime_config=RuntimeConfig(device="cpu"))
     server = Server(engine, ["--device", "cpu"])
-    endpoint = Endpoint(server.url("/v1"), "tiny")
+    endpoint = Endpoint(server.url("/v1"), "tiny", plain_http=args.client == "plain")
     rounds: list[dict[str, Any]] = []
     try:
         for i in range(args.rounds):
@@ -227,11 +226,10 @@ def main() -> int:
         "--client",
         choices=("plain", "aiohttp"),
         default="plain",
-        help="the bench driver's HTTP client (http_driver.PLAIN_HTTP_CLIENT)",
+        help="the bench driver's HTTP client (Endpoint.plain_http)",
     )
     ap.add_argument("--json", help="write every number to this file")
     args = ap.parse_args()
-    http_driver.PLAIN_HTTP_CLIENT = args.client == "plain"
     result = run(args)
     report(result)
     if args.json:

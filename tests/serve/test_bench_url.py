@@ -73,3 +73,31 @@ def test_url_refusals(shared_server, serve_engine) -> None:
               "--num_requests", "2", "--warmup", "0"],
     )  # fmt: skip
     assert res.exit_code == 9 and "HTTP 404" in res.stderr
+
+
+def test_client_workers_split_the_streams(shared_server, serve_engine) -> None:
+    """Two client processes (--client_workers 2) send the same workload as one: the same
+    token counts as in-process, the records of both on one clock inside the window."""
+    url = shared_server.base_url
+    common = ["--num_requests", "10", "--isl", "8", "--osl", "5", "--concurrency", "4"]
+    local = _bench("--engine_dir", str(serve_engine), "--device", "cpu", *common)
+    remote = _bench(
+        "--url", url, "--model", "tiny", "--engine_dir", str(serve_engine),
+        "--client_workers", "2", *common,
+    )  # fmt: skip
+    assert _counts(remote) == _counts(local)
+    assert remote["config"]["client_workers"] == 2
+    a = remote["aggregates"]
+    assert a["num_failed"] == 0 and a["ttft"]["count"] == 10
+    rate = _bench(
+        "--url", url, "--model", "tiny", "--engine_dir", str(serve_engine),
+        "--client_workers", "3", "--num_requests", "6", "--isl", "8", "--osl", "4",
+        "--request_rate", "50",
+    )  # fmt: skip
+    assert rate["aggregates"]["num_completed"] == 6
+    assert rate["config"]["client_workers"] == 3
+    res = runner.invoke(
+        app, ["bench", "--url", url, "--model", "tiny", "--engine_dir", str(serve_engine),
+              "--client_workers", "-1", "--num_requests", "2"],
+    )  # fmt: skip
+    assert res.exit_code == 2 and "--client_workers" in res.stderr

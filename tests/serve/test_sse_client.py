@@ -10,7 +10,6 @@ import json
 
 import pytest
 
-from llmc.runtime.bench import http_driver
 from llmc.runtime.bench.http_driver import Endpoint, run_http_workload
 from llmc.runtime.bench.sse_client import SSEError, SSEPool
 from llmc.runtime.bench.workload import ArrivalSpec, WorkloadRequest
@@ -157,8 +156,7 @@ def _workload(n: int) -> list[WorkloadRequest]:
 
 
 @pytest.mark.parametrize("plain", [True, False])
-def test_driver_records_tokens_and_failures_on_both_clients(monkeypatch, plain: bool) -> None:
-    monkeypatch.setattr(http_driver, "PLAIN_HTTP_CLIENT", plain)
+def test_driver_records_tokens_and_failures_on_both_clients(plain: bool) -> None:
     usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
     ok = (
         SSE_HEAD + chunk(completion("a") + completion("b", "length"))
@@ -173,7 +171,7 @@ def test_driver_records_tokens_and_failures_on_both_clients(monkeypatch, plain: 
     answers = [ok, refused, event, truncated]
 
     async def client(port: int):
-        endpoint = Endpoint(f"http://127.0.0.1:{port}/v1", "m", timeout_s=10)
+        endpoint = Endpoint(f"http://127.0.0.1:{port}/v1", "m", timeout_s=10, plain_http=plain)
         return await asyncio.to_thread(
             run_http_workload, endpoint, _workload(4), ArrivalSpec("concurrency", 1)
         )
