@@ -44,6 +44,7 @@ from llmc.runtime import types
 from llmc.runtime.records import RequestRecord, StepRecord
 from llmc.runtime.request_state import RequestState
 from llmc.runtime.responses import RequestOutput, Response
+from llmc.runtime.token_runs import TokenRuns
 from llmc.runtime.types import (
     FinishReason,
     Request,
@@ -181,23 +182,53 @@ def emit_step_responses(
     states: Mapping[int, RequestState],
     scheduler: Finisher,
     emit: Callable[[Response], None],
+    runs: TokenRuns | None = None,
 ) -> None:
     """Turn the tokens ``Scheduler.update`` appended for ``batch`` into Responses (``emit``).
 
     Call after the update, with the Executor's lock held. A request with several outputs
     routes each row to its output's state (``RequestState.output``); the other samples' first
     tokens come from the step's fork (``branch_steps``), a beam search's final Response when
-    its group finished."""
-    if getattr(out, "prompt_logprobs", None):
-        _store_prompt_logprobs(out.prompt_logprobs, states, scheduler, emit)
+    its group finished. With ``runs``, a step of decode rows over slots (``batch.rows``)
+    without logprobs or forks keeps its deferred rows' token times in runs
+    (runtime/token_runs.py) and passes only the other rows through the per-row loop."""
+    prompt_lps = getattr(out, "prompt_logprobs", None)
+    if prompt_lps:
+        _store_prompt_logprobs(prompt_lps, states, scheduler, emit)
     logprobs = list(getattr(out, "logprobs", None) or [])
+    forks = getattr(out, "branch_steps", None) or ()
+    rows = batch.rows
+    if (
+        runs is not None
+        and rows is not None
+        and batch.window is None
+        and not logprobs
+        and not prompt_lps
+        and not forks
+        and len(rows.slots) == len(batch.sequences)
+    ):
+        seqs = rows.seqs
+        rest = runs.step(rows, states, now)
+        _emit_rows([seqs[i] for i in rest], [], now, states, scheduler, emit)
+        return
+    sampled = [ss.seq for ss in batch.sequences if ss.sample]
+    _emit_rows(sampled, logprobs, now, states, scheduler, emit)
+    for step in forks:
+        _emit_fork(step, states, now, scheduler, emit)
+
+
+def _emit_rows(
+    seqs: list[Sequence],
+    logprobs: list[Any],
+    now: float,
+    states: Mapping[int, RequestState],
+    scheduler: Finisher,
+    emit: Callable[[Response], None],
+) -> None:
+    """The per-row pass of ``emit_step_responses``: sampled rows ``seqs`` (with their
+    ``logprobs``, or none)."""
     finished = SequenceStatus.FINISHED
-    row = -1
-    for ss in batch.sequences:
-        if not ss.sample:
-            continue
-        row += 1
-        seq = ss.seq
+    for row, seq in enumerate(seqs):
         state = states.get(seq.request_id)
         if state is None or state.final:  # ended (and maybe delivered) before this step
             continue
@@ -210,6 +241,8 @@ def emit_step_responses(
             if state.deferred and logprob is None and seq.status is not finished:
                 # the common decode row, inline (no call per row): nothing to show until
                 # the end, only the token's time (take_new_tokens)
+                if state.run is not None:
+                    state.settle()
                 n = len(seq.output_token_ids)
                 new = n - state.num_seen
                 rec = state.record
@@ -226,8 +259,6 @@ def emit_step_responses(
             _emit_row(seq, state, logprob, now, scheduler, emit)
         except Exception as e:  # this request's tokens broke post-processing: it alone fails
             _fail_row(state, scheduler, emit, "post-processing its tokens", e)
-    for step in getattr(out, "branch_steps", None) or ():
-        _emit_fork(step, states, now, scheduler, emit)
 
 
 def _group_row(

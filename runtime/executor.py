@@ -53,6 +53,7 @@ from llmc.runtime.records import RequestRecord, StepRecord
 from llmc.runtime.request_intake import prompt_ids, requests_for
 from llmc.runtime.request_state import RequestState
 from llmc.runtime.responses import RequestOutput, Response
+from llmc.runtime.token_runs import TokenRuns
 from llmc.runtime.tokenizer import Tokenizer
 from llmc.runtime.types import (
     FinishReason,
@@ -111,6 +112,9 @@ class Executor:
         self._cancels: list[int] = []
         self._records: dict[int, RequestRecord] = {}
         self.step_records: list[StepRecord] = []
+        self._runs: TokenRuns | None = TokenRuns()
+        """Deferred decode rows' token times, once per step (runtime/token_runs.py; None:
+        the per-row pass for every row)."""
         self._thread: threading.Thread | None = None
         self._stop_loop = False
         self._fatal: BaseException | None = None
@@ -388,7 +392,9 @@ class Executor:
             else:  # a cancel during the window ends its request now, with no window token
                 self._apply_cancels()
                 self.scheduler.update_window(batch, out.window_token_ids)
-            emit_step_responses(batch, out, t2, self._states, self.scheduler, self._emit)
+            emit_step_responses(
+                batch, out, t2, self._states, self.scheduler, self._emit, self._runs
+            )
             t3 = _now()
             self.step_records.append(step_record(cur, out, t2, t3, self.scheduler.kv.total_blocks))
 
@@ -458,11 +464,16 @@ class Executor:
     @property
     def request_records(self) -> list[RequestRecord]:
         with self._cv:
+            if self._runs is not None:
+                self._runs.settle_all()
             return list(self._records.values())
 
     def request_record(self, request_id: int) -> RequestRecord | None:
         """The RequestRecord of one request (None when unknown), without copying them all."""
         with self._cv:
+            state = self._states.get(request_id)
+            if state is not None:
+                state.settle()
             return self._records.get(request_id)
 
     def kv_stats(self) -> Any:

@@ -63,10 +63,18 @@ class RequestState:
     cumulative_logprob: float | None = None
     """Summed logprob of this output's tokens, when each token's is computed."""
     completion: CompletionOutput | None = None
+    run: Any = None
+    """``(TokenRuns, slot)`` while token times of this output are held in a run
+    (runtime/token_runs.py): ``settle`` writes them before they are read."""
 
     def __post_init__(self) -> None:
         if self.main is None and self.request.sampling.num_branches > 1:
             self.outputs = [self]  # the others join as the fork makes their sequences
+
+    def settle(self) -> None:
+        """Write the token times (and ``num_seen``) a run holds for this output."""
+        if self.run is not None:
+            self.run[0].settle(self)
 
     @property
     def text(self) -> str:
@@ -75,6 +83,8 @@ class RequestState:
     def take_new_tokens(self, logprob: Any, now: float) -> tuple[list[int], list[Any]]:
         """Output tokens (and their logprobs) appended since the last call; records timings."""
         assert self.seq is not None
+        if self.run is not None:
+            self.run[0].settle(self)
         out = self.seq.output_token_ids
         n = len(out) - self.num_seen
         if n == 1:  # the common case: one token per step, no extra lists
@@ -159,6 +169,7 @@ class RequestState:
     def close(self, reason: FinishReason, now: float) -> Response:
         """The request ends now, for ``reason`` (a cancel): its final Response, every output
         not done closed with ``reason``."""
+        self.settle()
         if self.outputs is None:
             return self.final_response(reason, [], "", [], now)
         if self.seq is not None and self.seq.group.beam:
@@ -288,6 +299,7 @@ class RequestState:
         response."""
         seq = self.seq
         assert seq is not None and not self.final
+        self.settle()
         self._catch_up()
         if self.detok is not None:
             delta += self.detok.finish()
@@ -316,6 +328,7 @@ class RequestState:
         """Close the request with an error (its message, prefixed once with ``request N:``,
         and its error class's exit code). The text so far is kept where it can be made (the
         detokenizer may be what failed)."""
+        self.settle()
         with contextlib.suppress(Exception):  # best effort: the error is what is reported
             self._catch_up()
         rec = self.record
