@@ -67,7 +67,7 @@ from llmc.runtime.branches import BranchStep, SequenceGroup
 from llmc.runtime.kv_cache import KVCacheManager
 from llmc.runtime.scheduler_ahead import AheadScheduling
 from llmc.runtime.scheduler_branches import BranchScheduling
-from llmc.runtime.scheduler_slots import SlotScheduling, decode_slice
+from llmc.runtime.scheduler_slots import DecodeSlices, SlotScheduling, decode_slice
 from llmc.runtime.scheduler_window import WindowScheduling
 from llmc.runtime.slot_state import SlotState
 from llmc.runtime.types import (
@@ -206,6 +206,8 @@ class Scheduler(BranchScheduling, WindowScheduling, SlotScheduling, AheadSchedul
         decode, fast = self._decode_prefix(budget)
         i = len(decode)
         budget -= i
+        if i < len(self._running) and budget > 0:  # the loop below may append decode rows
+            decode = list(decode)
         while i < len(self._running) and budget > 0:
             seq = self._running[i]
             g = seq.group
@@ -289,14 +291,20 @@ class Scheduler(BranchScheduling, WindowScheduling, SlotScheduling, AheadSchedul
         self._num_tokens += cfg.max_num_tokens - budget
         self._peak_running = max(self._peak_running, len(self._running))
         prefill: list[ScheduledSequence] = []
-        for s in picked:  # ScheduledSequence.is_decode, inlined
-            if s.num_new_tokens == 1 and s.start_position >= len(s.seq.prompt_token_ids):
-                decode.append(s)
-            else:
-                prefill.append(s)
+        rows: Any = decode  # the slot prefix's rows stay unbuilt when nothing follows them
+        if picked:
+            decode = list(decode)
+            for s in picked:  # ScheduledSequence.is_decode, inlined
+                if s.num_new_tokens == 1 and s.start_position >= len(s.seq.prompt_token_ids):
+                    decode.append(s)
+                else:
+                    prefill.append(s)
+            rows = tuple(decode + prefill)
+        elif not isinstance(decode, DecodeSlices):
+            rows = tuple(decode)
         return ScheduledBatch(
             step_id=self._step - 1,
-            sequences=tuple(decode + prefill) if prefill else tuple(decode),
+            sequences=rows,
             preempted_request_ids=tuple(preempted),
             block_copies=kv.take_copies(),
             branching=branching,

@@ -19,7 +19,7 @@ import operator
 from typing import Any
 
 from llmc.runtime import types
-from llmc.runtime.scheduler_slots import decode_slice, decode_slices
+from llmc.runtime.scheduler_slots import DecodeSlices, decode_slice, decode_slices
 from llmc.runtime.slot_state import DecodeRows
 from llmc.runtime.types import ScheduledBatch, ScheduledSequence, Sequence
 
@@ -65,7 +65,8 @@ class AheadScheduling:
             return None
         self._step += 1
         self._num_tokens += len(picked)
-        return ScheduledBatch(step_id=self._step - 1, sequences=tuple(picked), rows=rows)
+        seqs = picked if isinstance(picked, DecodeSlices) else tuple(picked)
+        return ScheduledBatch(step_id=self._step - 1, sequences=seqs, rows=rows)
 
     def _ahead_loop(self, prev: ScheduledBatch) -> list[ScheduledSequence]:
         """``schedule_ahead``'s rows, one Python pass per row (their new blocks allocated);
@@ -153,7 +154,9 @@ class AheadScheduling:
                 raise RuntimeError(f"request {seqs[i].request_id}: block count was wrong (bug)")
             st.write(seqs[i])
         rows = DecodeRows(seqs, slots, start, st) if b >= self.vector_rows else None
-        return decode_slices(seqs, start.tolist()), rows
+        if rows is None:
+            return decode_slices(seqs, start.tolist()), None
+        return DecodeSlices(seqs, start), rows
 
     def _ahead_rows(self, picked: list[ScheduledSequence]) -> DecodeRows | None:
         """The slot rows of a batch scheduled ahead (``schedule_ahead``: decode rows whose

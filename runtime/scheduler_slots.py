@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import itertools
 import operator
-from collections import deque
+from collections import abc, deque
+from collections.abc import Iterator
 from typing import Any
 
 from llmc.runtime import types
@@ -45,6 +46,45 @@ def decode_slices(seqs: list[Sequence], starts: list[int]) -> list[ScheduledSequ
     return list(map(_tuple_new, rep(ScheduledSequence), fields))
 
 
+class DecodeSlices(abc.Sequence):
+    """``ScheduledBatch.sequences`` of decode rows over slots, built when first read: it
+    reads as the tuple ``decode_slices(seqs, starts)`` (iteration, indexing, equality with
+    a tuple), and its rows are made by the first read that needs them; ``len`` and truth
+    need none. A steady decode step reads its rows' slot arrays (``ScheduledBatch.rows``)
+    instead, so its ``ScheduledSequence`` objects are never made."""
+
+    __slots__ = ("_seqs", "_starts", "_rows")
+
+    def __init__(self, seqs: list[Sequence], starts: Any) -> None:
+        self._seqs, self._starts = seqs, starts
+        self._rows: tuple[ScheduledSequence, ...] | None = None
+
+    def rows(self) -> tuple[ScheduledSequence, ...]:
+        """The rows as a tuple (made on the first call)."""
+        if self._rows is None:
+            self._rows = tuple(decode_slices(self._seqs, self._starts.tolist()))
+        return self._rows
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def __getitem__(self, i: Any) -> Any:
+        return self.rows()[i]
+
+    def __iter__(self) -> Iterator[ScheduledSequence]:
+        return iter(self.rows())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, DecodeSlices):
+            other = other.rows()
+        return isinstance(other, tuple) and self.rows() == other
+
+    __hash__ = None  # type: ignore[assignment]  # (as a list: equal to a tuple, unhashable)
+
+    def __repr__(self) -> str:
+        return repr(self.rows())
+
+
 class SlotScheduling:
     """Scheduler methods over the slot arrays (see the module docstring)."""
 
@@ -56,7 +96,9 @@ class SlotScheduling:
     # and Scheduler's _stop_ids / _finish, BranchScheduling's _token_stop,
     # WindowScheduling's _window_row
 
-    def _decode_prefix(self, budget: int) -> tuple[list[ScheduledSequence], DecodeRows | None]:
+    def _decode_prefix(
+        self, budget: int
+    ) -> tuple[DecodeSlices | list[ScheduledSequence], DecodeRows | None]:
         """The decode rows of the longest prefix of the running list (at most ``budget``)
         whose next step is one token past the prompt, in a block of its own (it gets a new
         one when its token starts one), of a sequence with no other branches: what the
@@ -88,8 +130,7 @@ class SlotScheduling:
             st.write(running[i])
         seqs = running[:k]
         start = computed[:k]
-        rows = decode_slices(seqs, start.tolist())
-        return rows, DecodeRows(seqs, slots[:k], start, st)
+        return DecodeSlices(seqs, start), DecodeRows(seqs, slots[:k], start, st)
 
     def _update_rows(self, batch: ScheduledBatch, token_ids: Any) -> list[Sequence] | None:
         """``update`` of a batch of decode rows over their slots (``ScheduledBatch.rows``):
