@@ -189,8 +189,8 @@ def emit_step_responses(
     Call after the update, with the Executor's lock held. A request with several outputs
     routes each row to its output's state (``RequestState.output``); the other samples' first
     tokens come from the step's fork (``branch_steps``), a beam search's final Response when
-    its group finished. With ``runs``, a step of decode rows over slots (``batch.rows``)
-    without logprobs or forks keeps its deferred rows' token times in runs
+    its group finished. With ``runs``, a step (or window) of decode rows over slots
+    (``batch.rows``) without logprobs or forks keeps its deferred rows' token times in runs
     (runtime/token_runs.py) and passes only the other rows through the per-row loop."""
     prompt_lps = getattr(out, "prompt_logprobs", None)
     if prompt_lps:
@@ -201,14 +201,14 @@ def emit_step_responses(
     if (
         runs is not None
         and rows is not None
-        and batch.window is None
         and not logprobs
         and not prompt_lps
         and not forks
         and len(rows.slots) == len(batch.sequences)
     ):
         seqs = rows.seqs
-        rest = runs.step(rows, states, now)
+        k = batch.window.num_steps if batch.window is not None else 1
+        rest = runs.step(rows, states, now, k)
         _emit_rows([seqs[i] for i in rest], [], now, states, scheduler, emit)
         return
     sampled = [ss.seq for ss in batch.sequences if ss.sample]

@@ -11,6 +11,7 @@ and slot is free.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -91,7 +92,8 @@ def _seen(ex: Executor, got: dict[int, list]) -> tuple:
     records = [(r.request_id, r.first_token_time, tuple(r.token_times), r.finish_time,
                 r.num_output_tokens, r.finish_reason) for r in ex.request_records]  # fmt: skip
     kv = ex.scheduler.kv
-    return records, ex.step_records, kv.num_free_blocks, {k: list(v) for k, v in got.items()}
+    steps = [dataclasses.replace(r, phase_times={}) for r in ex.step_records]  # (runner's clock)
+    return records, steps, kv.num_free_blocks, {k: list(v) for k, v in got.items()}
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -104,8 +106,8 @@ def test_runs_equal_the_per_row_pass(monkeypatch, async_scheduling, seed):
     in_runs = [0]  # rows whose token went into a run
     run_step = TokenRuns.step
 
-    def counted(self, rows, states, now):
-        rest = run_step(self, rows, states, now)
+    def counted(self, rows, states, now, k=1):
+        rest = run_step(self, rows, states, now, k)
         in_runs[0] += len(rows.slots) - len(rest)
         return rest
 
@@ -167,9 +169,12 @@ def test_a_run_is_settled_when_its_slot_changes_hands(monkeypatch):
         seqs.append(seq)
 
     def step(active, now):
-        for q in active:
+        start = st._np.array([q.num_computed_tokens for q in active])
+        rows = DecodeRows(active, st._np.array([q.slot for q in active]), start, st)
+        for q in active:  # the step's update
             q.output_token_ids.append(9)
-        rows = DecodeRows(active, st._np.array([q.slot for q in active]), None, st)
+            q.num_computed_tokens += 1
+            st.advance(q)
         return runs.step(rows, states, now)
 
     assert step(seqs, 1.0) == [] and step(seqs, 2.0) == []
@@ -185,3 +190,57 @@ def test_a_run_is_settled_when_its_slot_changes_hands(monkeypatch):
         assert s.run is None and s.num_seen == len(s.seq.output_token_ids)
     assert states[0].record.token_times == [0.5, 1.0, 2.0, 3.0, 4.0, 5.0]
     assert states[1].record.token_times == [0.5, 1.0, 2.0, 4.0, 5.0]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_weights, tiny_tok):
+    return (*tiny_llama_weights, tiny_tok)
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_windows_in_runs_equal_the_per_row_pass(tiny, monkeypatch):
+    """Multi-step windows (K = 4, tiny Llama on CPU) with stop ids, stop strings, streaming
+    and staggered arrivals: runs (``k`` tokens a window) give what the per-row pass gives."""
+    from helpers.runner import tiny_runtime
+
+    monkeypatch.setattr(Scheduler, "vector_rows", 1)
+    clock = [0.0]
+    monkeypatch.setattr(executor, "_now", lambda: clock[0])
+    in_windows = [0]  # rows whose window tokens went into a run
+    run_step = TokenRuns.step
+
+    def counted(self, rows, states, now, k=1):
+        rest = run_step(self, rows, states, now, k)
+        in_windows[0] += (len(rows.slots) - len(rest)) * (k > 1)
+        return rest
+
+    monkeypatch.setattr(TokenRuns, "step", counted)
+    sps = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (20, 25, 9, 14, 11, 8)]
+    sps[1] = SamplingParams(max_new_tokens=25, stop_token_ids=(40, 41, 42))
+    sps[3] = SamplingParams(max_new_tokens=14, ignore_eos=True, stop=("e",))
+    prompts = [
+        [5 + (7 * i + j) % 90 for j in range(n)] for i, n in enumerate((3, 11, 25, 7, 1, 17))
+    ]
+    exs = []
+    for runs in (True, False):
+        ex = Executor(tiny_runtime(tiny, decode_steps_per_iteration=4))
+        if not runs:
+            ex._runs = None
+        exs.append(ex)
+    got: list[list] = [[], []]
+    for n in range(200):
+        clock[0] += 1.0
+        busy = False
+        for e, ex in enumerate(exs):
+            if n % 3 == 0 and n // 3 < len(prompts):
+                i = n // 3
+                ex.enqueue_request(Request(prompt_token_ids=prompts[i], sampling=sps[i],
+                                           streaming=i == 4))  # fmt: skip
+            busy |= ex.step()
+            got[e] += ex.await_responses(timeout=0)
+        assert _seen(exs[0], {0: got[0]}) == _seen(exs[1], {0: got[1]}), f"step {n}"
+        if not busy and n > 20:
+            break
+    assert any(r.num_steps > 1 for r in exs[0].step_records), "no window ran"
+    assert in_windows[0] > 5
+    assert sum(r.is_final for r in got[0]) == len(prompts)
