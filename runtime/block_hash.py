@@ -9,8 +9,10 @@ another prompt's K/V, and a cryptographic digest makes that practically impossib
 from __future__ import annotations
 
 import hashlib
+import struct
 from array import array
 from collections.abc import Sequence
+from typing import Any
 
 BlockHash = bytes
 ROOT_HASH: BlockHash = bytes(16)
@@ -18,10 +20,23 @@ ROOT_HASH: BlockHash = bytes(16)
 
 
 def block_hash(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
-    """Chained hash of one block: digest(parent hash ‖ token ids as little-endian int64)."""
-    h = hashlib.blake2b(parent, digest_size=16)
-    h.update(array("q", token_ids).tobytes())
-    return h.digest()
+    """Chained hash of one block: digest(parent hash ‖ token ids as little-endian int64).
+
+    One digest call over the packed bytes (a ``struct`` packer per block length, made once:
+    every decode row hashes a block each ``tokens_per_block`` steps)."""
+    n = len(token_ids)
+    pack = _PACKERS.get(n)
+    if pack is None:
+        if len(_PACKERS) >= 64:  # (block lengths are few: the engine's tokens_per_block)
+            return _blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
+        pack = _PACKERS[n] = struct.Struct(f"<{n}q").pack
+    return _blake2b(parent + pack(*token_ids), digest_size=16).digest()
+
+
+_blake2b = hashlib.blake2b
+_PACKERS: dict[int, Any] = {}
+"""``struct`` packers of ``n`` little-endian int64 by ``n`` (a cache, not state: equal
+bytes whatever is in it)."""
 
 
 def chain_hashes(token_ids: Sequence[int], tokens_per_block: int) -> list[BlockHash]:

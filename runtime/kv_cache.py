@@ -165,7 +165,14 @@ class KVCacheManager:
         """Chained hashes of the first ``num_blocks`` full blocks of ``seq``.
 
         Memoized per request (a sequence's tokens never change once known) until ``free``."""
+        return self._chain(seq, num_blocks)[:num_blocks]
+
+    def _chain(self, seq: Sequence, num_blocks: int) -> list[BlockHash]:
+        """``seq``'s memo of chained block hashes, extended to at least ``num_blocks`` (the
+        list itself, not a copy: ``register_full_blocks`` reads a few of its entries)."""
         hashes = self._seq_hashes.setdefault(seq.key, [])
+        if len(hashes) >= num_blocks:
+            return hashes
         tpb = self.tokens_per_block
         parent = hashes[-1] if hashes else ROOT_HASH
         n_prompt = seq.num_prompt_tokens
@@ -179,7 +186,7 @@ class KVCacheManager:
                 tokens = [*seq.prompt_token_ids[lo:], *seq.output_token_ids[: hi - n_prompt]]
             parent = block_hash(parent, tokens)
             hashes.append(parent)
-        return hashes[:num_blocks]
+        return hashes
 
     def _lookup_prefix(self, seq: Sequence) -> list[int]:
         """Block ids of the longest registered prefix of ``seq`` that may be shared.
@@ -354,16 +361,17 @@ class KVCacheManager:
         (it is freed as plain, worthless space).
         """
         rid = seq.key
-        if not self.enable_block_reuse or rid not in self._seq_registered:
+        done = self._seq_registered.get(rid)
+        if done is None or not self.enable_block_reuse:
             return 0
-        done = self._seq_registered[rid]
-        full = min(seq.num_computed_tokens // self.tokens_per_block, len(seq.block_table))
+        table = seq.block_table
+        full = min(seq.num_computed_tokens // self.tokens_per_block, len(table))
         if full <= done:
             return 0
-        hashes = self._hashes(seq, full)
+        hashes = self._chain(seq, full)
         added = 0
         for i in range(done, full):
-            b, h = seq.block_table[i], hashes[i]
+            b, h = table[i], hashes[i]
             if self._hash[b] is None and h not in self._cached:
                 self._hash[b] = h
                 self._cached[h] = b
