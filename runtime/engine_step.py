@@ -37,6 +37,7 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -90,22 +91,24 @@ def token_counts(batch: ScheduledBatch) -> tuple[int, int]:
     return total, decode
 
 
-def ahead_src_rows(prev: ScheduledBatch, ahead: ScheduledBatch) -> list[int]:
+def ahead_src_rows(prev: ScheduledBatch, ahead: ScheduledBatch) -> Seq[int]:
     """For each row of ``ahead`` (scheduled before ``prev``'s ids reached the host), the row
-    of ``prev``'s sampled ids that is its input token. Every ``ahead`` sequence is sampled
-    in ``prev`` (``Scheduler.schedule_ahead`` guarantees it)."""
+    of ``prev``'s sampled ids that is its input token: ``range(n)`` when the rows are
+    ``prev``'s, in order (the common case: no list of ``n`` ints per step), else a list.
+    Every ``ahead`` sequence is sampled in ``prev`` (``Scheduler.schedule_ahead``
+    guarantees it)."""
     pr, ar = prev.rows, ahead.rows
     if pr is not None and ar is not None and len(pr.seqs) == len(prev.sequences):
         # both over slots (every row of prev sampled): match the rows by slot
         if ar.seqs == pr.seqs:  # (list equality: identity, Sequence has no __eq__)
-            return list(range(len(ar.seqs)))
+            return range(len(ar.seqs))
         idx = pr.index_of(ar.slots, ar.gens)
         if idx is not None:
             return idx.tolist()
     sampled = [ss.seq for ss in prev.sequences if ss.sample]
     rows = ahead.sequences
     if len(sampled) == len(rows) and all(map(ScheduledSequence.is_row_of, rows, sampled)):
-        return list(range(len(rows)))  # the common case: same sequences, same order
+        return range(len(rows))  # the common case: same sequences, same order
     index = {id(seq): i for i, seq in enumerate(sampled)}
     return [index[id(ss.seq)] for ss in rows]
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any
 
@@ -159,7 +160,7 @@ class StepInputBuilder:
         return flat_ids, positions, slots, np.asarray(table, dtype=np.int32)
 
     def decode_rows(
-        self, batch: ScheduledBatch, src_rows: list[int] | None = None
+        self, batch: ScheduledBatch, src_rows: Seq[int] | None = None
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(token ids, positions, cache slots, source rows [b] int64, block tables [b, nb]
         int32) of a decode-only batch, in batch order, checked.
@@ -172,7 +173,7 @@ class StepInputBuilder:
     def decode_step(
         self,
         batch: ScheduledBatch,
-        src_rows: list[int] | None = None,
+        src_rows: Seq[int] | None = None,
         span: np.ndarray | None = None,
     ) -> tuple[
         tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray],
@@ -193,7 +194,11 @@ class StepInputBuilder:
         if b > self.limits.max_batch_size or b > self.limits.max_num_tokens:
             self._check(batch)
         ahead = src_rows is not None
-        if ahead and (len(src_rows) != b or min(src_rows, default=0) < 0):
+        if isinstance(src_rows, range):  # (ahead_src_rows: the same rows, in order)
+            bad = len(src_rows) != b or (b and src_rows[0] < 0)
+        else:
+            bad = ahead and (len(src_rows) != b or min(src_rows, default=0) < 0)
+        if bad:
             raise EngineError(f"step {batch.step_id}: src_rows must give a row >= 0 per sequence")
         slot_rows = batch.rows  # decode rows over the scheduler's slot arrays
         if slot_rows is not None and (  # a row left (or went stale): the objects decide
@@ -245,15 +250,20 @@ class StepInputBuilder:
                 ids = np.fromiter(map(_LAST, outs), dtype=np.int64, count=b)
         else:
             ids = np.fromiter(map(Sequence.token_at, seqs, p.tolist()), dtype=np.int64, count=b)
-        if b and (ids.min() < 0 or ids.max() >= self.spec.vocab_size):
+        if b and not ahead and (ids.min() < 0 or ids.max() >= self.spec.vocab_size):
             self._check_vocab(ids, sched, list(range(b + 1)))
         blk = p // tpb
         nb = int(nblk.max()) if b else 1
         table = tables[rows, :nb]
         if bool((have > nblk).any()):
             table[np.arange(nb) >= nblk[:, None]] = -1
-        slots = table[np.arange(b), blk].astype(np.int64) * tpb + p % tpb
-        src = np.asarray(src_rows, dtype=np.int64) if ahead else np.full(b, -1, dtype=np.int64)
+        slots = tables[rows, blk].astype(np.int64) * tpb + p % tpb  # (blk < nblk: unmasked)
+        if isinstance(src_rows, range):
+            src = np.arange(src_rows.start, src_rows.stop, src_rows.step, dtype=np.int64)
+        elif ahead:
+            src = np.asarray(src_rows, dtype=np.int64)
+        else:
+            src = np.full(b, -1, dtype=np.int64)
         cols = {
             "seeds": cols_of.seed[cache_rows],
             "offsets": nout + 1 if ahead else nout,
@@ -321,7 +331,7 @@ class StepInputBuilder:
     def prepare(
         self,
         batch: ScheduledBatch,
-        src_rows: list[int] | None = None,
+        src_rows: Seq[int] | None = None,
         span: np.ndarray | None = None,
     ) -> StepInputs:
         """Check ``batch``, stage its inputs (one host→device copy) and copy them into the

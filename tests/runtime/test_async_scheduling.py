@@ -216,7 +216,7 @@ def test_ahead_src_rows_maps_each_ahead_row_to_its_input_row() -> None:
         ),
     )
     same = ScheduledBatch(1, (ScheduledSequence(a, 4, 1, True), ScheduledSequence(b, 4, 1, True)))
-    assert ahead_src_rows(prev, same) == [0, 1]
+    assert list(ahead_src_rows(prev, same)) == [0, 1]
     swapped = ScheduledBatch(1, (ScheduledSequence(b, 4, 1, True),))
     assert ahead_src_rows(prev, swapped) == [1]
     prev2 = ScheduledBatch(0, (ScheduledSequence(c, 2, 1, True), ScheduledSequence(a, 3, 1, True)))
