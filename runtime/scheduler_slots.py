@@ -153,8 +153,9 @@ class SlotScheduling:
         deque(map(list.append, map(_OUT, seqs), toks.tolist()), 0)
         tpb = self.kv.tokens_per_block
         if self.kv.enable_block_reuse:  # the rows where a block filled up in this step
-            for i in np.flatnonzero(after % tpb == 0).tolist():
-                self.kv.register_full_blocks(seqs[i])
+            filled = np.flatnonzero(after % tpb == 0).tolist()
+            if filled:
+                self.kv.register_filled_blocks([seqs[i] for i in filled])
         maybe = (
             (st.stops[slots, : st.stop_cols] == toks[:, None]).any(axis=1)
             | types.last_by_length(st.num_out[slots], st.max_new[slots])

@@ -223,3 +223,40 @@ def test_random_admit_and_free_keeps_invariants(ops: list[tuple[int, int, bool]]
         kv.free(seq)
     kv.check_invariants()
     assert kv.num_free_blocks == kv.total_blocks
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_register_filled_blocks_equals_register_full_blocks(seed: int) -> None:
+    """The decode rows' inline registration (one new block of outputs a row) leaves the
+    pool as ``register_full_blocks`` does: hashes, the cache map, the memo and counts; also
+    for rows that are not its common case (prompt blocks pending, shared prompts, a row
+    registered twice), which take ``register_full_blocks`` itself."""
+    import random
+
+    rng = random.Random(seed)
+    pools = [KVCacheManager(400, 4, enable_block_reuse=True) for _ in range(2)]
+    seqs = [[], []]
+    prompts = [[rng.randrange(1, 9) for _ in range(rng.randrange(1, 14))] for _ in range(12)]
+    for kv, out in zip(pools, seqs, strict=True):
+        for rid, p in enumerate(prompts):
+            s = Sequence(rid, list(p), SamplingParams(max_new_tokens=40), 40, 0.0)
+            admit_and_prefill(kv, s)
+            out.append(s)
+    for _ in range(30):
+        toks = [rng.randrange(1, 9) for _ in prompts]
+        for e, (kv, out) in enumerate(zip(pools, seqs, strict=True)):
+            filled = []
+            for s, t in zip(out, toks, strict=True):
+                assert kv.append_slots(s, 1)
+                s.num_computed_tokens += 1
+                s.output_token_ids.append(t)
+                if s.num_computed_tokens % 4 == 0 or rng.random() < 0.1:
+                    filled.append(s)
+            if e == 0:
+                kv.register_filled_blocks(filled)
+            else:
+                for s in filled:
+                    kv.register_full_blocks(s)
+        a, b = pools
+        assert a._hash == b._hash and a._cached == b._cached
+        assert a._seq_registered == b._seq_registered and a._seq_hashes == b._seq_hashes
