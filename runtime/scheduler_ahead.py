@@ -152,7 +152,7 @@ class AheadScheduling:
         for i in np.flatnonzero(start >= blocks * tpb).tolist():  # its token starts a block
             if not self.kv.append_slots(seqs[i], 2):
                 raise RuntimeError(f"request {seqs[i].request_id}: block count was wrong (bug)")
-            st.write(seqs[i])
+            st.write_table(seqs[i])  # (no row shares its last block: checked above)
         rows = DecodeRows(seqs, slots, start, st) if b >= self.vector_rows else None
         if rows is None:
             return decode_slices(seqs, start.tolist()), None

@@ -127,7 +127,7 @@ class SlotScheduling:
             if not self.kv.append_slots(running[i], 1):
                 k = i
                 break
-            st.write(running[i])
+            st.write_table(running[i])  # (its last block is its own: ``fast``)
         seqs = running[:k]
         start = computed[:k]
         return DecodeSlices(seqs, start), DecodeRows(seqs, slots[:k], start, st)

@@ -179,7 +179,14 @@ class SlotState:
         self.advance(seq)
         self.max_new[s] = seq.max_new_tokens
         self.shares[s] = seq.shares_last_block
-        if seq.block_table_version != self.table_version[s]:
+        self.write_table(seq)
+
+    def write_table(self, seq: Sequence) -> None:
+        """Row ``seq.slot``'s block table := ``seq``'s (only the appended entries unless its
+        table was reset): all ``write`` needs after ``KVCacheManager.append_slots`` of a
+        sequence whose last block is its own (nothing else of it changes there)."""
+        s = seq.slot
+        if s >= 0 and seq.block_table_version != self.table_version[s]:
             blocks = seq.block_table
             n = min(len(blocks), self.width)
             f = int(self.blocks[s])
