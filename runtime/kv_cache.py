@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 from llmc.base.errors import ConfigError
 from llmc.runtime.block_hash import ROOT_HASH, BlockHash, block_hash
+from llmc.runtime.kv_decode_rows import DecodeRowBlocks
 from llmc.runtime.types import Sequence
 
 
@@ -95,7 +96,7 @@ def _positive_int(name: str, value: object) -> int:
     return value
 
 
-class KVCacheManager:
+class KVCacheManager(DecodeRowBlocks):
     """Fixed pool of KV blocks with refcounts, an O(1) free list and prefix-block reuse."""
 
     def __init__(self, num_blocks: int, tokens_per_block: int, enable_block_reuse: bool = True):
@@ -378,31 +379,6 @@ class KVCacheManager:
                 added += 1
         self._seq_registered[rid] = full
         return added
-
-    def register_filled_blocks(self, seqs: list[Sequence]) -> None:
-        """``register_full_blocks`` of decode rows whose last step filled a block: the common
-        case (that one block of outputs is new, the hashes before it memoized) inline, at
-        one digest per row; any other row through ``register_full_blocks``."""
-        if not self.enable_block_reuse:
-            return
-        tpb, reg, memo, cached, hashed = (self.tokens_per_block, self._seq_registered,
-                                          self._seq_hashes, self._cached, self._hash)  # fmt: skip
-        for seq in seqs:
-            key = (seq.request_id, seq.branch)  # Sequence.key
-            done, hashes = reg.get(key), memo.get(key)
-            full = seq.num_computed_tokens // tpb
-            lo = done * tpb - len(seq.prompt_token_ids) if done is not None else -1
-            if hashes is None or full != done + 1 or len(hashes) != done or lo < 0:
-                self.register_full_blocks(seq)
-                continue
-            if full > len(seq.block_table):
-                continue  # (register_full_blocks: nothing new)
-            h = block_hash(hashes[-1] if done else ROOT_HASH, seq.output_token_ids[lo : lo + tpb])
-            hashes.append(h)
-            b = seq.block_table[done]
-            if hashed[b] is None and h not in cached:
-                hashed[b], cached[h] = h, b
-            reg[key] = full
 
     def free(self, seq: Sequence) -> None:
         """Release every block of ``seq`` (registered content stays reusable until evicted).

@@ -149,10 +149,12 @@ class AheadScheduling:
         # the blocks for two more tokens after computed = start - 1 (kv.num_blocks_needed)
         if int(np.maximum((start + tpb) // tpb - blocks, 0).sum()) > self.kv.num_free_blocks:
             return [], None
-        for i in np.flatnonzero(start >= blocks * tpb).tolist():  # its token starts a block
-            if not self.kv.append_slots(seqs[i], 2):
-                raise RuntimeError(f"request {seqs[i].request_id}: block count was wrong (bug)")
-            st.write_table(seqs[i])  # (no row shares its last block: checked above)
+        grow = np.flatnonzero(start >= blocks * tpb)  # the rows whose token starts a block
+        if not st.append_blocks(self.kv, seqs, slots, grow, start + 1):
+            for i in grow.tolist():
+                if not self.kv.append_slots(seqs[i], 2):
+                    raise RuntimeError(f"request {seqs[i].request_id}: block count was wrong")
+                st.write_table(seqs[i])  # (no row shares its last block: checked above)
         rows = DecodeRows(seqs, slots, start, st) if b >= self.vector_rows else None
         if rows is None:
             return decode_slices(seqs, start.tolist()), None

@@ -122,12 +122,13 @@ class SlotScheduling:
         k = n if fast.all() else int(np.argmin(fast))  # the first row that is not
         # rows whose token starts a new block get it, in order, as the loop gives it; the
         # first that finds no free block ends the prefix (the loop preempts for it)
-        grow = computed[:k] >= st.blocks[slots[:k]] * self.kv.tokens_per_block
-        for i in np.flatnonzero(grow).tolist():
-            if not self.kv.append_slots(running[i], 1):
-                k = i
-                break
-            st.write_table(running[i])  # (its last block is its own: ``fast``)
+        grow = np.flatnonzero(computed[:k] >= st.blocks[slots[:k]] * self.kv.tokens_per_block)
+        if not st.append_blocks(self.kv, running, slots, grow, computed + 1):
+            for i in grow.tolist():
+                if not self.kv.append_slots(running[i], 1):
+                    k = i
+                    break
+                st.write_table(running[i])  # (its last block is its own: ``fast``)
         seqs = running[:k]
         start = computed[:k]
         return DecodeSlices(seqs, start), DecodeRows(seqs, slots[:k], start, st)

@@ -197,6 +197,29 @@ class SlotState:
             self.blocks[s] = n
             self.table_version[s] = seq.block_table_version
 
+    def append_blocks(
+        self, kv: Any, seqs: list[Sequence], slots: Any, rows: Any, ends: Any
+    ) -> bool:
+        """One new block for each of decode ``rows`` (indices into ``seqs`` / ``slots``, their
+        last blocks their own) whose tokens now reach ``ends[row]``: ``kv.append_blocks``
+        and their table rows updated at once (each mirrored table is current, so its
+        version moves by one). False, with nothing changed, unless every row needs exactly
+        one block within ``width`` and enough are free (the caller's per-row loop decides)."""
+        if not len(rows):
+            return True
+        np, tpb = self._np, kv.tokens_per_block
+        gs = slots[rows]
+        have = self.blocks[gs]
+        if not bool(((ends[rows] <= (have + 1) * tpb) & (have < self.width)).all()):
+            return False
+        new = kv.append_blocks([seqs[i] for i in rows.tolist()])
+        if new is None:
+            return False
+        self.table[gs, have] = np.asarray(new, dtype=self.table.dtype)
+        self.blocks[gs] = have + 1
+        self.table_version[gs] += 1
+        return True
+
     def advance(self, seq: Sequence) -> None:
         """Row ``seq.slot`` := its computed tokens, output count and last token (what a
         step's update changes; ``write`` for anything else)."""

@@ -226,11 +226,12 @@ def test_random_admit_and_free_keeps_invariants(ops: list[tuple[int, int, bool]]
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_register_filled_blocks_equals_register_full_blocks(seed: int) -> None:
-    """The decode rows' inline registration (one new block of outputs a row) leaves the
-    pool as ``register_full_blocks`` does: hashes, the cache map, the memo and counts; also
-    for rows that are not its common case (prompt blocks pending, shared prompts, a row
-    registered twice), which take ``register_full_blocks`` itself."""
+def test_append_blocks_and_register_filled_blocks_equal_the_per_row_methods(seed: int) -> None:
+    """``append_blocks`` (a block for each row whose token starts one) makes the tables
+    ``append_slots`` makes, and ``register_filled_blocks`` leaves the pool as
+    ``register_full_blocks`` does: hashes, the cache map, the memo, counts; also for rows
+    outside its common case (prompt blocks pending, shared prompts, a row registered
+    twice), which take ``register_full_blocks`` itself."""
     import random
 
     rng = random.Random(seed)
@@ -246,8 +247,12 @@ def test_register_filled_blocks_equals_register_full_blocks(seed: int) -> None:
         toks = [rng.randrange(1, 9) for _ in prompts]
         for e, (kv, out) in enumerate(zip(pools, seqs, strict=True)):
             filled = []
+            starts = [s for s in out if s.num_computed_tokens % 4 == 0]  # need one block
+            if e == 0:
+                assert kv.append_blocks(starts) is not None
             for s, t in zip(out, toks, strict=True):
-                assert kv.append_slots(s, 1)
+                if e == 1 or s not in starts:
+                    assert kv.append_slots(s, 1)
                 s.num_computed_tokens += 1
                 s.output_token_ids.append(t)
                 if s.num_computed_tokens % 4 == 0 or rng.random() < 0.1:
@@ -260,3 +265,6 @@ def test_register_filled_blocks_equals_register_full_blocks(seed: int) -> None:
         a, b = pools
         assert a._hash == b._hash and a._cached == b._cached
         assert a._seq_registered == b._seq_registered and a._seq_hashes == b._seq_hashes
+        assert [s.block_table for s in seqs[0]] == [s.block_table for s in seqs[1]]
+        assert [s.block_table_version for s in seqs[0]] == [s.block_table_version for s in seqs[1]]
+        assert a.num_free_blocks == b.num_free_blocks
