@@ -11,7 +11,8 @@ what is decided about, and made from, a single step:
   (token ids, detokenized text deltas, final responses). It reads the stop decisions
   ``Scheduler.update`` made (``Sequence.finish_reason``, ``stop_token_id``) and makes the
   only one that needs the text: a stop string, found by the detokenizer, finishes the
-  sequence through ``Scheduler.finish``.
+  sequence through ``Scheduler.finish``. A step of decode rows over slots keeps its deferred
+  rows' token times in ``TokenRuns`` (runtime/token_runs.py): no Python pass over them.
 - ``step_record``: a computed step's StepRecord (runtime/records.py).
 - A multi-step window (``ScheduledBatch.window``) is caught up by the same
   ``emit_step_responses``: each row's new tokens go out in one burst; a request with stop
