@@ -106,6 +106,20 @@ def build_command(
             metavar="METHOD",
         ),
     ] = None,
+    exclude_modules: Annotated[
+        list[str] | None,
+        option(
+            "exclude_modules",
+            "Module-name pattern whose layer projections stay in --dtype in a quantized "
+            "engine (fp8, int8_wo, int4_wo), as TensorRT-LLM's exclude_modules: fnmatch "
+            "wildcards over HF names (model.layers.29.mlp.down_proj, 'model.layers.29.*', "
+            "'*.29.mlp.*'; a module names what is in it: model.layers.29) or llmc's "
+            "(layers.29.gate_up_proj). Repeat the flag or separate patterns by commas. q, k "
+            "and v (and gate and up) are one fused tensor: exclude all of them or none. A "
+            "pattern matching nothing is an error. Default: none.",
+            metavar="PATTERN",
+        ),
+    ] = None,
     group_size: Annotated[
         int | None,
         option(
@@ -220,6 +234,7 @@ def build_command(
         "tokens_per_block": tokens_per_block,
         "dtype": dtype,
         "quantization": quantization,
+        "exclude_modules": _patterns(exclude_modules),
         "group_size": group_size,
         "kv_cache_dtype": kv_cache_dtype,
         "tp_size": tp_size,
@@ -271,12 +286,23 @@ _TYPES = {
     "force": bool,
     "dtype": str,
     "quantization": str,
+    "exclude_modules": (list, str),
     "kv_cache_dtype": str,
     "target": str,
     "load_format": str,
     "checkpoint_dir": str,
     "output_dir": str,
 }
+
+
+def _patterns(given: list[str] | None) -> list[str] | None:
+    """``--exclude_modules`` values, each split at commas (None: not given)."""
+    if not given:
+        return None
+    return [p.strip() for value in given for p in value.split(",") if p.strip()]
+
+
+_KIND = {"exclude_modules": "list of patterns"}
 
 
 def _check_types(settings: dict[str, Any], source: str) -> None:
@@ -287,7 +313,7 @@ def _check_types(settings: dict[str, Any], source: str) -> None:
             continue
         wrong_bool = isinstance(value, bool) and want is not bool
         if wrong_bool or not isinstance(value, want):
-            name = want.__name__ if isinstance(want, type) else "number"
+            name = want.__name__ if isinstance(want, type) else _KIND.get(key, "number")
             raise UsageError(f"{source}: {key} must be a {name}, got {value!r}")
 
 

@@ -14,7 +14,7 @@ from llmc.base.text import printable
 from llmc.cli.options import human_bytes
 from llmc.compiler.builder import BuildResult
 from llmc.compiler.memory_plan import MemoryPlan
-from llmc.compiler.quantization import SCALE_SUFFIX, describe, is_fp8_projection
+from llmc.compiler.quantization import FP8_PROJECTIONS, SCALE_SUFFIX, describe, stores_fp8
 from llmc.compiler.tp_layout import rank_spec
 
 
@@ -44,6 +44,11 @@ def summary_table(result: BuildResult) -> Table:
     if quant.get("layouts"):
         for family, layout in quant.get("families", {}).items():
             t.add_row(f"  {family}", escape(printable(layout)))
+    if quant.get("float_projections") and not quant.get("layouts"):
+        for family, dtypes in quant.get("dtypes", {}).items():
+            if family.removesuffix("_scale") in FP8_PROJECTIONS and not family.endswith("_scale"):
+                counts = ", ".join(f"{dt} x{n}" for dt, n in dtypes.items())
+                t.add_row(f"  {family}", escape(printable(counts)))
     for name, why in quant.get("dequantized", {}).items():
         t.add_row("  dequantized", escape(printable(f"{name}: {why}")))
     if "file_tensor_bytes" in quant:
@@ -91,12 +96,22 @@ def plan_table(result: BuildResult) -> Table:
 def _plan_rows(p: MemoryPlan) -> list[tuple[str, str]]:
     rows = [("weights", f"{human_bytes(p.weight_bytes_total)} ({len(p.weight_bytes)} tensors)")]
     if p.limits.quantization == "fp8":
-        codes = sum(n for k, n in p.weight_bytes.items() if is_fp8_projection(k))
+        floats = p.limits.float_projections
+        codes = sum(n for k, n in p.weight_bytes.items() if stores_fp8(k, "fp8", floats))
         scales = sum(n for k, n in p.weight_bytes.items() if k.endswith(SCALE_SUFFIX))
         rows.append(
             (
                 "  of which fp8",
                 f"{human_bytes(codes)} e4m3 projections + {human_bytes(scales)} float32 scales",
+            )
+        )
+    if p.limits.float_projections:
+        kept = sum(p.weight_bytes.get(k, 0) for k in p.limits.float_projections)
+        rows.append(
+            (
+                "  of which excluded",
+                f"{human_bytes(kept)} in {p.limits.dtype} "
+                f"({len(p.limits.float_projections)} projections excluded from quantization)",
             )
         )
     packed = {k: n for k, n in p.weight_bytes.items() if k.endswith(("_scale", "_offset"))}

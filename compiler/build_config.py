@@ -18,6 +18,7 @@ from llmc.compiler.input_bounds import check_field_types
 from llmc.compiler.limits import (
     BUILD_QUANTIZATIONS,
     DTYPES,
+    EXCLUDABLE_QUANTIZATIONS,
     KV_CACHE_DTYPES,
     check_chunked_prefill,
     check_input_len,
@@ -28,6 +29,25 @@ from llmc.compiler.tp_layout import check_tp_size
 from llmc.compiler.wo_layout import DEFAULT_GROUP_SIZE, check_group_size
 
 LOAD_FORMATS = ("auto", "dummy")
+
+
+def check_exclude_patterns(config: BuildConfig) -> tuple[str, ...]:
+    """``exclude_modules`` as a tuple of non-empty strings (a YAML profile gives a list, a
+    single string is one pattern), only with a quantization that quantizes projections."""
+    pats = config.exclude_modules
+    if isinstance(pats, str):
+        pats = (pats,)
+    if not isinstance(pats, list | tuple) or not all(isinstance(p, str) and p for p in pats):
+        raise ConfigError(
+            f"exclude_modules must be a list of module-name patterns, got {pats!r:.80}"
+        )
+    if pats and config.quantization not in EXCLUDABLE_QUANTIZATIONS:
+        raise ConfigError(
+            f"--exclude_modules keeps projections of a quantized engine in --dtype; it needs "
+            f"--quantization {' / '.join(EXCLUDABLE_QUANTIZATIONS)} (got "
+            f"{config.quantization!r})"
+        )
+    return tuple(dict.fromkeys(pats))
 
 
 @dataclass(frozen=True)
@@ -55,6 +75,10 @@ class BuildConfig:
     dtype; a GGUF dequantized), 'fp8' (W8A8: e4m3 projections with per-channel scales,
     computed at build; a pre-quantized FP8 checkpoint keeps its codes), 'int8_wo' / 'int4_wo'
     (weight-only, round-to-nearest at build from a float checkpoint)."""
+    exclude_modules: tuple[str, ...] = ()
+    """Module-name patterns (fnmatch wildcards, HF or llmc names: TensorRT-LLM's
+    ``exclude_modules``) whose layer projections stay in ``dtype`` in a quantized engine
+    (fp8, int8_wo, int4_wo); ``llmc.compiler.exclude_modules`` resolves them."""
     group_size: int = DEFAULT_GROUP_SIZE
     """int4_wo: elements along K sharing one scale and offset (a power of two dividing K)."""
     kv_cache_dtype: str = "auto"
@@ -101,6 +125,7 @@ class BuildConfig:
         check_choice("quantization", self.quantization, BUILD_QUANTIZATIONS)
         check_group_size(self.group_size)
         check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        object.__setattr__(self, "exclude_modules", check_exclude_patterns(self))
         if self.load_format not in LOAD_FORMATS:
             raise ConfigError(
                 f"load_format {self.load_format!r} is not one of {', '.join(LOAD_FORMATS)}"

@@ -27,6 +27,7 @@ returns exactly when the engine is written.
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -39,6 +40,7 @@ from llmc.base import version
 from llmc.base.errors import CheckpointError, ConfigError, UsageError
 from llmc.compiler.build_config import BuildConfig
 from llmc.compiler.engine_format import KERNELS_DIR, write_engine_files
+from llmc.compiler.exclude_modules import checkpoint_float_projections, member_modules
 from llmc.compiler.gguf_native import NativePlan, native_plan, resolve_gguf_quantization
 from llmc.compiler.hf_reader import TOKENIZER_FILES, read_json
 from llmc.compiler.limits import EngineLimits
@@ -50,7 +52,7 @@ from llmc.compiler.output_dir import (
     make_temp_dir,
     writing,
 )
-from llmc.compiler.quantization import describe
+from llmc.compiler.quantization import describe, family_dtypes
 from llmc.compiler.resolve import ResolvedBuild, detect_gpu, device_memory, resolve_build
 from llmc.compiler.spec import ModelSpec
 from llmc.compiler.tp_layout import rank_spec, tp_section
@@ -228,13 +230,13 @@ def build(
         native = _native_plan(config, spec, model_config)
         asked = resolve_gguf_quantization(config.quantization, native, source)
         resolved, notes = resolve_build(config, spec, gpu, asked)
-        layouts = _layouts(spec, resolved.limits.quantization, config.group_size, native)
+        layouts = _layouts(spec, resolved.limits, config.group_size, native)
     tp = resolved.tp_size
-    with phase("plan", "memory plan" if tp == 1 else f"memory plans of {tp} ranks"):
-        mem, mem_source = device_memory(config, gpu)
+
+    def plan_all(limits: EngineLimits) -> tuple[MemoryPlan, tuple[MemoryPlan, ...]]:
         plan = plan_memory(
             rank_spec(spec, tp),  # each rank's shard, on a device of this memory
-            resolved.limits,
+            limits,
             device_memory_bytes=mem,
             memory_source=mem_source,
             kv_cache_free_gpu_mem_fraction=config.kv_cache_free_gpu_mem_fraction,
@@ -242,11 +244,15 @@ def build(
         )
         if mem is None:
             plan = _with_note(plan, f"KV capacity not computed: {mem_source}")
-        plans = (plan,) * tp  # the ranks' shards are the same shape: one plan each, equal
+        return plan, (plan,) * tp  # the ranks' shards are the same shape: one plan each
+
+    with phase("plan", "memory plan" if tp == 1 else f"memory plans of {tp} ranks"):
+        mem, mem_source = device_memory(config, gpu)
+        plan, plans = plan_all(resolved.limits)
     dummy = resolved.load_format == "dummy"
     wo_section = _wo_section(spec, layouts, native if asked == "gguf" else None, plan)
     fmt = "dummy" if dummy else "gguf" if native is not None else "hf"
-    quant = _quantization_notes(resolved.limits, None, fmt, wo_section)
+    quant = _quantization_notes(spec, resolved.limits, None, fmt, wo_section, layouts)
     if dry_run:
         return BuildResult(
             spec,
@@ -261,6 +267,7 @@ def build(
     # Before the long work: the output location is usable (a read-only or missing parent,
     # too little space) and the stale temp dirs of interrupted builds are gone.
     tmp, cleaned = make_temp_dir(out)
+    lim_planned = resolved.limits
     try:
         check_free_space(out, 0 if dummy else plan.weight_bytes_total)
         with phase("convert", "dummy weights (seed only)" if dummy else source):
@@ -275,6 +282,9 @@ def build(
                 ckpt = load_checkpoint(config.checkpoint_dir, keep)
                 if ckpt.spec != spec:
                     raise CheckpointError(f"{source}: the model config changed while building")
+                resolved = _with_checkpoint_floats(resolved, spec, ckpt, source)
+                if resolved.limits != lim_planned:  # the checkpoint keeps some in float
+                    plan, plans = plan_all(resolved.limits)
                 lim = resolved.limits
                 weights = to_engine_weights(
                     spec,
@@ -286,9 +296,10 @@ def build(
                     prequantized=ckpt.fp8,
                     layouts=layouts,
                     member_layouts=native.member_layouts if native is not None else None,
+                    float_projections=lim.float_projections,
                 )
                 tok_files, fmt = dict(ckpt.tokenizer_files), ckpt.source_format
-                quant = _quantization_notes(lim, ckpt.fp8, fmt, wo_section)
+                quant = _quantization_notes(spec, lim, ckpt.fp8, fmt, wo_section, layouts)
                 notes = (*notes, *quant["notes"])
                 del ckpt  # the HF tensors are no longer needed
         with phase("compile", f"kernels for {resolved.target}"):
@@ -360,16 +371,24 @@ def _manifest(
 
 
 def _quantization_notes(
-    limits: EngineLimits, fp8: PreQuantized | None, fmt: str, wo: Mapping[str, Any]
+    spec: ModelSpec,
+    limits: EngineLimits,
+    fp8: PreQuantized | None,
+    fmt: str,
+    wo: Mapping[str, Any],
+    layouts: Mapping[str, WeightLayout],
 ) -> dict[str, Any]:
     """The manifest's ``quantization`` section (what the engine stores, in words, where its
-    fp8 values came from, the weight-only part ``wo``: ``_wo_section``) and the build notes
+    fp8 values came from, the projections kept in the activation dtype and each tensor
+    family's dtypes, the weight-only part ``wo``: ``_wo_section``) and the build notes
     about it."""
     kv_from = "from the checkpoint" if fp8 is not None and fp8.kv_scales else None
     section: dict[str, Any] = {
         "quantization": limits.quantization,
         "kv_cache_dtype": limits.kv_cache_dtype,
         **describe(limits, kv_from),
+        "float_projections": list(limits.float_projections),
+        "dtypes": family_dtypes(spec, limits, layouts),
         **wo,
     }
     notes = []
@@ -403,12 +422,33 @@ def _native_plan(config: BuildConfig, spec: ModelSpec, model_config: object) -> 
 
 
 def _layouts(
-    spec: ModelSpec, quantization: str, group_size: int, native: NativePlan | None
+    spec: ModelSpec, limits: EngineLimits, group_size: int, native: NativePlan | None
 ) -> dict[str, WeightLayout]:
-    """The packed engine tensors of the engine and their layouts."""
-    if quantization == "gguf":
+    """The packed engine tensors of the engine and their layouts (none for the projections
+    ``--exclude_modules`` keeps in the activation dtype)."""
+    if limits.quantization == "gguf":
         return dict(native.layouts) if native is not None else {}
-    return wo_layouts(spec.tensor_shapes(), quantization, group_size)
+    shapes = spec.tensor_shapes()
+    kept = {n: s for n, s in shapes.items() if n not in limits.float_projections}
+    return wo_layouts(kept, limits.quantization, group_size)
+
+
+def _with_checkpoint_floats(
+    resolved: ResolvedBuild, spec: ModelSpec, ckpt: Any, source: str
+) -> ResolvedBuild:
+    """The build's settings with a pre-quantized FP8 checkpoint's float projections (those
+    its ignore list left out) added to ``float_projections`` for an fp8 engine: they stay in
+    the activation dtype, as the checkpoint says, instead of being quantized here."""
+    lim = resolved.limits
+    if ckpt.fp8 is None or lim.quantization != "fp8":
+        return resolved
+    members = [n for names in member_modules(spec).values() for n in names]
+    floats = [m + ".weight" for m in members if m + ".weight" not in ckpt.fp8.weight_scales]
+    extra = checkpoint_float_projections(spec, floats, source)
+    merged = tuple(n for n in member_modules(spec) if n in {*lim.float_projections, *extra})
+    if merged == lim.float_projections:
+        return resolved
+    return dataclasses.replace(resolved, limits=dataclasses.replace(lim, float_projections=merged))
 
 
 def _wo_section(

@@ -53,6 +53,7 @@ from llmc.compiler.engine_files import (
 from llmc.compiler.limits import EngineLimits
 from llmc.compiler.memory_plan import MemoryPlan, plan_mismatch
 from llmc.compiler.output_dir import TMP_MARKER
+from llmc.compiler.quantization import check_float_layers
 from llmc.compiler.resolve import ResolvedBuild
 from llmc.compiler.spec import ModelSpec
 from llmc.compiler.tp_layout import (
@@ -220,7 +221,7 @@ class LoadedEngine:
             made = iter_rank_tensors(self.spec, made, self.tp_size, self.rank)
             tensors = quantize_engine_weights(
                 self.rank_spec, made, lim.quantization, lim.kv_cache_dtype, "dummy weights",
-                self.layouts,
+                self.layouts, lim.float_projections,
             )  # fmt: skip
         else:
             from safetensors import SafetensorError
@@ -342,6 +343,7 @@ def load_engine(
             f"{where}: quantization {build.limits.quantization!r} with {len(layouts)} packed "
             f"weight layouts; {fix}"
         )
+    check_float_layers(rspec, build.limits, layouts, where)
     mismatch = plan_mismatch(plan, rspec, layouts)
     if mismatch is not None:
         raise EngineError(

@@ -65,6 +65,36 @@ def check_chunked_prefill(
         )
 
 
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+EXCLUDABLE_QUANTIZATIONS = ("fp8", "int8_wo", "int4_wo")
+"""The quantizations whose engines may keep some projections in the activation dtype."""
+
+
+def check_float_projections(limits: EngineLimits) -> tuple[str, ...]:
+    """``limits.float_projections`` as a tuple (a manifest gives a list), each
+    ``layers.{i}.<projection>`` once, only with a quantization that has them (ConfigError)."""
+    names = limits.float_projections
+    if not isinstance(names, list | tuple):
+        raise ConfigError(f"float_projections must be a list of names, got {names!r:.60}")
+    for n in names:
+        parts = n.split(".") if isinstance(n, str) else []
+        if not (len(parts) == 3 and parts[0] == "layers" and parts[1].isdigit()) or (
+            parts[2] not in PROJECTIONS
+        ):
+            raise ConfigError(
+                f"float_projections: {n!r:.60} is not a layer projection (layers.<i>.<one of "
+                f"{', '.join(PROJECTIONS)}>)"
+            )
+    if len(set(names)) != len(names):
+        raise ConfigError("float_projections names a projection twice")
+    if names and limits.quantization not in EXCLUDABLE_QUANTIZATIONS:
+        raise ConfigError(
+            f"float_projections apply to quantized engines ({', '.join(EXCLUDABLE_QUANTIZATIONS)}),"
+            f" not to quantization {limits.quantization!r}"
+        )
+    return tuple(names)
+
+
 @dataclass(frozen=True)
 class EngineLimits:
     """The limits of one engine (its build's), or of one run of it (possibly lowered)."""
@@ -94,6 +124,11 @@ class EngineLimits:
     beam is a row of a step, so one request of W beams takes W of ``max_batch_size``'s rows
     and W tokens of a decode step's ``max_num_tokens`` (both must hold W), and the build's
     capacity check holds W sequences of max_seq_len."""
+    float_projections: tuple[str, ...] = ()
+    """Layer projections (``layers.{i}.qkv_proj`` / ``o_proj`` / ``gate_up_proj`` /
+    ``down_proj``) a quantized engine keeps in ``dtype``: what ``--exclude_modules`` named
+    (``llmc.compiler.exclude_modules``) or a pre-quantized checkpoint left unquantized.
+    Sorted by layer; empty for an engine quantized whole (and for none / gguf)."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -124,6 +159,7 @@ class EngineLimits:
                 )
         check_input_len(self.max_input_len, self.max_seq_len)
         check_chunked_prefill(self.max_num_tokens, self.max_input_len, self.enable_chunked_prefill)
+        object.__setattr__(self, "float_projections", check_float_projections(self))
 
     @property
     def max_blocks_per_seq(self) -> int:

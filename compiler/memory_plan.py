@@ -162,8 +162,9 @@ def workspace_buffers(spec: ModelSpec, limits: EngineLimits) -> list[BufferSpec]
         return BufferSpec(name, shape, dt, _op(first), _op(last))
 
     fp8 = limits.quantization == "fp8"
-    # fp8 weights: the layers' norms write e4m3 rows (normed_fp8); only final_norm writes normed
-    normed_from = "final_norm" if fp8 else "input_norm"
+    # fp8 weights: the layers' norms write e4m3 rows (normed_fp8); only final_norm writes
+    # normed, unless a projection kept in dtype (float_projections) reads it from its norm
+    normed_from = "final_norm" if fp8 and not limits.float_projections else "input_norm"
     return [
         # Step inputs live the whole step.
         BufferSpec("input_ids", (t,), "int64", *step),

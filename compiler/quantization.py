@@ -27,7 +27,7 @@ What it owns (no torch: the memory plan and ``llmc build --dry_run`` read it):
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from llmc.base.errors import EngineError, UnsupportedError, did_you_mean
@@ -66,6 +66,13 @@ def is_fp8_projection(name: str) -> bool:
     return name.startswith("layers.") and name.rsplit(".", 1)[-1] in FP8_PROJECTIONS
 
 
+def stores_fp8(name: str, quantization: str, float_projections: Collection[str] = ()) -> bool:
+    """Engine tensor ``name`` is stored in e4m3 (with a ``_scale``): a layer projection of an
+    fp8 engine that ``float_projections`` (``EngineLimits.float_projections``) does not keep
+    in the activation dtype."""
+    return quantization == "fp8" and is_fp8_projection(name) and name not in float_projections
+
+
 def kv_cache_dtype(limits: EngineLimits) -> str:
     """The KV pool's element dtype: float8_e4m3fn for an fp8 cache, else the activation's."""
     return FP8 if limits.kv_cache_dtype == "fp8" else limits.dtype
@@ -84,13 +91,13 @@ def engine_tensors(
     uint8 codes, ``_scale`` and ``_offset`` (``wo_layout.packed_tensor_shapes``); with an fp8
     KV cache each layer's ``kv_scale`` float32 [2] = (k_scale, v_scale) and ``k_mean``
     float32 [nkv, hd] (smooth K)."""
-    fp8_weights = limits.quantization == "fp8"
     layouts = layouts or {}
     out: dict[str, tuple[tuple[int, ...], str]] = {}
+    floats = limits.float_projections
     for name, shape in spec.tensor_shapes().items():
         if name in layouts:
             out.update(packed_tensor_shapes(name, shape, layouts[name]))
-        elif fp8_weights and is_fp8_projection(name):
+        elif stores_fp8(name, limits.quantization, floats):
             out[name] = (shape, FP8)
             out[name + SCALE_SUFFIX] = ((shape[0],), "float32")
         else:
@@ -99,6 +106,19 @@ def engine_tensors(
         for i in range(spec.num_layers):
             out[f"layers.{i}.{KV_SCALE}"] = ((2,), "float32")
             out[f"layers.{i}.{K_MEAN}"] = ((spec.num_kv_heads, spec.head_dim), "float32")
+    return out
+
+
+def family_dtypes(
+    spec: ModelSpec, limits: EngineLimits, layouts: Layouts | None = None
+) -> dict[str, dict[str, int]]:
+    """Tensor family (``layers.{i}.`` dropped: ``qkv_proj``, ``down_proj_scale``, ...) → its
+    dtypes → how many tensors have it (the manifest's and build report's dtype table)."""
+    out: dict[str, dict[str, int]] = {}
+    for name, (_, dt) in engine_tensors(spec, limits, layouts).items():
+        family = name.split(".", 2)[-1] if name.startswith("layers.") else name
+        counts = out.setdefault(family, {})
+        counts[dt] = counts.get(dt, 0) + 1
     return out
 
 
@@ -121,7 +141,8 @@ def check_engine_tensors(
 ) -> None:
     """Names, shapes and dtypes of ``tensors`` (torch tensors) against ``engine_tensors``:
     EngineError naming the first tensor that is missing, unexpected or of another shape or
-    dtype than the engine's quantization says. ``cast_ok``: a 16/32-bit float tensor where the
+    dtype than the engine's quantization says (a projection in ``limits.float_projections``
+    in the activation dtype). ``cast_ok``: a 16/32-bit float tensor where the
     activation dtype is expected passes (the caller casts it); fp8 codes and scales never."""
     expected = engine_tensors(spec, limits, layouts)
     layouts = layouts or {}
@@ -142,6 +163,18 @@ def check_engine_tensors(
                 f"{where}: tensor {name!r} is {list(t.shape)} {got}, expected {list(shape)} "
                 f"{dtype} ({settings})"
             )
+
+
+def check_float_layers(
+    spec: ModelSpec, limits: EngineLimits, layouts: Layouts | None, where: str
+) -> None:
+    """An engine's ``float_projections`` name layers the model has and no packed tensor
+    (EngineError: a manifest edited or from another model)."""
+    layouts = layouts or {}
+    for name in limits.float_projections:
+        if int(name.split(".")[1]) >= spec.num_layers or name in layouts:
+            why = "the model has no such layer" if name not in layouts else "it is packed"
+            raise EngineError(f"{where}: float projection {name!r}: {why}")
 
 
 def sm_number(arch: str) -> int | None:
@@ -182,6 +215,10 @@ def describe(limits: EngineLimits, kv_scales_from: str | None = None) -> dict[st
     build report): ``weights`` and ``kv_cache``. ``kv_scales_from``: where the fp8 KV
     scales came from (None: 1.0, no calibrated scales)."""
     dt = limits.dtype
+    excluded = ""
+    if limits.float_projections:
+        n = len(limits.float_projections)
+        excluded = f"; {n} projection(s) excluded, in {dt}: {', '.join(limits.float_projections)}"
     if limits.quantization == "fp8":
         weights = (
             f"fp8 W8A8: {', '.join(FP8_PROJECTIONS)} in {FP8} with one float32 scale per "
@@ -202,6 +239,7 @@ def describe(limits: EngineLimits, kv_scales_from: str | None = None) -> dict[st
         )
     else:
         weights = f"none: every tensor in {dt}"
+    weights += excluded
     if limits.kv_cache_dtype == "fp8":
         scales = kv_scales_from or "1.0 (no calibrated scales in the checkpoint)"
         kv = (

@@ -18,9 +18,10 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from llmc.base.errors import ConfigError, EngineError
+from llmc.base.errors import ConfigError, EngineError, UnsupportedError
 from llmc.compiler.build_config import BuildConfig
-from llmc.compiler.limits import EngineLimits
+from llmc.compiler.exclude_modules import resolve_exclude_modules
+from llmc.compiler.limits import EXCLUDABLE_QUANTIZATIONS, EngineLimits
 from llmc.compiler.quantization import check_fp8_target
 from llmc.compiler.spec import ModelSpec
 from llmc.compiler.tp_layout import check_tp, check_tp_size
@@ -78,7 +79,8 @@ class ResolvedBuild:
     def from_dict(cls, d: dict[str, Any]) -> ResolvedBuild:
         limit_names = EngineLimits.field_names()
         names = {*limit_names, "target", "load_format", "dummy_seed", "tp_size"}
-        d = {"max_beam_width": 1, "tp_size": 1, **d}  # engines built before beams, TP
+        # engines built before beams, TP, --exclude_modules
+        d = {"max_beam_width": 1, "tp_size": 1, "float_projections": [], **d}
         missing = sorted(names - set(d))
         unknown = sorted(set(d) - names)
         if missing or unknown:
@@ -116,6 +118,15 @@ def resolve_build(
         notes.append(f"max_seq_len = {max_seq_len} (the model's max_position_embeddings)")
     if config.max_input_len is None:
         notes.append(f"max_input_len = {max_input_len} (max_seq_len)")
+    excluded, exclude_notes = resolve_exclude_modules(spec, config.exclude_modules)
+    notes.extend(exclude_notes)
+    if excluded and quantization not in EXCLUDABLE_QUANTIZATIONS:  # e.g. auto -> gguf
+        raise ConfigError(
+            f"--exclude_modules needs --quantization {' / '.join(EXCLUDABLE_QUANTIZATIONS)}; "
+            f"this engine's is {quantization!r}"
+        )
+    if excluded and config.tp_size > 1:
+        raise UnsupportedError("--exclude_modules with --tp_size > 1 is not supported yet")
     limits = EngineLimits(
         max_batch_size=config.max_batch_size,
         max_input_len=max_input_len,
@@ -127,6 +138,7 @@ def resolve_build(
         quantization=quantization,
         kv_cache_dtype=config.kv_cache_dtype,
         max_beam_width=config.max_beam_width,
+        float_projections=excluded,
     )
     if config.target == "auto":
         target = gpu.arch if gpu is not None else "cpu"

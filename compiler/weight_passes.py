@@ -14,13 +14,13 @@ are quantized at load (``quantize_engine_weights``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 import torch
 
 from llmc.base.errors import CheckpointError
-from llmc.compiler.quantization import K_MEAN, KV_SCALE, SCALE_SUFFIX, is_fp8_projection
+from llmc.compiler.quantization import K_MEAN, KV_SCALE, SCALE_SUFFIX, stores_fp8
 from llmc.compiler.spec import ModelSpec
 from llmc.compiler.wo_layout import OFFSET_SUFFIX, WeightLayout
 from llmc.compiler.wo_weights import fuse_packed, packed_from_tensors, packed_tensors, quantize_wo
@@ -120,8 +120,12 @@ def to_engine_weights(
     prequantized: PreQuantized | None = None,
     layouts: Mapping[str, WeightLayout] | None = None,
     member_layouts: Mapping[str, WeightLayout] | None = None,
+    float_projections: Collection[str] = (),
 ) -> dict[str, torch.Tensor]:
     """Fuse and cast HF tensors into engine tensors (``quantization.engine_tensors``).
+    ``float_projections``: the projections an fp8 engine keeps in ``dtype``
+    (``--exclude_modules``; a pre-quantized checkpoint's float ones), cast like any other
+    float tensor (a pre-quantized member dequantized first).
 
     ``layouts`` (engine name → layout): the weight-only packed tensors. Members that are
     ``PackedWeight``s (a GGUF's own blocks, each in ``member_layouts[hf name]``) are fused
@@ -160,7 +164,7 @@ def to_engine_weights(
     for name, parts in fusion_table(spec).items():
         if name in layouts:
             out.update(_packed(name, parts, hf, layouts[name], member_layouts, real, source))
-        elif quantization == "fp8" and is_fp8_projection(name):
+        elif stores_fp8(name, quantization, float_projections):
             codes, row_scales = zip(*(fp8(p) for p in parts), strict=True)
             out[name] = _cat(list(codes))
             out[name + SCALE_SUFFIX] = _cat(list(row_scales))
@@ -230,16 +234,18 @@ def quantize_engine_weights(
     kv_cache_dtype: str,
     source: str,
     layouts: Mapping[str, WeightLayout] | None = None,
+    float_projections: Collection[str] = (),
 ) -> dict[str, torch.Tensor]:
     """Engine tensors in the activation dtype (e.g. dummy weights, consumed one at a time so
     each can be freed once quantized) → the engine tensors of ``quantization`` /
-    ``kv_cache_dtype`` (kv scales 1.0) and of the weight-only ``layouts``."""
+    ``kv_cache_dtype`` (kv scales 1.0) and of the weight-only ``layouts``; the
+    ``float_projections`` of an fp8 engine stay as they are."""
     out: dict[str, torch.Tensor] = {}
     layouts = layouts or {}
     for name, t in tensors:
         if name in layouts:
             out.update(packed_tensors(name, quantize_wo(t, layouts[name], name, source)))
-        elif quantization == "fp8" and is_fp8_projection(name):
+        elif stores_fp8(name, quantization, float_projections):
             out[name], out[name + SCALE_SUFFIX] = quantize_projection(name, t, source)
         else:
             out[name] = t

@@ -19,7 +19,13 @@ the fused path adds in place and leaves the residual complete):
   silu_and_mul_fp8 → linear_fp8 down (the quantized rows in ``normed_fp8``,
   ``attn_out_fp8``, ``act_fp8`` and their ``_scale`` buffers);
 - fp8 weights, fused: norm_linear_fp8 qkv → rope + KV write → attention →
-  linear_residual_add_fp8 o_proj → norm_gate_up_silu_fp8 → linear_residual_add_fp8 down.
+  linear_residual_add_fp8 o_proj → norm_gate_up_silu_fp8 → linear_residual_add_fp8 down;
+- a mixed fp8 engine (``EngineLimits.float_projections``: ``--exclude_modules``): the fp8
+  sequences, where each projection kept in the activation dtype (its scale None) runs the
+  activation-dtype op of the same place instead, fed by the activation-dtype form of its
+  producer (rms_norm into ``normed``, silu_and_mul into ``act``, attention's ``attn_out``
+  unquantized; the fused ops take and give activation-dtype rows either way). The choice is
+  made per layer and projection once, from the weights; CUDA graphs capture it as any op.
 
 A weight-only engine (int8_wo, int4_wo, a GGUF kept native) runs the activation-dtype
 sequences unchanged: its projections are ``PackedWeight``s, on which every backend op
@@ -233,34 +239,89 @@ class DecoderLayers:
         return Fp8Rows(self.ws[name][:t], self.ws[name + "_scale"][:t])
 
     def _pieces_fp8(self, inp: StepInputs, fused: bool) -> Iterator[int]:
+        """The fp8 sequences, per projection: one whose scale is None (kept in the
+        activation dtype: ``EngineLimits.float_projections``) runs the activation-dtype op
+        in its place, fed by its producer's activation-dtype form (the norm into ``normed``,
+        SiLU·mul into ``act``, the attention output as it is)."""
         be, ws, t, dt = self.backend, self.ws, inp.num_tokens, self.dtype
         eps = self.spec.rms_norm_eps
         residual, qkv, q, attn_out = (ws[n][:t] for n in ("residual", "qkv", "q", "attn_out"))
         proj_out, gate_up, act = ws["proj_out"][:t], ws["gate_up"][:t], ws["act"][:t]
+        normed = ws["normed"][:t]
         n8, a8, m8 = (self._rows(n, t) for n in ("normed_fp8", "attn_out_fp8", "act_fp8"))
         for i, lw in enumerate(self.layers):
             if fused:
-                be.norm_linear_fp8(
-                    residual, lw.input_norm, eps, lw.qkv, lw.qkv_scale, lw.qkv_bias, out=qkv
-                )
+                self._fused_qkv_fp8(lw, residual, qkv, eps)
                 self._rope_and_write(i, inp, qkv, q)
                 yield i
-                be.linear_residual_add_fp8(attn_out, lw.o, lw.o_scale, residual)
-                be.norm_gate_up_silu_fp8(
-                    residual, lw.post_attn_norm, eps, lw.gate_up, lw.gate_up_scale, out=act
-                )
-                be.linear_residual_add_fp8(act, lw.down, lw.down_scale, residual)
+                if lw.o_scale is None:
+                    be.linear_residual_add(attn_out, lw.o, residual)
+                else:
+                    be.linear_residual_add_fp8(attn_out, lw.o, lw.o_scale, residual)
+                self._fused_mlp_fp8(lw, residual, act, eps)
                 continue
+            x = n8 if lw.qkv_scale is not None else normed
             if i == 0:
-                be.rms_norm_fp8(residual, lw.input_norm, eps, out=n8)
+                (be.rms_norm_fp8 if x is n8 else be.rms_norm)(residual, lw.input_norm, eps, out=x)
             else:  # the previous layer's MLP residual add, fused with this layer's norm
-                be.add_rms_norm_fp8(proj_out, residual, lw.input_norm, eps, out=n8)
-            be.linear_fp8(n8, lw.qkv, lw.qkv_scale, lw.qkv_bias, dt, out=qkv)
+                add_norm = be.add_rms_norm_fp8 if x is n8 else be.add_rms_norm
+                add_norm(proj_out, residual, lw.input_norm, eps, out=x)
+            self._linear(x, lw.qkv, lw.qkv_scale, lw.qkv_bias, qkv)
             self._rope_and_write(i, inp, qkv, q)
             yield i
-            be.quantize_fp8(attn_out, out=a8)
-            be.linear_fp8(a8, lw.o, lw.o_scale, None, dt, out=proj_out)
-            be.add_rms_norm_fp8(proj_out, residual, lw.post_attn_norm, eps, out=n8)
-            be.linear_fp8(n8, lw.gate_up, lw.gate_up_scale, None, dt, out=gate_up)
-            be.silu_and_mul_fp8(gate_up, out=m8)
-            be.linear_fp8(m8, lw.down, lw.down_scale, None, dt, out=proj_out)
+            if lw.o_scale is None:
+                be.linear(attn_out, lw.o, out=proj_out)
+            else:
+                be.quantize_fp8(attn_out, out=a8)
+                be.linear_fp8(a8, lw.o, lw.o_scale, None, dt, out=proj_out)
+            x = n8 if lw.gate_up_scale is not None else normed
+            add_norm = be.add_rms_norm_fp8 if x is n8 else be.add_rms_norm
+            add_norm(proj_out, residual, lw.post_attn_norm, eps, out=x)
+            self._linear(x, lw.gate_up, lw.gate_up_scale, None, gate_up)
+            x = m8 if lw.down_scale is not None else act
+            (be.silu_and_mul_fp8 if x is m8 else be.silu_and_mul)(gate_up, out=x)
+            self._linear(x, lw.down, lw.down_scale, None, proj_out)
+
+    def _linear(
+        self,
+        x: torch.Tensor | Fp8Rows,
+        w: Weight,
+        scale: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        out: torch.Tensor,
+    ) -> None:
+        """``linear_fp8`` of e4m3 rows, or ``linear`` of a projection kept in dtype."""
+        if scale is None:
+            self.backend.linear(x, w, bias, out=out)
+        else:
+            self.backend.linear_fp8(x, w, scale, bias, self.dtype, out=out)
+
+    def _fused_qkv_fp8(
+        self, lw: LayerWeights, residual: torch.Tensor, qkv: torch.Tensor, eps: float
+    ) -> None:
+        """The fused small-step qkv op of an fp8 layer (its activation-dtype form for a qkv
+        kept in dtype)."""
+        be = self.backend
+        if lw.qkv_scale is None:
+            be.norm_linear(residual, lw.input_norm, eps, lw.qkv, lw.qkv_bias, out=qkv)
+        else:
+            be.norm_linear_fp8(
+                residual, lw.input_norm, eps, lw.qkv, lw.qkv_scale, lw.qkv_bias, out=qkv
+            )
+
+    def _fused_mlp_fp8(
+        self, lw: LayerWeights, residual: torch.Tensor, act: torch.Tensor, eps: float
+    ) -> None:
+        """The fused small-step MLP of an fp8 layer: gate_up and down each in fp8 or, kept
+        in dtype, in their activation-dtype op (``act`` is in dtype either way)."""
+        be = self.backend
+        if lw.gate_up_scale is None:
+            be.norm_gate_up_silu(residual, lw.post_attn_norm, eps, lw.gate_up, out=act)
+        else:
+            be.norm_gate_up_silu_fp8(
+                residual, lw.post_attn_norm, eps, lw.gate_up, lw.gate_up_scale, out=act
+            )
+        if lw.down_scale is None:
+            be.linear_residual_add(act, lw.down, residual)
+        else:
+            be.linear_residual_add_fp8(act, lw.down, lw.down_scale, residual)
