@@ -62,6 +62,7 @@ def make_limits(
     quantization: str = "none",
     kv_cache_dtype: str = "auto",
     max_beam_width: int = 1,
+    float_projections: tuple[str, ...] = (),
 ) -> EngineLimits:
     """EngineLimits for a test (max_input_len defaults to max_seq_len)."""
     return EngineLimits(
@@ -75,6 +76,7 @@ def make_limits(
         quantization=quantization,
         kv_cache_dtype=kv_cache_dtype,
         max_beam_width=max_beam_width,
+        float_projections=float_projections,
     )
 
 
