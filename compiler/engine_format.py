@@ -50,7 +50,7 @@ from llmc.compiler.engine_files import (
     manifest_sections,
     sha256_file,
 )
-from llmc.compiler.limits import EngineLimits
+from llmc.compiler.limits import EXCLUDABLE_QUANTIZATIONS, EngineLimits
 from llmc.compiler.memory_plan import MemoryPlan, plan_mismatch
 from llmc.compiler.output_dir import TMP_MARKER
 from llmc.compiler.quantization import check_float_layers
@@ -151,6 +151,10 @@ def rebuild_command(manifest: Mapping[str, Any], engine_dir: Path | str, **overr
             continue
         if key == "enable_chunked_prefill":
             args.append("--no_chunked_prefill" if not value else "")
+            continue
+        if key == "exclude_modules":  # a list, repeated; dropped with an unquantized override
+            if given.get("quantization") in EXCLUDABLE_QUANTIZATIONS:
+                args += [a for p in value or () for a in ("--exclude_modules", str(p))]
             continue
         args += [f"--{key}", str(value)]
     args.append("--force")

@@ -228,3 +228,18 @@ def test_an_engine_whose_float_projections_do_not_fit_is_refused(tiny_llama_dir,
     (out / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(EngineError):
         load_engine(out, verify_checksums=False)
+
+
+def test_the_rebuild_command_repeats_the_patterns(tiny_llama_dir, tmp_path):
+    from llmc.compiler.engine_format import rebuild_command
+
+    cfg = tiny_build_config(tiny_llama_dir, quantization="fp8", load_format="dummy", **SMALL_LIMITS)
+    pats = ("model.layers.1.mlp", "layers.0.o_proj")
+    build(cfg.replace(output_dir=str(tmp_path / "m"), exclude_modules=pats))
+    build(cfg.replace(output_dir=str(tmp_path / "w")))
+    mixed = json.loads((tmp_path / "m" / "manifest.json").read_text())
+    cmd = rebuild_command(mixed, tmp_path / "m")
+    assert "--exclude_modules model.layers.1.mlp --exclude_modules layers.0.o_proj" in cmd
+    assert "exclude_modules" not in rebuild_command(mixed, tmp_path / "m", quantization="none")
+    whole = json.loads((tmp_path / "w" / "manifest.json").read_text())
+    assert "exclude_modules" not in rebuild_command(whole, tmp_path / "w")
