@@ -285,6 +285,15 @@ def build(
                 resolved = _with_checkpoint_floats(resolved, spec, ckpt, source)
                 if resolved.limits != lim_planned:  # the checkpoint keeps some in float
                     plan, plans = plan_all(resolved.limits)
+                    wo_section = _wo_section(spec, layouts, None, plan)
+                    added = set(resolved.limits.float_projections) - set(
+                        lim_planned.float_projections
+                    )
+                    notes = (
+                        *notes,
+                        f"{len(added)} projection(s) the pre-quantized checkpoint leaves "
+                        f"unquantized (its ignore list) stay in {resolved.limits.dtype}",
+                    )
                 lim = resolved.limits
                 weights = to_engine_weights(
                     spec,

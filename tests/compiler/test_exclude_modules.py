@@ -195,6 +195,8 @@ def test_a_prequantized_checkpoint_keeps_its_float_projections(tiny_llama_dir, t
                                                         "layers.1.down_proj")  # fmt: skip
     engine = load_engine(out)
     assert engine.plan.weight_bytes_total == result.plan.weight_bytes_total
+    assert result.manifest["quantization"]["engine_weight_bytes"] == result.plan.weight_bytes_total
+    assert any("leaves unquantized (its ignore list)" in n for n in result.notes)
     w = engine.load_weights("cpu")
     assert torch.equal(w["layers.1.down_proj"], src[p + "down_proj.weight"])  # kept, not quantized
     assert torch.equal(
