@@ -15,7 +15,7 @@ REPO=$(cd "$(dirname "$0")/.." && pwd)
 LLMC=${LLMC:-$REPO/.venv/bin/llmc}
 PY=${PY:-$REPO/.venv/bin/python}
 LIC=/usr/share/common-licenses
-EXCLUDES=${EXCLUDES:-none= mlp29=model.layers.29.mlp layer29=model.layers.29 mlp2829=model.layers.2[89].mlp}
+EXCLUDES=${EXCLUDES:-none= mlp29=model.layers.29.mlp layer29=model.layers.29 layer0_29=model.layers.0,model.layers.29 layer2829=model.layers.28,model.layers.29}
 CALS=${CALS:-default w1536 mpl}
 ENG=${ENG:-/tmp/llmc-fp8-exclude}
 OUT=${OUT:-/tmp/llmc-fp8-exclude-out}
