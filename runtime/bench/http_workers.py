@@ -31,6 +31,7 @@ import os
 import queue
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from llmc.base.errors import ConfigError
@@ -80,25 +81,14 @@ def run_sharded(
     start_at = ctx.Value("d", 0.0)
     barrier = ctx.Barrier(workers + 1)
     results: Any = ctx.Queue()
+    shared = _Shared(counter, done, start_at, barrier, results)
     procs = [
         ctx.Process(
             target=_worker_main,
-            args=(
-                w,
-                workers,
-                endpoint,
-                list(reqs),
-                offsets,
-                limits[w],
-                counter,
-                done,
-                start_at,
-                barrier,
-                results,
-            ),
+            args=(_Job(w, workers, endpoint, list(reqs), offsets, limits[w]), shared),
             name=f"llmc-bench-client-{w}",
             daemon=True,
-        )  # fmt: skip
+        )
         for w in range(workers)
     ]
     for p in procs:
@@ -147,43 +137,43 @@ def _dead(procs: list[Any], what: str) -> str:
     return f"bench client worker {', '.join(bad) or '?'} {what}"
 
 
-def _worker_main(
-    w: int,
-    workers: int,
-    endpoint: Endpoint,
-    reqs: list[WorkloadRequest],
-    offsets: list[float] | None,
-    limit: int,
-    counter: Any,
-    done: Any,
-    start_at: Any,
-    barrier: Any,
-    results: Any,
-) -> None:
+@dataclass(frozen=True)
+class _Job:
+    """What one client process sends: worker ``w`` of ``workers``, ``limit`` streams."""
+
+    w: int
+    workers: int
+    endpoint: Endpoint
+    reqs: list[WorkloadRequest]
+    offsets: list[float] | None
+    limit: int
+
+
+@dataclass(frozen=True)
+class _Shared:
+    """The parent's shared objects: next request index, finished count, start time, the
+    start barrier, the results queue."""
+
+    counter: Any
+    done: Any
+    start_at: Any
+    barrier: Any
+    results: Any
+
+
+def _worker_main(job: _Job, sh: _Shared) -> None:
     """One client process: its share of the requests, its records back to the parent."""
     try:
-        got, end = asyncio.run(
-            _worker(w, workers, endpoint, reqs, offsets, limit, counter, done, start_at, barrier)
-        )
-        results.put(("ok", w, (got, end)))
+        got, end = asyncio.run(_worker(job, sh))
+        sh.results.put(("ok", job.w, (got, end)))
     except BaseException as e:  # reported to the parent, which raises it by name
-        results.put(("error", w, f"{type(e).__name__}: {e}"))
+        sh.results.put(("error", job.w, f"{type(e).__name__}: {e}"))
 
 
-async def _worker(
-    w: int,
-    workers: int,
-    endpoint: Endpoint,
-    reqs: list[WorkloadRequest],
-    offsets: list[float] | None,
-    limit: int,
-    counter: Any,
-    done: Any,
-    start_at: Any,
-    barrier: Any,
-) -> tuple[dict[int, RequestRecord], float]:
+async def _worker(job: _Job, sh: _Shared) -> tuple[dict[int, RequestRecord], float]:
+    reqs, counter, done, start_at = job.reqs, sh.counter, sh.done, sh.start_at
     got: dict[int, RequestRecord] = {}
-    async with client(endpoint, max(1, limit)) as send:
+    async with client(job.endpoint, max(1, job.limit)) as send:
 
         async def run(i: int) -> None:
             rec = RequestRecord(
@@ -194,16 +184,16 @@ async def _worker(
             with done.get_lock():
                 done.value += 1
 
-        barrier.wait(READY_TIMEOUT_S)
+        sh.barrier.wait(READY_TIMEOUT_S)
         while start_at.value == 0.0:
             await asyncio.sleep(0.001)
         start = start_at.value
         if (wait := start - time.perf_counter()) > 0:
             await asyncio.sleep(wait)
-        if offsets is not None:
+        if job.offsets is not None:
             tasks = []
-            for i in range(w, len(reqs), workers):
-                if (wait := start + offsets[i] - time.perf_counter()) > 0:
+            for i in range(job.w, len(reqs), job.workers):
+                if (wait := start + job.offsets[i] - time.perf_counter()) > 0:
                     await asyncio.sleep(wait)
                 tasks.append(asyncio.ensure_future(run(i)))
             await asyncio.gather(*tasks)
@@ -221,5 +211,5 @@ async def _worker(
                 while (i := take()) is not None:
                     await run(i)
 
-            await asyncio.gather(*(stream() for _ in range(limit)))
+            await asyncio.gather(*(stream() for _ in range(job.limit)))
     return got, time.perf_counter()
