@@ -9,7 +9,7 @@ it), and the tokenizer files the engine directory will carry.
 Formats: an HF directory (``config.json`` + safetensors) is ``"hf"``; a ``.gguf`` file (or any
 file starting with the GGUF magic) is ``"gguf"``, dequantized to float32. An HF directory
 whose config.json has a ``quantization_config`` is a pre-quantized FP8 checkpoint (read by
-``llmc.compiler.fp8_checkpoint``; any other quantization is an UnsupportedError): its
+``fp8_scheme`` and ``fp8_checkpoint``; any other quantization is an UnsupportedError): its
 weights keep their e4m3 codes and ``Checkpoint.fp8`` holds the checked scales.
 """
 
@@ -18,13 +18,15 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmc.base.errors import CheckpointError
 from llmc.compiler import gguf_header, gguf_reader, hf_reader
-from llmc.compiler.fp8_checkpoint import PreQuantized, is_scale_name, read_scheme, split_scales
+from llmc.compiler.fp8_scheme import is_scale_name, read_scheme
 from llmc.compiler.spec import ModelSpec
-from llmc.compiler.weight_passes import validate_hf_tensors
+
+if TYPE_CHECKING:  # the tensor modules (torch) load with the tensors, not with the spec
+    from llmc.compiler.fp8_checkpoint import PreQuantized
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,9 @@ def read_model_spec(path: str | Path) -> tuple[ModelSpec, dict[str, Any]]:
 def load_checkpoint(path: str | Path, keep_gguf: frozenset[str] = frozenset()) -> Checkpoint:
     """Read a whole checkpoint (tensors validated against its spec). ``keep_gguf``: the
     GGUF tensors read as PackedWeights of their own blocks (``gguf_native.native_plan``)."""
+    from llmc.compiler.fp8_checkpoint import split_scales
+    from llmc.compiler.weight_passes import validate_hf_tensors
+
     p = Path(path)
     if checkpoint_format(p) == "hf":
         cfg = hf_reader.read_hf_config(p)

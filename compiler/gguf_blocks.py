@@ -116,14 +116,6 @@ CONVERTERS: dict[str, Callable[[np.ndarray], Blocks]] = {
     "Q5_K": _q5_k,
     "Q6_K": _q6_k,
 }
-KEPT_TYPES = tuple(CONVERTERS)
-
-
-def type_name(ggml_type: int) -> str:
-    """The ggml type's name (``Q4_K``) from its id."""
-    from gguf import GGMLQuantizationType
-
-    return GGMLQuantizationType(ggml_type).name
 
 
 def blocks_to_packed(

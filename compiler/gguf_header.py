@@ -135,6 +135,13 @@ class _Cursor:
         return count
 
 
+def type_name(ggml_type: int) -> str:
+    """The ggml type's name (``Q4_K``) from its id."""
+    from gguf import GGMLQuantizationType
+
+    return GGMLQuantizationType(ggml_type).name
+
+
 def open_map(path: Path) -> mmap.mmap:
     try:
         with open(path, "rb") as f:

@@ -3,7 +3,7 @@ layout, and which are dequantized and why — decided from the header alone (no 
 so ``llmc build --dry_run`` plans the same bytes the build writes.
 
 ``native_plan(header, spec)`` walks ``weight_passes.fusion_table``: an engine tensor is kept
-packed when every GGUF tensor it fuses is of a kept type (``gguf_blocks.KEPT_TYPES``); the
+packed when every GGUF tensor it fuses is of a kept type (``wo_layout.KEPT_TYPES``); the
 members' layouts (``wo_layout.gguf_type_layout``) are unified exactly when they differ
 (``wo_layout.unify_layouts``). Otherwise it is dequantized to the activation dtype as a
 ``--quantization none`` build does, and ``NativePlan.dequantized`` names the tensor and the
@@ -17,11 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from llmc.base.errors import UnsupportedError
-from llmc.compiler.gguf_blocks import KEPT_TYPES, type_name
-from llmc.compiler.gguf_header import GGUFHeader
+from llmc.compiler.gguf_header import GGUFHeader, type_name
 from llmc.compiler.gguf_reader import ROPE_FREQS, hf_tensor_name
 from llmc.compiler.spec import ModelSpec
-from llmc.compiler.wo_layout import WeightLayout, gguf_type_layout, unify_layouts
+from llmc.compiler.wo_layout import KEPT_TYPES, WeightLayout, gguf_type_layout, unify_layouts
 
 FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 

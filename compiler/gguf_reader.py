@@ -21,10 +21,9 @@ import mmap
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from llmc.base.errors import CheckpointError, UnsupportedError, check_positive_ints
 from llmc.compiler.gguf_header import (
@@ -33,9 +32,14 @@ from llmc.compiler.gguf_header import (
     GGUFTensorInfo,
     open_map,
     read_gguf_header,
+    type_name,
 )
 from llmc.compiler.gguf_tokenizer import gguf_tokenizer_files
 from llmc.compiler.input_bounds import HF_CONFIG_KEYS, check_model_sizes, config_float, config_int
+from llmc.compiler.wo_layout import KEPT_TYPES
+
+if TYPE_CHECKING:  # torch is imported where tensors are made: a dry run reads headers only
+    import torch
 
 ROPE_FREQS = "rope_freqs.weight"  # llama3 RoPE scaling; folded into the config, not a weight
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -219,8 +223,6 @@ def _dequantize(buf: mmap.mmap, info: GGUFTensorInfo) -> np.ndarray:
     try:
         out = dequantize(raw.reshape(*rows, -1), qtype)
     except NotImplementedError as e:
-        from llmc.compiler.gguf_blocks import KEPT_TYPES
-
         raise UnsupportedError(
             f"{info.name}: ggml type {qtype.name} is not supported (llmc keeps "
             f"{', '.join(KEPT_TYPES)} packed and dequantizes F32, F16, BF16 and the other types "
@@ -237,7 +239,9 @@ def read_gguf_tensors(
     tensors named in ``keep`` as ``PackedWeight``s of their own blocks instead
     (``llmc.compiler.gguf_blocks``; the un-permutation moves whole rows, so it applies to
     codes, scales and offsets alike)."""
-    from llmc.compiler.gguf_blocks import blocks_to_packed, type_name
+    import torch
+
+    from llmc.compiler.gguf_blocks import blocks_to_packed
     from llmc.compiler.wo_weights import permute_rows
 
     buf = open_map(header.path)

@@ -48,6 +48,7 @@ GGUF_TYPES: dict[str, tuple[int, int, int, str, bool, int]] = {
     "Q5_K": (8, 0, 32, "float32", True, 31),  # 5-bit codes in bytes
     "Q6_K": (8, 32, 16, "float32", False, 63),  # 6-bit codes in bytes
 }
+KEPT_TYPES = tuple(GGUF_TYPES)  # the GGUF types llmc keeps packed (compiler/gguf_blocks.py)
 GGUF_BLOCK_SIZES = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
 
 

@@ -266,6 +266,21 @@ def test_llama3_8b_dry_run_under_5_seconds():
     assert elapsed < 5, f"dry run took {elapsed:.1f} s"
 
 
+@pytest.mark.parametrize("profile", ["llama3-8b", "smollm2-135m-dummy"])
+def test_dry_run_does_not_import_torch(profile):
+    """A dry run reads headers only: torch (most of the 5 s above on a loaded box) stays out."""
+    code = (
+        "import sys\n"
+        "from llmc.cli.main import app\n"
+        f"try:\n    app(['build', '--dry_run', '--profile', {profile!r}])\n"
+        "except SystemExit as e:\n    assert not e.code, e.code\n"
+        "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.rstrip().endswith("NO-TORCH"), r.stdout[-300:]
+
+
 # ---- import -----------------------------------------------------------------------------
 def test_import_refuses_bad_input(tmp_path):
     bad = tmp_path / "x.gguf"

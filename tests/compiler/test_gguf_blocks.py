@@ -11,9 +11,9 @@ import torch
 
 from helpers.gguf_quantized import random_blocks, write_tiny_gguf
 from llmc.base.errors import CheckpointError
-from llmc.compiler.gguf_blocks import KEPT_TYPES, blocks_to_packed
+from llmc.compiler.gguf_blocks import CONVERTERS, blocks_to_packed
 from llmc.compiler.gguf_header import read_gguf_header
-from llmc.compiler.wo_layout import gguf_type_layout, unify_layouts
+from llmc.compiler.wo_layout import KEPT_TYPES, gguf_type_layout, unify_layouts
 from llmc.compiler.wo_weights import fuse_packed
 
 
@@ -32,6 +32,10 @@ def gguf_dequantize(raw: np.ndarray, qtype: str) -> np.ndarray:
 def packed(qtype: str, n: int = 6, k: int = 512, seed: int = 0):
     raw = random_blocks(qtype, n, k, np.random.default_rng(seed))
     return raw, blocks_to_packed(raw.reshape(-1), (n, k), qtype, f"t.{qtype}")
+
+
+def test_every_kept_type_has_its_converter():
+    assert tuple(CONVERTERS) == KEPT_TYPES
 
 
 @pytest.mark.parametrize("qtype", KEPT_TYPES)
