@@ -41,8 +41,9 @@ from llmc.base.errors import CheckpointError, ConfigError, UsageError
 from llmc.compiler.build_config import BuildConfig
 from llmc.compiler.engine_format import KERNELS_DIR, write_engine_files
 from llmc.compiler.exclude_modules import checkpoint_float_projections, member_modules
+from llmc.compiler.fp8_scheme import read_scheme
 from llmc.compiler.gguf_native import NativePlan, native_plan, resolve_gguf_quantization
-from llmc.compiler.hf_reader import TOKENIZER_FILES, read_json
+from llmc.compiler.hf_reader import TOKENIZER_FILES, hf_tensor_shapes, read_json
 from llmc.compiler.limits import EngineLimits
 from llmc.compiler.memory_plan import MemoryPlan, plan_memory
 from llmc.compiler.output_dir import (
@@ -230,6 +231,8 @@ def build(
         native = _native_plan(config, spec, model_config)
         asked = resolve_gguf_quantization(config.quantization, native, source)
         resolved, notes = resolve_build(config, spec, gpu, asked)
+        scaled = _scaled_weights(config, hf_config, model_config)
+        resolved, notes = _with_checkpoint_floats(resolved, notes, spec, scaled, source)
         layouts = _layouts(spec, resolved.limits, config.group_size, native)
     tp = resolved.tp_size
 
@@ -267,7 +270,6 @@ def build(
     # Before the long work: the output location is usable (a read-only or missing parent,
     # too little space) and the stale temp dirs of interrupted builds are gone.
     tmp, cleaned = make_temp_dir(out)
-    lim_planned = resolved.limits
     try:
         check_free_space(out, 0 if dummy else plan.weight_bytes_total)
         with phase("convert", "dummy weights (seed only)" if dummy else source):
@@ -282,18 +284,8 @@ def build(
                 ckpt = load_checkpoint(config.checkpoint_dir, keep)
                 if ckpt.spec != spec:
                     raise CheckpointError(f"{source}: the model config changed while building")
-                resolved = _with_checkpoint_floats(resolved, spec, ckpt, source)
-                if resolved.limits != lim_planned:  # the checkpoint keeps some in float
-                    plan, plans = plan_all(resolved.limits)
-                    wo_section = _wo_section(spec, layouts, None, plan)
-                    added = set(resolved.limits.float_projections) - set(
-                        lim_planned.float_projections
-                    )
-                    notes = (
-                        *notes,
-                        f"{len(added)} projection(s) the pre-quantized checkpoint leaves "
-                        f"unquantized (its ignore list) stay in {resolved.limits.dtype}",
-                    )
+                if ckpt.fp8 is not None and set(ckpt.fp8.weight_scales) != scaled:
+                    raise CheckpointError(f"{source}: the checkpoint changed while building")
                 lim = resolved.limits
                 weights = to_engine_weights(
                     spec,
@@ -442,22 +434,52 @@ def _layouts(
     return wo_layouts(kept, limits.quantization, group_size)
 
 
+def _scaled_weights(
+    config: BuildConfig, hf_config: Mapping[str, Any], model_config: object
+) -> frozenset[str] | None:
+    """The HF weights a pre-quantized FP8 checkpoint stores in e4m3 (those with a
+    ``weight_scale``), from its safetensors headers (no tensor data); None for any other
+    source. ``split_scales`` checks at load that exactly these are e4m3."""
+    if model_config is not None or config.checkpoint_dir is None or config.load_format == "dummy":
+        return None
+    from llmc.compiler.checkpoint import checkpoint_format
+
+    if checkpoint_format(config.checkpoint_dir) != "hf":
+        return None
+    if read_scheme(hf_config, str(Path(config.checkpoint_dir) / "config.json")) is None:
+        return None
+    names = hf_tensor_shapes(config.checkpoint_dir)
+    suffix = ".weight_scale"
+    return frozenset(n.removesuffix("_scale") for n in names if n.endswith(suffix))
+
+
 def _with_checkpoint_floats(
-    resolved: ResolvedBuild, spec: ModelSpec, ckpt: Any, source: str
-) -> ResolvedBuild:
+    resolved: ResolvedBuild,
+    notes: tuple[str, ...],
+    spec: ModelSpec,
+    scaled: frozenset[str] | None,
+    source: str,
+) -> tuple[ResolvedBuild, tuple[str, ...]]:
     """The build's settings with a pre-quantized FP8 checkpoint's float projections (those
-    its ignore list left out) added to ``float_projections`` for an fp8 engine: they stay in
-    the activation dtype, as the checkpoint says, instead of being quantized here."""
+    its ignore list left out: ``scaled`` lacks them) added to ``float_projections`` for an
+    fp8 engine: they stay in the activation dtype, as the checkpoint says, instead of being
+    quantized here. Decided before the plan, so a dry run plans the bytes the build writes."""
     lim = resolved.limits
-    if ckpt.fp8 is None or lim.quantization != "fp8":
-        return resolved
+    if scaled is None or lim.quantization != "fp8":
+        return resolved, notes
     members = [n for names in member_modules(spec).values() for n in names]
-    floats = [m + ".weight" for m in members if m + ".weight" not in ckpt.fp8.weight_scales]
+    floats = [m + ".weight" for m in members if m + ".weight" not in scaled]
     extra = checkpoint_float_projections(spec, floats, source)
     merged = tuple(n for n in member_modules(spec) if n in {*lim.float_projections, *extra})
     if merged == lim.float_projections:
-        return resolved
-    return dataclasses.replace(resolved, limits=dataclasses.replace(lim, float_projections=merged))
+        return resolved, notes
+    added = len(set(merged) - set(lim.float_projections))
+    note = (
+        f"{added} projection(s) the pre-quantized checkpoint leaves unquantized (its ignore "
+        f"list) stay in {lim.dtype}"
+    )
+    limits = dataclasses.replace(lim, float_projections=merged)
+    return dataclasses.replace(resolved, limits=limits), (*notes, note)
 
 
 def _wo_section(

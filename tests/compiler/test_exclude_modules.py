@@ -190,9 +190,16 @@ def test_a_prequantized_checkpoint_keeps_its_float_projections(tiny_llama_dir, t
     )
     written = load_file(str(d / "model.safetensors"))
     out = tmp_path / "e"
-    result = build(tiny_build_config(d, output_dir=str(out), quantization="fp8", **SMALL_LIMITS))
+    cfg = tiny_build_config(d, output_dir=str(out), quantization="fp8", **SMALL_LIMITS)
+    planned = build(cfg, dry_run=True)  # from the headers: the same plan as the build's
+    result = build(cfg)
     assert result.plans[0].limits.float_projections == ("layers.1.gate_up_proj",
                                                         "layers.1.down_proj")  # fmt: skip
+    assert planned.plans[0].limits.float_projections == result.plans[0].limits.float_projections
+    assert planned.plan.weight_bytes_total == result.plan.weight_bytes_total
+    assert [n for n in planned.notes if "ignore list" in n] == [
+        n for n in result.notes if "ignore list" in n
+    ]
     engine = load_engine(out)
     assert engine.plan.weight_bytes_total == result.plan.weight_bytes_total
     assert result.manifest["quantization"]["engine_weight_bytes"] == result.plan.weight_bytes_total
@@ -214,8 +221,9 @@ def test_a_prequantized_fused_family_of_two_dtypes_is_refused(tiny_llama_dir, tm
         tiny_llama_dir, tmp_path / "ckpt", "fp8-tensor", edit=_keep_float([name], src)
     )
     cfg = tiny_build_config(d, output_dir=str(tmp_path / "e"), quantization="fp8", **SMALL_LIMITS)
-    with pytest.raises(CheckpointError, match="fused projection layers.0.qkv_proj"):
-        build(cfg)
+    for dry_run in (True, False):  # from the headers, before any tensor is read
+        with pytest.raises(CheckpointError, match="fused projection layers.0.qkv_proj"):
+            build(cfg, dry_run=dry_run)
 
 
 def test_an_engine_whose_float_projections_do_not_fit_is_refused(tiny_llama_dir, tmp_path):
