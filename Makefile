@@ -9,7 +9,7 @@ STAMP     := $(VENV)/.installed
 # CPU build of torch: an unpinned torch pulls a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: venv demo test lint fmt kernels model device-test bench-h200 serve-h200 clean
+.PHONY: venv demo test lint fmt kernels model device-test device-wheels bench-h200 serve-h200 clean
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -49,6 +49,10 @@ demo: $(STAMP) model
 # On the lent H200 (through the device tool): GPU tests and kernel benchmark, results under $$OUT.
 device-test:
 	bash scripts/device_test.sh
+
+# Here (PyPI reachable): the wheels the GPU image lacks (FastAPI, uvicorn, gguf, ...) into .whl/
+device-wheels:
+	bash scripts/fetch_device_wheels.sh
 
 bench-h200:
 	bash scripts/bench_h200.sh

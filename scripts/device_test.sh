@@ -3,6 +3,16 @@
 # install llmc from this checkout (no deps), run the GPU tests (pytest -m cuda), then the
 # kernel benchmark. Logs and a summary land under $OUT (default ./device-out).
 # Exit status: non-zero when the install or any GPU test failed.
+#
+# One device call runs at most 10 minutes and the whole suite takes ~13, so it runs in two
+# parts (DEVICE_TEST_PART): 1 = the heavy kernel files (HEAVY below, ~500 s with
+# PYTEST_ARGS="-n 14"), 2 = every other GPU test (~255 s); unset = all of tests/, or what
+# PYTEST_ARGS names (options and test paths, as before the parts). With WHEELS=DIR
+# (default ./.whl when present: scripts/fetch_device_wheels.sh) the ASGI wheels the image
+# lacks are installed into /tmp/site first, so the `llmc serve` GPU tests run too.
+#
+#   DEVICE_TEST_PART=1 PYTEST_ARGS="-n 14 --timeout 300" SKIP_BENCH=1 bash scripts/device_test.sh
+#   DEVICE_TEST_PART=2 PYTEST_ARGS="-n 14 --timeout 300" SKIP_BENCH=1 bash scripts/device_test.sh
 set -u
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$REPO/device-out}
@@ -14,6 +24,24 @@ cd "$(mktemp -d)"
 export PYTHONUNBUFFERED=1
 PY=${PY:-python3}
 status=0
+HEAVY="tests/cuda/test_cuda_wo.py tests/cuda/test_cuda_wo_gemm.py tests/cuda/test_cuda_wo_ring.py
+  tests/cuda/test_cuda_kernels.py tests/cuda/test_cuda_fp8.py tests/cuda/test_cuda_prefill_sm90.py
+  tests/runtime/test_weight_only_cuda.py"
+case "${DEVICE_TEST_PART:-}" in
+    "") case "${PYTEST_ARGS:-}" in  # test paths in PYTEST_ARGS name the tests, as before
+            *tests/*|*tests\ *|*tests) TARGETS="" ;;
+            *) TARGETS="$REPO/tests" ;;
+        esac ;;
+    1) TARGETS=$(for f in $HEAVY; do printf '%s ' "$REPO/$f"; done) ;;
+    2) TARGETS="$REPO/tests $(for f in $HEAVY; do printf -- '--ignore=%s ' "$REPO/$f"; done)" ;;
+    *) echo "DEVICE_TEST_PART must be 1, 2 or unset, got '$DEVICE_TEST_PART'"; exit 2 ;;
+esac
+WHEELS=${WHEELS:-$REPO/.whl}
+if [ -d "$WHEELS" ] && ls "$WHEELS"/*.whl > /dev/null 2>&1; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$WHEELS"/*.whl \
+        > "$OUT/wheels.log" 2>&1 || { echo "wheel install failed; see wheels.log"; exit 1; }
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 
 { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
   $PY -c 'import torch, cupy; print("torch", torch.__version__, "cupy", cupy.__version__)'
@@ -29,7 +57,7 @@ fi
 LLMC_FAILED_LOG="$OUT/failed.txt" \
 $PY -m pytest -m cuda -o addopts="" -q -p no:cacheprovider --continue-on-collection-errors \
     --rootdir "$REPO" -c "$REPO/pyproject.toml" --junitxml "$OUT/pytest.xml" \
-    ${PYTEST_ARGS:-$REPO/tests} > "$OUT/pytest.log" 2>&1 || status=1
+    ${PYTEST_ARGS:-} $TARGETS > "$OUT/pytest.log" 2>&1 || status=1
 
 if [ "${SKIP_BENCH:-0}" != "1" ]; then
     $PY -m llmc.cuda.bench --json "$OUT/kernel_bench.json" > "$OUT/bench.txt" 2>&1 || status=1
