@@ -20,12 +20,16 @@
 //  1. one CTA per row, 32 bisection passes per threshold over recomputed values:
 //     3.65 ms for 64 x 128256 top-k 50 + top-p 0.9 on the H200 (64 CTAs on 132 SMs, every
 //     pass latency-bound), 0.24 ms temperature only.
-//  2. (this) sample_cluster_kernel (sm_90): a thread-block cluster of SAMPLE_CLUSTER CTAs
+//  2. sample_cluster_kernel (sm_90): a thread-block cluster of SAMPLE_CLUSTER CTAs
 //     per row; each CTA keeps its slice of l in shared memory (one read of the logits), the
 //     radix histograms are summed across the cluster through distributed shared memory.
 //     sample_kernel: the same code with one CTA per row that re-reads the logits on every
 //     pass (devices below sm_90, rows whose slices do not fit shared memory; the host
 //     emulation runs this one).
+//  3. (this) the radix rounds skip a warp none of whose lanes holds a candidate key (one
+//     vote instead of a match and two reductions): after round 0 the candidates are the
+//     keys of one bin, so most warps of rounds 1-3 add nothing (the same histograms; not yet
+//     timed on the H200: `python -m llmc.cuda.bench --only sampling` there).
 // Launch: sample_cluster_kernel grid (SAMPLE_CLUSTER, S), block SAMPLE_THREADS, dynamic
 // shared memory 4 * slice floats (slice = sample_slice(V)); sample_kernel grid S, block
 // SAMPLE_THREADS, no dynamic shared memory.

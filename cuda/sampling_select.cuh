@@ -154,7 +154,9 @@ __device__ __forceinline__ void radix_round(RadixHist& h, int& xchg, int rank, i
                 if (MASS) q = mass_of(l, M);
             }
         }
-        hist_add<MASS>(h.cnt[b], h.mass[b], d, q);
+        // a warp with no candidate adds nothing: most warps after round 0, whose digits
+        // narrowed the candidates to one bin (the match and reductions are skipped)
+        if (__any_sync(0xffffffffu, d != RADIX_NONE)) hist_add<MASS>(h.cnt[b], h.mass[b], d, q);
     }
     row_sync<C>();  // every CTA's histogram is complete
     // all C loads issued before the first add (a remote load is a few hundred cycles)

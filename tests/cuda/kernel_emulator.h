@@ -124,7 +124,7 @@ inline T __shfl_down_sync(unsigned, T v, int d) {
     return r;
 }
 
-// sampling.cu's warp-aggregated histograms (words 1 and 2 of the lane slots)
+// sampling.cu's warp-aggregated histograms (words 1 and 2 of the lane slots) and warp vote
 inline unsigned __match_any_sync(unsigned, unsigned v) {
     emu_slot(emu_lane())[1] = v;
     __syncwarp();
@@ -141,6 +141,14 @@ inline unsigned __reduce_add_sync(unsigned mask, unsigned v) {
         if (mask >> l & 1u) s += (unsigned)emu_slot(l)[2];
     __syncwarp();
     return s;
+}
+inline int __any_sync(unsigned, int pred) {  // word 3
+    emu_slot(emu_lane())[3] = pred != 0;
+    __syncwarp();
+    int any = 0;
+    for (unsigned l = 0; l < 32; ++l) any |= (int)emu_slot(l)[3];
+    __syncwarp();
+    return any;
 }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline int __ffs(int x) { return __builtin_ffs(x); }
