@@ -4,11 +4,13 @@
 Rows: greedy, temperature only, top-k 50 + top-p 0.9, top-p 0.9 alone, min-p 0.05, top-k
 50 + top-p 0.9 with penalties (which also read the [64, V] counts and prompt mask), and
 top-k 50 + top-p 0.9 on ``sample_kernel`` (one CTA per row: the pre-cluster structure, for
-the record). GB/s of the bytes a row must read (logits, plus counts and mask with
-penalties) against the copy rate measured in the same run; targets from issue 17: top-k /
-top-p / min-p in <= 0.3 ms, greedy and temperature not slower than the 0.24 ms measured
-before the cluster kernel. CUDA-graph replays cycling over ``COPIES`` logits batches
-(131 MB: L2 serves none). ``python -m llmc.cuda.bench --only sampling`` runs these alone.
+the record); then greedy, temperature 0.7 and temperature 0.7 + top-p 0.9 at batch 512 (the
+8B sampled bench row's setting at about its mean decode batch: what that row pays a step).
+GB/s of the bytes a row must read (logits, plus counts and mask with penalties) against the
+copy rate measured in the same run; targets from issue 17: top-k / top-p / min-p in <= 0.3
+ms, greedy and temperature not slower than the 0.24 ms measured before the cluster kernel.
+CUDA-graph replays cycling over ``COPIES`` logits batches (131 MB: L2 serves none).
+``python -m llmc.cuda.bench --only sampling`` runs these alone.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from llmc.cuda.backend import SamplingMetadata
 
 DEV = torch.device("cuda")
 S, V = 64, 128256
-COPIES = 4  # 4 x 32.8 MB of logits per graph cycle
+S_LARGE = 512  # about the mean decode batch of the 8B 128/128 rows
+COPIES = 4  # 4 x 32.8 MB of logits per graph cycle (4 x 263 MB at S_LARGE)
 FILTER_MS, PLAIN_MS = 0.3, 0.24  # issue 17's targets
 CASES = (
     # label, temperature, top_k, top_p, min_p, penalties, one CTA per row, target ms
@@ -34,9 +37,16 @@ CASES = (
     ("sample(top_k=50,top_p=0.9,penalties)", 0.8, 50, 0.9, 0.0, True, False, FILTER_MS),
     ("sample(top_k=50,top_p=0.9) one CTA/row", 0.8, 50, 0.9, 0.0, False, True, None),
 )
+LARGE_CASES = (  # batch S_LARGE, no target (the bench row's share of a step is the measure)
+    ("sample(greedy)", 0.0, 0, 1.0, 0.0, False, False, None),
+    ("sample(temperature=0.7)", 0.7, 0, 1.0, 0.0, False, False, None),
+    ("sample(temperature=0.7,top_p=0.9)", 0.7, 0, 0.9, 0.0, False, False, None),
+)
 
 
-def sampling_meta(temp: float, k: int, p: float, m: float, penalties: bool) -> SamplingMetadata:
+def sampling_meta(
+    temp: float, k: int, p: float, m: float, penalties: bool, S: int = S
+) -> SamplingMetadata:
     """S rows of one setting; seeds 0..S-1; penalties: 5 % of the vocabulary seen."""
     meta = SamplingMetadata(
         temperature=torch.full((S,), temp, device=DEV),
@@ -62,14 +72,16 @@ def sampling_rows(
 ) -> None:
     """Append the sampling rows (see the module docstring) through ``mem_row``;
     ``copy_gbps``: the copy ceiling of the run (targets are fractions of it)."""
-    logits = [torch.randn(S, V, device=DEV) * 3 for _ in range(COPIES)]
-    for label, temp, k, p, m, pen, row_kernel, target_ms in CASES:
-        meta = sampling_meta(temp, k, p, m, pen)
-        nbytes = logits[0].nbytes + (S * V * 5 if pen else 0)  # + int32 counts, bool mask
-        be.cluster_sampling = not row_kernel and be.cluster_decode
-        fns = [lambda x=x, meta=meta: be.sample(x, meta) for x in logits]
-        ms = graph_ms(cycle(fns), calls=2 * COPIES)
-        be.cluster_sampling = be.cluster_decode
-        # the target time as a fraction of the copy rate (the table's ok column)
-        target = None if target_ms is None else nbytes / target_ms / 1e6 / copy_gbps
-        mem_row(f"{label} (graph)", f"{S}x{V} f32", nbytes, ms, target)
+    for rows, cases in ((S, CASES), (S_LARGE, LARGE_CASES)):
+        logits = [torch.randn(rows, V, device=DEV) * 3 for _ in range(COPIES)]
+        for label, temp, k, p, m, pen, row_kernel, target_ms in cases:
+            meta = sampling_meta(temp, k, p, m, pen, rows)
+            nbytes = logits[0].nbytes + (rows * V * 5 if pen else 0)  # + counts, mask
+            be.cluster_sampling = not row_kernel and be.cluster_decode
+            fns = [lambda x=x, meta=meta: be.sample(x, meta) for x in logits]
+            ms = graph_ms(cycle(fns), calls=2 * COPIES)
+            be.cluster_sampling = be.cluster_decode
+            # the target time as a fraction of the copy rate (the table's ok column)
+            target = None if target_ms is None else nbytes / target_ms / 1e6 / copy_gbps
+            mem_row(f"{label} (graph)", f"{rows}x{V} f32", nbytes, ms, target)
+        del logits
