@@ -79,6 +79,26 @@ def _int_list(values: list[str] | None, name: str) -> tuple[int, ...] | None:
         raise UsageError(f"--{name} takes integers (repeat it or separate with commas)") from None
 
 
+def _bias_map(values: list[str] | None) -> dict[int, float] | None:
+    """``--logit_bias ID:BIAS`` (repeatable, or ID:BIAS,ID:BIAS) as {id: bias}; the ranges
+    are SamplingParams' to check."""
+    if values is None:
+        return None
+    out: dict[int, float] = {}
+    for item in (x.strip() for v in values for x in str(v).split(",") if x.strip()):
+        tid, sep, bias = item.partition(":")
+        try:
+            if not sep:
+                raise ValueError
+            out[int(tid)] = float(bias)
+        except ValueError:
+            raise UsageError(
+                f"--logit_bias {item!r}: takes TOKEN_ID:BIAS (e.g. 50256:-100; repeat it or "
+                "separate with commas)"
+            ) from None
+    return out
+
+
 def _sampling(settings: dict[str, Any], overrides: dict[str, Any]) -> SamplingParams:
     """SamplingParams from the flags/profile with ``overrides`` (a JSONL line's fields);
     ``SamplingParams`` checks and normalizes every value (RequestError naming it)."""
@@ -335,6 +355,9 @@ RUN_FLAGS: tuple[Flag, ...] = (
     Flag("ignore_eos", bool, "Do not stop at EOS. Default: off."),
     Flag("max_tokens", int, "vLLM's name of --max_new_tokens (give one)."),
     Flag("min_tokens", int, "Suppress EOS and stop ids until this many tokens. Default: 0."),
+    Flag("logit_bias", list[str], "TOKEN_ID:BIAS added to that token's logit every step, bias "
+         "in [-100, 100] (-100 bans it; repeatable or a:b,c:d). Default: none.",
+         metavar="ID:BIAS"),
     Flag("logprobs", int, "Each generated token's logprob, rank and this many top ones."),
     Flag("prompt_logprobs", int, "Each prompt token's logprob, rank and this many top ones."),
     Flag("n", int, "Outputs per prompt (samples, or the best beams). Default: 1; beams: all."),
@@ -363,6 +386,7 @@ def run_command(
     cli = dict(flags)
     cli["stop"] = cli["stop"] or None
     cli["stop_token_ids"] = _int_list(cli["stop_token_ids"], "stop_token_ids")
+    cli["logit_bias"] = _bias_map(cli["logit_bias"])
     section = profile_section(profile, "run")
     check_keys(section, RUN_KEYS, f"profile {profile} (run:)")
     settings = merge_settings(cli, section)

@@ -57,7 +57,8 @@ def branch_sample(
 
     Returns (token ids, per-row TokenLogprobs or None, the step's BranchSteps)."""
     seqs = [ss.seq for ss in sampled]
-    steps = beam_steps(logits, seqs)  # before sampling: it reads the raw logits
+    smp.apply_logit_bias(logits, sampled)  # beams are scored, forks sampled, with the bias
+    steps = beam_steps(logits, seqs)  # before sampling: it reads the (biased) raw logits
     widths = [fork_width(s) for s in seqs]
     rows = [r for r, w in enumerate(widths) for _ in range(w)]
     expanded = [seqs[r] for r in rows]

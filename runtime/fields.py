@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Mapping
 from typing import Any
 
 from llmc.base.errors import RequestError
@@ -21,6 +22,12 @@ MAX_LOGPROBS = 20
 ``prompt_logprobs``), as vLLM's ``max_logprobs``."""
 MAX_STOP_STRINGS = 64
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024
+"""Most token ids one request's ``logit_bias`` may name (each is a scatter into its logits
+row, every step)."""
+LOGIT_BIAS_RANGE = 100.0
+"""OpenAI's range of a ``logit_bias`` value: [-100, 100] (-100 bans the token, 100 all but
+forces it)."""
 
 
 def _bad(owner: Any, name: str, why: str) -> RequestError:
@@ -102,6 +109,41 @@ def _token_ids(
     if None in ids or (ranged and any(not 0 <= t <= INT32_MAX for t in ids)):  # type: ignore[operator]
         raise _bad(owner, name, "must be non-negative integer token ids")
     return ids  # type: ignore[return-value]
+
+
+def _logit_bias(owner: Any, name: str) -> tuple[tuple[int, float], ...]:
+    """A token id → bias map (a Mapping, or (id, bias) pairs) as (id, bias) pairs sorted by
+    id: ids integers (or decimal strings, JSON's keys) in [0, INT32_MAX] (the vocabulary is
+    the Executor's to check), each named once, at most MAX_LOGIT_BIAS of them; biases finite
+    in [-100, 100]."""
+    value = getattr(owner, name)
+    if isinstance(value, Mapping):
+        items: Any = list(value.items())
+    elif isinstance(value, (list, tuple)) and all(
+        isinstance(x, (list, tuple)) and len(x) == 2 for x in value
+    ):
+        items = list(value)
+    else:
+        raise _bad(owner, name, "must map token ids to biases ({token_id: bias})")
+    if len(items) > MAX_LOGIT_BIAS:
+        raise _bad(owner, name, f"names {len(items)} token ids; at most {MAX_LOGIT_BIAS}")
+    out: dict[int, float] = {}
+    for key, bias in items:
+        # JSON object keys are strings: OpenAI's {"50256": -100} names token 50256
+        tid = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else _index(key)
+        if tid is None or not 0 <= tid <= INT32_MAX:
+            raise _bad(owner, name, f"key {_shown(key)} is not a non-negative integer token id")
+        try:  # ints and numpy floats convert; bools, strings and None do not
+            b = math.nan if isinstance(bias, (bool, str, bytes)) else float(bias)
+        except (TypeError, ValueError):
+            b = math.nan
+        if not (math.isfinite(b) and -LOGIT_BIAS_RANGE <= b <= LOGIT_BIAS_RANGE):
+            limit = f"[{-LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]"
+            raise _bad(owner, name, f"bias {_shown(bias)} of token {tid} is not in {limit}")
+        if tid in out:
+            raise _bad(owner, name, f"names token {tid} twice")
+        out[tid] = b
+    return tuple(sorted(out.items()))
 
 
 def _index(value: Any) -> int | None:

@@ -419,6 +419,7 @@ class ModelRunner:
             pending.branch_steps = steps
             return pending
         s, meta = inp.num_sampled, inp.sampling
+        smp.apply_logit_bias(logits, inp.sampled)
         smp.suppress_stop_ids(logits, inp.sampled)  # min_tokens
         ids = self.backend.sample(logits, meta)
         out_ids = self.workspace["sampled_ids"][:s]

@@ -31,6 +31,7 @@ def prompt_ids(request: Request, tokenizer: Any, vocab_size: int) -> list[int]:
     if sp.stop and tokenizer is None:
         raise RequestError("stop strings need a tokenizer; the engine has none")
     check_vocab("stop_token_ids", sp.stop_token_ids, vocab_size)
+    check_vocab("logit_bias token id", [t for t, _ in sp.logit_bias], vocab_size)
     if request.prompt is not None:
         if tokenizer is None:
             raise RequestError("the engine has no tokenizer; send prompt_token_ids")

@@ -236,6 +236,29 @@ def metadata_for(
 _SUPPRESSES = operator.attrgetter("seq.suppressed_ids")
 
 
+_BIASED = operator.attrgetter("seq.sampling.logit_bias")
+
+
+def apply_logit_bias(logits: torch.Tensor, rows_of: Seq[ScheduledSequence]) -> None:
+    """``logit_bias``: add each row's biases to its logits, in place, before the sampler (any
+    backend's, unchanged) and before ``suppress_stop_ids`` (a suppressed id stays -inf).
+    ``logits``: [S, vocab] float, row ``r`` sampled for ``rows_of[r]``; the ids were checked
+    against the vocabulary at admission. One C-level pass when no row asks."""
+    if not any(map(_BIASED, rows_of)):
+        return
+    rows: list[int] = []
+    cols: list[int] = []
+    vals: list[float] = []
+    for r, ss in enumerate(rows_of):
+        for tid, bias in ss.seq.sampling.logit_bias:
+            rows.append(r)
+            cols.append(tid)
+            vals.append(bias)
+    index = torch.tensor([rows, cols], dtype=torch.int64).to(logits.device)
+    add = torch.tensor(vals, dtype=torch.float32).to(logits.device, logits.dtype)
+    logits.index_put_((index[0], index[1]), add, accumulate=True)
+
+
 def suppress_stop_ids(logits: torch.Tensor, rows_of: Seq[ScheduledSequence]) -> None:
     """``min_tokens``: set to -inf, in place, the logits of the ids that would stop a row
     (``Sequence.suppressed_ids``: EOS and stop ids) while its sequence has fewer than

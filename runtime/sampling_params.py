@@ -8,6 +8,7 @@ the derived properties the fast paths read (``is_plain``, ``greedy``, ``uses_pen
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,7 @@ from llmc.runtime.fields import (
     MAX_LOGPROBS,
     _bad,
     _integer,
+    _logit_bias,
     _real,
     _strings,
     _token_ids,
@@ -92,6 +94,12 @@ class SamplingParams:
     min_tokens: int = 0
     """vLLM's ``min_tokens``: EOS and ``stop_token_ids`` are suppressed (their logits set to
     -inf before sampling) until this many tokens were generated; at most max_new_tokens."""
+    logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
+    """OpenAI's and vLLM's ``logit_bias``: token id → a bias in [-100, 100] added to that
+    token's logit before anything else sees it (penalties, temperature, the filters, the
+    logprobs returned), every step; -100 all but bans a token. Given as a mapping (or (id,
+    bias) pairs); held as (id, bias) pairs sorted by id. At most 1,024 ids, each inside the
+    engine's vocabulary (checked at admission)."""
     n: int = 1
     """Outputs returned (vLLM's ``n``): independent samples of the prompt, or with
     ``use_beam_search`` the ``n`` best beams. The samples share the prompt's KV blocks
@@ -148,6 +156,7 @@ class SamplingParams:
                 raise _bad(self, name, "must be True or False")
         put("stop", _strings(self, "stop"))
         put("stop_token_ids", tuple(_token_ids(self, "stop_token_ids")))
+        put("logit_bias", _logit_bias(self, "logit_bias"))
         self._check_outputs(put)
 
     def _check_outputs(self, put: Any) -> None:
@@ -225,13 +234,15 @@ class SamplingParams:
         history, built on the host). The one statement of the rule behind the fast paths:
         CUDA-graph decode steps (``cuda_graphs.graph_eligible``), async scheduling
         (``engine_step.ahead_ok``) and the decode row cache (``decode_row_cache.DecodeRowCache``)
-        serve only plain rows. ``min_tokens`` masks stop ids on the host's step inputs, so
-        such a row is not plain either; nor are beam search (its rows' logits are rescored
-        on the host's orders) and best_of > n (every token's logprob ranks the samples)."""
+        serve only plain rows. ``min_tokens`` masks stop ids and ``logit_bias`` adds to the
+        logits from the host's step inputs, so such a row is not plain either; nor are beam
+        search (its rows' logits are rescored on the host's orders) and best_of > n (every
+        token's logprob ranks the samples)."""
         return (
             self.logprobs is None
             and not self.uses_penalties
             and not self.min_tokens
+            and not self.logit_bias
             and not self.use_beam_search
             and not self.ranks_by_logprob
         )

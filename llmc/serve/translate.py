@@ -28,6 +28,8 @@ from llmc.serve.schema import ChatCompletionRequest, CompletionRequest
 MAX_N = 128
 """Most choices one request may ask for (each is an engine request)."""
 MAX_PROMPTS = 1024
+_ID_PARAMS = ("stop_token_ids ", "logit_bias ")
+"""Request fields of token ids the engine checks against its vocabulary at admission."""
 _BAD_FIELD = re.compile(r"^(?:sampling parameter|request field) (\w+)=")
 _REQUEST_PREFIX = re.compile(r"^request \d+: ")
 
@@ -65,8 +67,6 @@ def _common(body: Any) -> None:
         raise bad_request(f"n={body.n}: must be in [1, {MAX_N}]", param="n")
     if body.stream_options is not None and not body.stream:
         raise bad_request("stream_options is only allowed with stream=true", "stream_options")
-    if body.logit_bias:
-        raise bad_request("logit_bias is not supported by llmc serve", param="logit_bias")
 
 
 def _sampling(
@@ -88,6 +88,7 @@ def _sampling(
         "repetition_penalty": 1.0 if body.repetition_penalty is None else body.repetition_penalty,
         "stop": () if body.stop is None else body.stop,
         "stop_token_ids": tuple(body.stop_token_ids or ()),
+        "logit_bias": body.logit_bias or (),  # {"token id": bias}: SamplingParams reads the keys
         "ignore_eos": body.ignore_eos,
         "logprobs": logprobs,
     }
@@ -235,6 +236,8 @@ def response_error(plan: Plan, message: str, error_code: int | None) -> APIError
     failure (a RequestFault inside a step, an engine failure) is the server's: 500."""
     text = strip_request_id(message)
     refused = error_code == RequestError.exit_code
+    if refused and "vocabulary" in text and text.startswith(_ID_PARAMS):
+        return bad_request(text, param=text.split(" ", 1)[0])  # stop_token_ids, logit_bias
     if refused and ("max_input_len" in text or "vocabulary" in text or "is empty" in text):
         code = "context_length_exceeded" if "max_input_len" in text else None
         return bad_request(text, param=plan.prompt_param, code=code)

@@ -3,8 +3,8 @@ runtime/responses.py, runtime/logprobs.py): ``LLM(model=PATH)`` for an engine, a
 and a GGUF file; ``SamplingParams(max_tokens=...)``; ``RequestOutput.outputs`` / ``metrics``;
 token-id prompts; chat conversations refused as prompts; errors that are ``ValueError``s;
 ``logprobs`` / ``prompt_logprobs`` with texts against transformers' log_softmax (tiny Llama and
-Qwen2); ``min_tokens`` against transformers' ``min_new_tokens``; ``LLM.chat`` against
-transformers' ``apply_chat_template``."""
+Qwen2); ``min_tokens`` against transformers' ``min_new_tokens``; ``logit_bias`` against
+transformers' ``sequence_bias``; ``LLM.chat`` against transformers' ``apply_chat_template``."""
 
 from __future__ import annotations
 
@@ -221,6 +221,52 @@ def test_min_tokens_suppresses_stop_ids_like_transformers_min_new_tokens(llm, ti
     assert stop not in out.token_ids[:3] and len(out.token_ids) >= 3
     assert all(e.logprob > -math.inf for e in out.logprobs)
     assert llm.kv_stats().free_blocks == llm.kv_stats().total_blocks
+
+
+# ---- logit_bias --------------------------------------------------------------------------
+def test_logit_bias_matches_transformers_sequence_bias(llm, tiny_llama_dir):
+    prompt = [1, 17, 42, 99, 5]
+    free = llm.generate(prompt, SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
+    # ban the free run's first token, lift two others: greedy follows the biased logits
+    lift = [t for t in (7, 11, 13) if t != free[0]][:2]
+    bias = {free[0]: -100.0, lift[0]: 2.5, lift[1]: 1.25}
+    sp = SamplingParams(max_tokens=8, ignore_eos=True, logit_bias=bias, logprobs=0)
+    assert not sp.is_plain and sp.logit_bias == tuple(sorted(bias.items()))
+    (out,) = llm.generate(prompt, sp)
+    with torch.no_grad():
+        hf = load_hf(tiny_llama_dir).generate(
+            torch.tensor([prompt]), max_new_tokens=8, do_sample=False, pad_token_id=0,
+            sequence_bias={(t,): b for t, b in bias.items()}, output_scores=True,
+            return_dict_in_generate=True, eos_token_id=None,
+        )  # fmt: skip
+    assert out.token_ids == hf.sequences[0, len(prompt) :].tolist()
+    assert out.token_ids[0] != free[0]
+    for entry, scores, tok in zip(out.logprobs, hf.scores, out.token_ids, strict=True):
+        want = torch.log_softmax(scores[0].double(), -1)[tok].item()  # of the biased logits
+        assert entry[tok].logprob == pytest.approx(want, abs=TOL)
+
+
+def test_logit_bias_reaches_sampled_forks(llm):
+    force = {7: 100.0}  # +100 outweighs any logit of the tiny model: every token is 7
+    sp = SamplingParams(max_tokens=4, temperature=1.0, seed=3, n=2, ignore_eos=True,
+                        logit_bias=force)  # fmt: skip
+    (out,) = llm.generate([1, 2, 3], sp)
+    assert [o.token_ids for o in out.outputs] == [[7, 7, 7, 7]] * 2
+
+
+def test_logit_bias_is_checked(llm):
+    with pytest.raises(RequestError, match=r"bias 101 of token 3 is not in \[-100, 100\]"):
+        SamplingParams(logit_bias={3: 101})
+    with pytest.raises(RequestError, match="key -1 is not a non-negative integer token id"):
+        SamplingParams(logit_bias={-1: 1})
+    with pytest.raises(RequestError, match="must map token ids to biases"):
+        SamplingParams(logit_bias=[1, 2])
+    with pytest.raises(RequestError, match="at most 1024"):
+        SamplingParams(logit_bias={i: 1.0 for i in range(1025)})
+    assert SamplingParams(logit_bias={"12": -1}).logit_bias == ((12, -1.0),)  # JSON's keys
+    (out,) = llm.generate([1, 2, 3], SamplingParams(max_tokens=2, logit_bias={10**6: 1}))
+    assert out.finish_reason == "error" and "logit_bias token id 1000000" in out.error
+    assert "outside the vocabulary" in out.error
 
 
 def test_scheduler_does_not_stop_before_min_tokens():

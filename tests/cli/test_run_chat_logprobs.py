@@ -120,3 +120,13 @@ def test_min_tokens_flag(engine):
     assert stopped["token_ids"] == [first] and stopped["finish_reason"] == "stop"
     held = run_json(*base, "--stop_token_ids", str(first), "--min_tokens", "4")["outputs"][0]
     assert len(held["token_ids"]) >= 4 and first not in held["token_ids"][:4]
+
+
+def test_logit_bias_flag(engine):
+    base = ("--engine_dir", str(engine), "--prompt", "hello", "--max_tokens", "5", "--ignore_eos")
+    free = run_json(*base)["outputs"][0]["token_ids"]
+    lift = 7 if free[0] != 7 else 11
+    out = run_json(*base, "--logit_bias", f"{free[0]}:-100,{lift}:100")["outputs"][0]
+    assert out["token_ids"] == [lift] * 5
+    again = run_json(*base, "--logit_bias", f"{free[0]}:-100", "--logit_bias", f"{lift}:100")
+    assert again["outputs"][0]["token_ids"] == [lift] * 5  # repeated = comma-separated

@@ -235,6 +235,16 @@ def test_text_input_file_one_prompt_per_line(engine, tmp_path):
             "--stop_token_ids takes integers",
         ),
         (
+            ("--engine_dir", "{engine}", "--prompt", "a", "--logit_bias", "7=100"),
+            2,
+            "--logit_bias '7=100': takes TOKEN_ID:BIAS",
+        ),
+        (
+            ("--engine_dir", "{engine}", "--prompt", "a", "--logit_bias", "7:300"),
+            8,
+            "logit_bias={7: 300.0}: bias 300.0 of token 7 is not in [-100, 100]",
+        ),
+        (
             ("--engine_dir", "{engine}", "--prompt", "a", "--decode_steps_per_iteration", "0"),
             3,
             "decode_steps_per_iteration must be a positive integer, got 0",

@@ -225,6 +225,32 @@ def test_prompt_logprobs_cuda_equal_torch(model, budget):
     assert total and ranks_equal >= 0.9 * total, f"ranks equal {ranks_equal}/{total}"
 
 
+def test_logit_bias_cuda_equals_torch(model):
+    """``logit_bias`` (added to the logits before the CUDA sampler), greedy and seeded
+    top-p rows beside plain rows that replay CUDA graphs, against the torch backend: each
+    biased request bans its first greedy token and lifts another, so the bias changes it."""
+    spec, w = model
+    first, _, _ = generate(spec, w, "torch", graphs=False)
+    sp = []
+    for i, (n, ids) in enumerate(zip(NEW, first, strict=True)):
+        lift = (ids[0] + 1 + i) % spec.vocab_size
+        bias = {ids[0]: -100.0, lift: 3.0}
+        if i % 3 == 0:
+            sp.append(SamplingParams(max_new_tokens=n, ignore_eos=True, logit_bias=bias))
+        elif i % 3 == 1:
+            sp.append(SamplingParams(max_new_tokens=n, ignore_eos=True, logit_bias=bias,
+                                     temperature=0.8, top_p=0.9, seed=i))  # fmt: skip
+        else:
+            sp.append(SamplingParams(max_new_tokens=n, ignore_eos=True))  # plain: graphs
+    ref, _, _ = generate(spec, w, "torch", graphs=False, sampling=sp)
+    ours, rt, _ = generate(spec, w, "cuda", sampling=sp)
+    assert_same(ours, ref, "logit_bias")
+    for o, s, ids in zip(ours, sp, first, strict=True):
+        if s.logit_bias and s.greedy:
+            assert o[0] != ids[0]
+    rt.kv.check_invariants()
+
+
 def test_min_tokens_and_logprobs_cuda_equal_torch(model):
     """``min_tokens`` (stop ids masked in the logits before the CUDA sampler) and generated
     logprobs with ranks, mixed with plain rows that replay CUDA graphs, against the torch

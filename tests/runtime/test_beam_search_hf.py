@@ -117,6 +117,18 @@ def test_beams_alone_with_a_stop_id_and_returning_fewer(tiny):
     assert [c.token_ids for c in two.completions] == [c for c, _ in plain[:2]]
 
 
+def test_logit_bias_steers_the_beams(tiny):
+    """logit_bias is added to the logits before the beams are scored (OpenAI's and vLLM's
+    rule; transformers' ``sequence_bias`` adds to the log-probs, so its scores differ)."""
+    _, engine_dir, model = tiny
+    p = prompts_of()[1]
+    [forced], _ = run(engine_dir, [p], beam_params(2, 1.0, False, new=4, logit_bias={7: 100.0}))
+    assert forced.completions[0].token_ids == [7, 7, 7, 7]
+    first = hf_beams(model, p, 2, 1.0, False)[0][0][0]  # the unbiased best beam's first token
+    [banned], _ = run(engine_dir, [p], beam_params(2, 1.0, False, logit_bias={first: -100.0}))
+    assert all(first not in c.token_ids for c in banned.completions)
+
+
 def test_beams_in_a_batch_with_greedy_and_sampled_requests(tiny):
     _, engine_dir, model = tiny
     prompts = prompts_of()

@@ -39,6 +39,26 @@ def test_completion_has_text_finish_reason_and_usage(client, serve_engine) -> No
     assert out.usage.prompt_tokens == len(ref.prompt_token_ids)
 
 
+def test_logit_bias_gives_the_in_process_text(client, serve_engine) -> None:
+    from llmc.api import LLM
+    from llmc.runtime.types import SamplingParams
+
+    bias = {7: 100.0, 11: -100.0}
+    with LLM(serve_engine, device="cpu") as llm:
+        ref = llm.generate(PROMPT, SamplingParams(max_new_tokens=6, logit_bias=bias))[0]
+    assert ref.token_ids == [7] * 6
+    wire = {str(t): b for t, b in bias.items()}  # JSON keys: token ids as strings
+    out = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, logit_bias=wire
+    )
+    assert out.choices[0].text == ref.text
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+        temperature=0, logit_bias=wire,
+    )  # fmt: skip
+    assert chat.choices[0].message.content == ref.text
+
+
 def test_greedy_stream_concatenates_to_the_whole_text(client) -> None:
     kw = dict(model="tiny", prompt=PROMPT, max_tokens=20, temperature=0)
     whole = client.completions.create(**kw)
