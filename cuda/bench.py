@@ -100,6 +100,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.only == "sampling":  # the sampling rows alone (seconds of GPU time)
         sampling_rows(be, mem_row, graph_ms, _cycle, bw)
         return _result(ceil, rows)
+    if args.only == "decode":  # decode attention alone (seconds of GPU time)
+        from llmc.cuda.bench_fp8 import decode_64x4096
+
+        decode_64x4096(be, time_ms, mem_row)
+        decode_short(be, rows, mem_row)
+        return _result(ceil, rows)
     if args.only in ("gemvwo", "gemmwo"):  # the weight-only rows alone (llmc.cuda.bench_wo)
         if args.only == "gemvwo":
             wo_rows(be, rows, mem_row, flops_row, graph_ms, time_ms, _cycle)
@@ -186,15 +192,31 @@ def _result(ceil: dict[str, float], rows: list[dict[str, Any]]) -> dict[str, Any
     }
 
 
+# (q heads, kv heads, head_dim, max_seq_len at capture, batch, context range): the Llama-3-8B
+# shape at the 8B rows' batches, and the SmolLM2-135M shape (9/3 x 64, the dummy profile's
+# max_seq_len 2048) at the 135M 128/128 row's ~1,000-row decode batch (its decode steps
+# spent ~48 % of their GPU time in attention in the pass-4 profile)
+DECODE_SHORT_CASES = (
+    *((32, 8, 128, 8192, b, lo, hi) for b, lo, hi in
+      ((128, 128, 256), (256, 128, 256), (32, 128, 256), (1, 256, 256))),
+    (9, 3, 64, 2048, 1024, 128, 256),
+    (9, 3, 64, 2048, 512, 128, 256),
+)  # fmt: skip
+
+
 def decode_short(be: Any, rows: list, mem_row: Callable) -> None:
-    """Decode attention at the end-to-end shapes: short contexts, max_seq_len 8192 at
-    capture (as CUDA graphs see it); ``auto`` beside forced split plans (splits, min keys).
-    Timed as CUDA-graph replays (as the runner runs decode steps)."""
+    """Decode attention at the end-to-end shapes (``DECODE_SHORT_CASES``): short contexts,
+    the engine's max_seq_len at capture (as CUDA graphs see it); ``auto`` beside forced
+    split plans (splits, min keys). Timed as CUDA-graph replays (as the runner runs decode
+    steps)."""
     from llmc.cuda.backend import AttentionMetadata
 
-    nq, nkv, hd, bs = 32, 8, 128, 32
+    bs, max_num_seqs = 32, be.max_num_seqs
     g = torch.Generator().manual_seed(1)
-    for batch, lo, hi in ((128, 128, 256), (256, 128, 256), (32, 128, 256), (1, 256, 256)):
+    for nq, nkv, hd, max_seq, batch, lo, hi in DECODE_SHORT_CASES:
+        if batch > be.max_num_seqs:
+            be.reserve(batch, nq, hd)
+            be.max_num_seqs = batch
         lens = torch.randint(lo, hi + 1, (batch,), generator=g)
         nbs = [math.ceil(int(n) / bs) for n in lens]
         total = sum(nbs)
@@ -203,7 +225,7 @@ def decode_short(be: Any, rows: list, mem_row: Callable) -> None:
         kc = torch.randn(pool, bs, nkv, hd, device=DEV).to(BF16)
         vc = torch.randn_like(kc, dtype=torch.float32).to(BF16)
         perm = torch.randperm(pool)[:total].to(torch.int32)
-        tables = torch.full((batch, 8192 // bs), -1, dtype=torch.int32)
+        tables = torch.full((batch, max_seq // bs), -1, dtype=torch.int32)
         k = 0
         for i, nb in enumerate(nbs):
             tables[i, :nb] = perm[k : k + nb]
@@ -216,7 +238,7 @@ def decode_short(be: Any, rows: list, mem_row: Callable) -> None:
             block_tables=tables.to(DEV),
             num_decode_seqs=batch,
             max_query_len=1,
-            max_seq_len=8192,
+            max_seq_len=max_seq,
         )
         q = torch.randn(batch, nq, hd, device=DEV).to(BF16)
         ao = torch.empty(batch, nq * hd, device=DEV, dtype=BF16)
@@ -232,15 +254,15 @@ def decode_short(be: Any, rows: list, mem_row: Callable) -> None:
             if plan is None and cluster:
                 label = f"auto: cluster kernel, min_keys={be.min_split_keys(batch, nkv)}"
             elif plan is None:
-                s, mk = be.num_splits(batch, nkv, 8192), be.min_split_keys(batch, nkv)
+                s, mk = be.num_splits(batch, nkv, max_seq), be.min_split_keys(batch, nkv)
                 label = f"auto: splits<={s}, min_keys={mk}"
             else:
                 label = f"splits<={plan[0]}, min_keys={plan[1] or '-'}"
-            mem_row(
-                f"decode_short({label})", f"{batch}x[{lo},{hi}] 32/8x128 bf16", kv_bytes, ms, None
-            )
+            shape = f"{batch}x[{lo},{hi}] {nq}/{nkv}x{hd} bf16"
+            mem_row(f"decode_short({label})", shape, kv_bytes, ms, None)
             rows[-1]["us"] = ms * 1000
     be.force_splits = be.force_min_keys = None
+    be.max_num_seqs = max_num_seqs
 
 
 def _cycle(fns: list[Callable[[], Any]]) -> Callable[[], Any]:
@@ -372,10 +394,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=default, help="write results here")
     ap.add_argument(
         "--only",
-        choices=("gemv8", "sampling", "gemvwo", "gemmwo"),
+        choices=("gemv8", "sampling", "gemvwo", "gemmwo", "decode"),
         default=None,
         help="gemv8: only the FP8 GEMV rows; sampling: only the sampling rows; gemvwo: only "
-        "the weight-only rows; gemmwo: only the weight-only large-step (GEMM plan) rows",
+        "the weight-only rows; gemmwo: only the weight-only large-step (GEMM plan) rows; "
+        "decode: only the decode attention rows (64 x 4096 and the end-to-end shapes)",
     )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
