@@ -129,16 +129,18 @@ RUN_FLAGS: tuple[Flag, ...] = (
     Flag("presence_penalty", float, "In [-2, 2]. Default: 0."),
     Flag("frequency_penalty", float, "In [-2, 2]. Default: 0."),
     Flag("seed", int, "Sampling seed per request. Default: from the request id."),
-    Flag("stop", list[str], "Stop string (repeatable); cut from the output."),
-    Flag("stop_token_ids", list[str], "Stop token ids (repeatable or a,b,c)."),
+    Flag("stop", list[str], "Stop string (repeatable); cut from the output. Default: none."),
+    Flag("stop_token_ids", list[str], "Stop token ids (repeatable or a,b,c). Default: none."),
     Flag("ignore_eos", bool, "Do not stop at EOS. Default: off."),
-    Flag("max_tokens", int, "vLLM's name of --max_new_tokens (give one)."),
+    Flag("max_tokens", int, "vLLM's name of --max_new_tokens (give one). Default: 32."),
     Flag("min_tokens", int, "Suppress EOS and stop ids until this many tokens. Default: 0."),
     Flag("logit_bias", list[str], "TOKEN_ID:BIAS added to that token's logit every step, bias "
          "in [-100, 100] (-100 bans it; repeatable or a:b,c:d). Default: none.",
          metavar="ID:BIAS"),
-    Flag("logprobs", int, "Each generated token's logprob, rank and this many top ones."),
-    Flag("prompt_logprobs", int, "Each prompt token's logprob, rank and this many top ones."),
+    Flag("logprobs", int, "Each generated token's logprob, rank and this many top ones. "
+         "Default: none (off; 0: the sampled token's alone)."),
+    Flag("prompt_logprobs", int, "Each prompt token's logprob, rank and this many top ones. "
+         "Default: none (off)."),
     Flag("n", int, "Outputs per prompt (samples, or the best beams). Default: 1; beams: all."),
     Flag("best_of", int, "Samples drawn (>= n); the n best by logprob sum kept. Default: n."),
     Flag("beam_width", int, "Beam search with this many beams; 1 = off. Default: 1."),
@@ -148,9 +150,10 @@ RUN_FLAGS: tuple[Flag, ...] = (
     Flag("messages_file", str, "Conversations: JSONL, one JSON list of {role, content} per "
          "line, through the chat template. Default: none.", metavar="PATH"),
     Flag("system", str, "A system message: each prompt becomes a chat (system, then the prompt "
-         "as the user's); the system turn of conversations that have none.", metavar="TEXT"),
+         "as the user's); the system turn of conversations that have none. Default: none.",
+         metavar="TEXT"),
     Flag("chat", bool, "Apply the engine's chat template. Default: off."),
-    Flag("stream", bool, "Print tokens as they come."),
+    Flag("stream", bool, "Print tokens as they come. Default: off."),
 )
 # fmt: on
 

@@ -194,18 +194,6 @@ def test_dash_and_underscore_spellings(tiny_llama_dir, flag):
     assert d["build"]["max_num_tokens"] == 96 and d["build"]["tokens_per_block"] == 16
 
 
-def test_every_flag_has_help_with_a_default():
-    import click
-    import typer.main
-
-    cmd = typer.main.get_command(app).commands["build"]
-    for param in cmd.params:
-        if isinstance(param, click.Option) and param.name != "help":
-            assert param.help and "Default" in param.help, param.name
-            names = set(param.opts)
-            assert any("_" in n for n in names) == any("-" in n[2:] for n in names), names
-
-
 # ---- output -----------------------------------------------------------------------------
 def test_json_output_and_dry_run_writes_nothing(tiny_llama_dir, tmp_path):
     out = tmp_path / "e"

@@ -56,3 +56,27 @@ def test_every_command_is_registered():
         "compare",
         "serve",
     }
+
+
+def _options():
+    """(command, option) of every registered command. By ``param_type_name``: typer 0.29
+    vendors click (``typer._click``), so its options are not ``click.Option``s."""
+    import typer.main
+
+    for name, cmd in typer.main.get_command(app).commands.items():
+        for param in cmd.params:
+            if param.param_type_name == "option" and param.name != "help":
+                yield name, param
+
+
+@pytest.mark.parametrize("command", ["build", "import", "run", "bench", "profile", "eval",
+                                     "calibrate", "compare", "serve"])  # fmt: skip
+def test_every_flag_says_its_default_and_takes_both_spellings(command):
+    """Each option of each command says its default (or that it is required) in its help,
+    and a multi-word flag is accepted with dashes and with underscores."""
+    options = [p for name, p in _options() if name == command]
+    assert options or command == "compare", command  # (compare: arguments and --json only)
+    for p in options:
+        assert p.help and ("Default" in p.help or "Required" in p.help), (command, p.opts)
+        names = set(p.opts)
+        assert any("_" in n for n in names) == any("-" in n[2:] for n in names), names
