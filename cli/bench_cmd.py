@@ -21,7 +21,14 @@ import typer
 from rich.console import Console
 
 from llmc.base.errors import BenchFailure, ConfigError, UsageError
-from llmc.cli.bench_settings import WORKLOAD_FLAGS, collect, make_settings, open_llm, write_json
+from llmc.cli.bench_settings import (
+    WORKLOAD_FLAGS,
+    check_output_path,
+    collect,
+    make_settings,
+    open_llm,
+    write_json,
+)
 from llmc.cli.options import (
     ENGINE_DIR_FLAG,
     PROFILE_OPTION,
@@ -90,9 +97,11 @@ def check_failures(result: dict[str, Any], max_failure_rate: float) -> None:
     n, failed = agg["num_requests"], agg["num_failed"]
     if n and failed / n > max_failure_rate:
         first = agg["failures"][0]
+        named = f"request {first['request_id']}: "
+        reason = str(first["reason"]).removeprefix(named)  # (the engine's error names it)
         raise BenchFailure(
             f"{failed} of {n} requests failed ({failed / n:.1%} > --max_failure_rate "
-            f"{max_failure_rate:g}); first: request {first['request_id']}: {first['reason']}"
+            f"{max_failure_rate:g}); first: {named}{reason}"
         )
 
 
@@ -119,6 +128,7 @@ def bench_command(
     mfr = float(s.get("max_failure_rate", 0.0))
     if not 0.0 <= mfr <= 1.0:
         raise ConfigError(f"max_failure_rate must be in [0, 1], got {mfr}")
+    check_output_path(json_file)
     log = err_console()
     say = lambda m: log.print(m, markup=False)  # noqa: E731
     if s.get("url"):

@@ -174,12 +174,38 @@ def open_llm(engine_dir: str, runtime: RuntimeConfig, log: Console) -> LLM:
     return LLM(engine_dir=engine_dir, runtime_config=runtime)
 
 
+def check_output_path(path: str | None, flag: str = "--json") -> None:
+    """Refuse an output FILE (``--json``, ``--trace``, ``--plot``) that cannot be written,
+    before any work is done (UsageError, exit 2, naming the flag), so a long run never ends
+    in a lost result: a directory, a parent that is a file, or a place this user cannot
+    write. Its folders are made as the write would make them; a file that was not there is
+    not left behind. '-' (stdout) and None pass."""
+    if path is None or path == "-":
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise UsageError(f"{flag} {p}: is a directory")
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        existed = p.exists()
+        with p.open("a"):
+            pass
+        if not existed:
+            p.unlink()
+    except OSError as e:
+        raise UsageError(f"{flag} {p}: cannot be written ({e.strerror or e})") from None
+
+
 def write_json(path: str, result: dict[str, Any], log: Console) -> None:
-    """The result as JSON to ``path`` ('-': stdout, which then holds nothing else)."""
+    """The result as JSON to ``path`` ('-': stdout, which then holds nothing else); a
+    write that fails (the place changed since ``check_output_path``) is a UsageError."""
     if path == "-":
         print_json(result)
         return
     p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(result, indent=1, default=str))
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps(result, indent=1, default=str))
+    except OSError as e:
+        raise UsageError(f"--json {p}: results not written ({e.strerror or e})") from None
     log.print(f"results written to {p}", markup=False)

@@ -17,7 +17,7 @@ import typer
 from rich.table import Table
 
 from llmc.base.errors import ConfigError, UsageError
-from llmc.cli.bench_settings import write_json
+from llmc.cli.bench_settings import check_output_path, write_json
 from llmc.cli.options import (
     ENGINE_DIR_FLAG,
     Flag,
@@ -89,6 +89,7 @@ def calibrate_command(
         smooth_k=flags.get("smooth_k") is not False,
     )
     text, _ = read_text(settings.text_file)  # a bad file fails before the engine loads
+    check_output_path(json_file)
     err_console().print(f"calibrating {settings.engine_dir} on {settings.text_file}", markup=False)
     result = asdict(calibrate_engine(settings, text))
     if json_file:

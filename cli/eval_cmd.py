@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from llmc.base.errors import UsageError
-from llmc.cli.bench_settings import open_llm, write_json
+from llmc.cli.bench_settings import check_output_path, open_llm, write_json
 from llmc.cli.options import (
     ENGINE_DIR_FLAG,
     PROFILE_OPTION,
@@ -120,6 +120,7 @@ def eval_command(
     )
     runtime = runtime_config(s)
     text = read_text(settings.text_file)  # a bad file fails before the engine loads
+    check_output_path(json_file)
     log = err_console()
 
     def say(message: str) -> None:

@@ -18,7 +18,14 @@ from typing import Annotated, Any
 import typer
 
 from llmc.base.errors import UsageError
-from llmc.cli.bench_settings import WORKLOAD_FLAGS, collect, make_settings, open_llm, write_json
+from llmc.cli.bench_settings import (
+    WORKLOAD_FLAGS,
+    check_output_path,
+    collect,
+    make_settings,
+    open_llm,
+    write_json,
+)
 from llmc.cli.options import (
     ENGINE_DIR_FLAG,
     PROFILE_OPTION,
@@ -57,7 +64,7 @@ def profile_command(
     **flags: Any,
 ) -> None:
     """Profile an engine: phase and op/kernel breakdown, KV use over time, tuning advice."""
-    from llmc.runtime.bench.profile_report import render_profile, write_plot
+    from llmc.runtime.bench.profile_report import pyplot, render_profile, write_plot
     from llmc.runtime.bench.profiling import profile_bench
 
     s = collect(flags, profile, PROFILE_DEFAULTS)
@@ -65,6 +72,10 @@ def profile_command(
         if k in s:
             raise UsageError(f"{k} is a bench setting; llmc profile does not run a peer")
     engine, settings, runtime = make_settings(s)
+    for flag, path in (("--json", json_file), ("--trace", trace), ("--plot", plot)):
+        check_output_path(path, flag)  # before the run: a result is never lost to its file
+    if plot:
+        pyplot()
     log = err_console()
     with open_llm(engine, runtime, log) as llm:
         run = profile_bench(llm, settings, log=lambda m: log.print(m, markup=False))

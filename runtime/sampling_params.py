@@ -173,12 +173,12 @@ class SamplingParams:
             self.early_stopping, (bool, str)
         ):
             raise _bad(self, "early_stopping", 'must be True, False or "never"')
+        if self.beam_width is not None:  # its range first: 0 is out of range, not "beams"
+            put("beam_width", _integer(self, "beam_width", 1, MAX_OUTPUTS))
         if not self.use_beam_search:
             if self.beam_width not in (None, 1):
                 raise _bad(self, "beam_width", "needs use_beam_search=True")
             return
-        if self.beam_width is not None:
-            put("beam_width", _integer(self, "beam_width", 1, MAX_OUTPUTS))
         width = self.num_branches
         if self.n > width:
             raise _bad(self, "n", f"must be at most the beam width ({width})")

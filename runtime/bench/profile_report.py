@@ -97,8 +97,9 @@ def over_time(steps: Sequence[StepRecord], console: Console) -> None:
     console.print(f"  tokens / step   {spark(tokens)}  peak {fmt(int(max(tokens, default=0)))}")
 
 
-def write_plot(path: str, steps: Sequence[StepRecord]) -> None:
-    """KV utilization and running batch over time as a PNG (needs matplotlib)."""
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend; UsageError when matplotlib is not installed
+    (``llmc profile --plot`` asks before the run)."""
     try:
         import matplotlib
 
@@ -109,6 +110,12 @@ def write_plot(path: str, steps: Sequence[StepRecord]) -> None:
             "--plot needs matplotlib, which is not installed (pip install matplotlib); the "
             "terminal chart and --trace FILE show the same data"
         ) from None
+    return plt
+
+
+def write_plot(path: str, steps: Sequence[StepRecord]) -> None:
+    """KV utilization and running batch over time as a PNG (needs matplotlib)."""
+    plt = pyplot()
     t0 = steps[0].start_time if steps else 0.0
     x = [s.start_time - t0 for s in steps]
     fig, (a, b) = plt.subplots(2, 1, sharex=True, figsize=(9, 5))

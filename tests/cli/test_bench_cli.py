@@ -93,6 +93,8 @@ def test_impossible_requests_fail_the_bench(engine, tmp_path) -> None:
     )
     assert code == BenchFailure.exit_code
     assert "1 of 3 requests failed" in stderr and "max_input_len" in stderr
+    rid = json.loads(out.read_text())["aggregates"]["failures"][0]["request_id"]
+    assert f"first: request {rid}: prompt" in " ".join(stderr.split())  # named once
     assert "Failed requests (1)" in stdout
     a = json.loads(out.read_text())["aggregates"]
     assert a["num_completed"] == 2 and a["num_failed"] == 1
@@ -262,3 +264,49 @@ def test_bench_sampling_params() -> None:
     assert BenchSampling().is_greedy and not BenchSampling(temperature=0.5).is_greedy
     with pytest.raises(ConfigError, match="top_p"):
         BenchSampling(temperature=1.0, top_p=0.0)
+
+
+@pytest.mark.parametrize("command", ["bench", "profile"])
+def test_an_unwritable_output_file_is_refused_before_the_run(engine, tmp_path, command):
+    """--json (and profile's --trace / --plot) FILE that cannot be written: exit 2 naming the
+    flag before the engine loads, not an error after the whole run; nothing left behind."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    flags = ["--json", "--trace", "--plot"] if command == "profile" else ["--json"]
+    for flag in flags:
+        for bad, why in ((blocker / "r.json", "cannot be written"), (tmp_path, "is a directory")):
+            res = runner.invoke(app, [command, "--engine_dir", str(engine), "--device", "cpu",
+                                      "--num_requests", "2", flag, str(bad)])  # fmt: skip
+            assert res.exit_code == UsageError.exit_code, (flag, res.output)
+            assert f"{flag} {bad}: {why}" in " ".join(res.stderr.split())
+            assert "loading engine" not in res.stderr
+    ok = tmp_path / "new" / "r.json"  # a writable place: its folders made, no file left
+    res = runner.invoke(app, ["bench", "--engine_dir", str(engine), "--device", "cpu",
+                              "--num_requests", "1", "--isl", "4", "--osl", "2", "--warmup",
+                              "0", "--json", str(ok)])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert json.loads(ok.read_text())["schema"] == "llmc.bench"
+
+
+def test_check_output_path_leaves_no_file(tmp_path):
+    from llmc.cli.bench_settings import check_output_path
+
+    target = tmp_path / "sub" / "out.json"
+    check_output_path(str(target), "--json")
+    assert target.parent.is_dir() and not target.exists()
+    target.write_text("kept")
+    check_output_path(str(target), "--json")  # an existing file is kept as it is
+    assert target.read_text() == "kept"
+    check_output_path("-", "--json")
+    check_output_path(None, "--json")
+
+
+def test_plot_without_matplotlib_is_refused_before_the_run(engine, tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ImportError
+    plot = str(tmp_path / "p.png")
+    res = runner.invoke(app, ["profile", "--engine_dir", str(engine), "--device", "cpu",
+                              "--num_requests", "2", "--plot", plot])  # fmt: skip
+    assert res.exit_code == UsageError.exit_code, res.output
+    assert "--plot needs matplotlib" in res.stderr and "loading engine" not in res.stderr

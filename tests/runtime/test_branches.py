@@ -53,6 +53,8 @@ def checked_run(ex: Executor) -> None:
         (dict(n=3, best_of=2), "best_of=2: must be >= n (3)"),
         (dict(n=True), "n=True"),
         (dict(beam_width=2), "beam_width=2: needs use_beam_search=True"),
+        (dict(beam_width=0), "beam_width=0: must be an integer in [1, 256]"),
+        (dict(use_beam_search=True, beam_width=0), "beam_width=0: must be an integer in [1"),
         (dict(use_beam_search=True, beam_width=2, n=3), "n=3: must be at most the beam width"),
         (dict(use_beam_search=True, temperature=0.7), "temperature=0.7: beam search is greedy"),
         (dict(use_beam_search=True, logprobs=1), "logprobs=1"),
