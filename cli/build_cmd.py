@@ -152,7 +152,7 @@ def build_command(
         option(
             "target",
             "What the engine runs on: auto (the detected GPU's arch, else cpu), cpu, or a "
-            "CUDA arch such as sm_90 (kernels are compiled for it). Default: auto.",
+            "CUDA arch sm_80 or newer, such as sm_90 (kernels are compiled for it). Default: auto.",
             metavar="TARGET",
         ),
     ] = None,

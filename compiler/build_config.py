@@ -27,6 +27,7 @@ from llmc.compiler.limits import (
 from llmc.compiler.quantization import check_choice, check_fp8_target
 from llmc.compiler.tp_layout import check_tp_size
 from llmc.compiler.wo_layout import DEFAULT_GROUP_SIZE, check_group_size
+from llmc.cuda.build import check_min_arch
 
 LOAD_FORMATS = ("auto", "dummy")
 
@@ -135,6 +136,8 @@ class BuildConfig:
             raise UnsupportedError(
                 f"target {t!r} is not supported; use auto, cpu or a CUDA arch such as sm_90"
             )
+        if t.startswith("sm_"):
+            check_min_arch(t)  # (before fp8's rule: its advice assumes a buildable arch)
         check_fp8_target(self.quantization, t)
         if not 0.0 < self.kv_cache_free_gpu_mem_fraction <= 1.0:
             raise ConfigError(

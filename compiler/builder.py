@@ -62,7 +62,7 @@ from llmc.compiler.output_dir import (
 from llmc.compiler.resolve import ResolvedBuild, detect_gpu, device_memory, resolve_build
 from llmc.compiler.spec import ModelSpec
 from llmc.compiler.tp_layout import rank_spec, tp_section
-from llmc.cuda.build import compile_engine_kernels
+from llmc.cuda.build import check_target, compile_engine_kernels
 
 PHASES = ("read", "plan", "convert", "compile", "write")
 
@@ -232,6 +232,8 @@ def build(
         native = gguf_native_plan(config, spec, model_config)
         asked = resolve_gguf_quantization(config.quantization, native, source)
         resolved, notes = resolve_build(config, spec, gpu, asked)
+        if resolved.target != "cpu":
+            check_target(resolved.target)  # an arch the kernels cannot be built for
         scaled = scaled_weights(config, hf_config, model_config)
         resolved, notes = with_checkpoint_floats(resolved, notes, spec, scaled, source)
         layouts = weight_layouts(spec, resolved.limits, config.group_size, native)

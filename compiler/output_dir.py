@@ -222,7 +222,15 @@ def make_temp_dir(output_dir: Path) -> tuple[Path, tuple[str, ...]]:
                 f"output_dir {_q(output_dir)}: its parent is not a directory"
             ) from None
         cleaned = clean_stale_temp_dirs(output_dir.parent)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.tmp-", dir=output_dir.parent))
+        try:
+            tmp = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.tmp-", dir=output_dir.parent))
+        except OSError as e:  # (full, read-only, no permission: ``writing`` names those)
+            if _errno_of(e) in _WRITE_ERRNOS:
+                raise
+            raise ConfigError(  # e.g. /proc, /sys: a parent that holds no new directory
+                f"output_dir {_q(output_dir)}: no directory can be made in "
+                f"{_q(output_dir.parent)} ({e.strerror or e}); choose another --output_dir"
+            ) from None
         marker = {
             "llmc_version": version.__version__,
             "host": socket.gethostname(),

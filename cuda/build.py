@@ -49,9 +49,52 @@ def arch_flags(arch: str) -> list[str]:
     return [f"-arch={arch}"]
 
 
+MIN_SM = 80
+"""The oldest arch the kernels build for: bf16/fp16 ``mma.sync m16n8k16`` and ``cp.async``
+are Ampere's (sm_80)."""
+
+
 def _check_arch(arch: str) -> None:
     if not (arch.startswith("sm_") and arch[3:].isdigit()):
         raise UnsupportedError(f"kernel target {arch!r} is not a CUDA arch like sm_90")
+
+
+def check_min_arch(arch: str) -> None:
+    """Refuse a CUDA target below ``MIN_SM`` (UnsupportedError, exit 5)."""
+    _check_arch(arch)
+    if int(arch[3:]) < MIN_SM:
+        raise UnsupportedError(
+            f"target {arch}: llmc's CUDA kernels need sm_{MIN_SM} or newer (Ampere: bf16 "
+            "tensor cores, cp.async); --target cpu builds an engine for the torch backend"
+        )
+
+
+def check_target(arch: str) -> None:
+    """Refuse, before any weight is read, a CUDA target the kernels cannot be built for
+    (UnsupportedError, exit 5): below ``MIN_SM``, or an arch this machine's nvcc does not
+    know (``nvcc --list-gpu-code``; not asked where nvcc is absent: NVRTC then reports it
+    at compile time)."""
+    check_min_arch(arch)
+    known = nvcc_archs()
+    if known and arch not in known:
+        raise UnsupportedError(
+            f"target {arch} is not a GPU arch nvcc knows; it builds for "
+            f"{', '.join(a for a in known if int(a[3:]) >= MIN_SM)}"
+        )
+
+
+def nvcc_archs() -> tuple[str, ...]:
+    """The ``sm_XY`` targets of the nvcc on the PATH, oldest first (empty without nvcc or
+    when it cannot say)."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        return ()
+    try:
+        res = subprocess.run([nvcc, "--list-gpu-code"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return ()
+    archs = {a for a in res.stdout.split() if a.startswith("sm_") and a[3:].isdigit()}
+    return tuple(sorted(archs, key=lambda a: int(a[3:]))) if res.returncode == 0 else ()
 
 
 def nvcc_compile(src: str, arch: str, out: Path, extra: tuple[str, ...] = ()) -> None:

@@ -69,7 +69,28 @@ def test_unknown_values_are_refused_with_a_suggestion(field, value, says):
     assert says in str(e.value)
 
 
-@pytest.mark.parametrize("target", ["sm_80", "sm_86", "sm_75"])
+@pytest.mark.parametrize("target", ["sm_70", "sm_75"])
+def test_a_target_below_sm80_is_refused_before_anything(target):
+    """The kernels need Ampere (bf16 mma.sync, cp.async): refused at config time, fp8 or not."""
+    for quantization in ("none", "fp8"):
+        with pytest.raises(UnsupportedError, match=f"target {target}: .* need sm_80") as e:
+            BuildConfig(quantization=quantization, target=target)
+        assert "--target cpu" in str(e.value) and e.value.exit_code == 5
+
+
+def test_an_arch_nvcc_does_not_know_is_refused_before_the_weights(monkeypatch):
+    from llmc.cuda import build as cuda_build
+
+    monkeypatch.setattr(cuda_build, "nvcc_archs", lambda: ("sm_80", "sm_89", "sm_90"))
+    with pytest.raises(UnsupportedError, match="sm_91 is not a GPU arch nvcc knows") as e:
+        cuda_build.check_target("sm_91")
+    assert "sm_80, sm_89, sm_90" in str(e.value)
+    cuda_build.check_target("sm_90")
+    monkeypatch.setattr(cuda_build, "nvcc_archs", lambda: ())  # no nvcc: NVRTC says later
+    cuda_build.check_target("sm_91")
+
+
+@pytest.mark.parametrize("target", ["sm_80", "sm_86"])
 def test_fp8_for_a_target_below_sm89_is_refused(target):
     with pytest.raises(UnsupportedError, match=f"the target is {target}") as e:
         BuildConfig(quantization="fp8", target=target)

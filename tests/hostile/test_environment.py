@@ -106,6 +106,13 @@ ROWS = [
         ("symbolic link",),
         ("real/notes.txt",),
     ),
+    Row(  # a kernel filesystem: mkdir there fails with ENOENT, not a permission error
+        "build into /proc",
+        _nothing,
+        [*BUILD, "--output_dir", "/proc/llmc-engine"],
+        3,
+        ("/proc/llmc-engine", "no directory can be made in '/proc'"),
+    ),
     Row(
         "build --force over a file",
         lambda t, c: (t / "out").write_text("a file"),
