@@ -3,7 +3,9 @@
 Strict types (a string where a number belongs, ``true`` for an integer, and unknown fields
 are refused, as OpenAI refuses an unrecognized argument); ranges are not checked here but
 by ``SamplingParams`` (the one home of every sampling rule), through ``translate``.
-Defaults are OpenAI's (completions: ``max_tokens`` 16, ``temperature`` 1). Beside OpenAI's
+Defaults are OpenAI's (completions: ``max_tokens`` 16, ``temperature`` 1); chat's bookkeeping
+fields (``metadata``, ``store``, ``service_tier``, ``parallel_tool_calls``) are accepted and
+ignored, as vLLM does. Beside OpenAI's
 fields, the extensions vLLM and TensorRT-LLM's servers accept: ``top_k``, ``min_p``,
 ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``.
 """
@@ -77,6 +79,12 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = None
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    # OpenAI's bookkeeping fields, accepted and ignored as vLLM does (llmc stores nothing,
+    # has one service tier, and tools are refused, so parallel_tool_calls changes nothing)
+    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+    store: bool | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None
 
 
 def _param(loc: tuple[Any, ...]) -> str:

@@ -103,6 +103,10 @@ def test_chat_refusals(server) -> None:
     error_of(*chat(messages=[{"role": "user", "content": "y" * 80}])[::2], 400, "messages")
     image = [{"type": "image_url", "image_url": {"url": "x"}}]
     error_of(*chat(messages=[{"role": "user", "content": image}])[::2], 400, "messages[0].content")
+    many = {f"k{i}": "v" for i in range(17)}  # OpenAI's limit: 16 metadata pairs
+    error_of(*chat(metadata=many)[::2], 400, "metadata")
+    error_of(*chat(metadata={"k": 1})[::2], 400, "metadata.k")
+    error_of(*chat(store="yes")[::2], 400, "store")
 
 
 def test_unknown_model_route_method_and_bad_json(server) -> None:

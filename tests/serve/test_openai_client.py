@@ -119,6 +119,12 @@ def test_chat_with_system_and_turns(client) -> None:
         model="tiny", messages=messages, max_completion_tokens=6, temperature=0
     )
     msg = out.choices[0].message
+    # OpenAI's bookkeeping fields are accepted and change nothing
+    kept = client.chat.completions.create(
+        model="tiny", messages=messages, max_completion_tokens=6, temperature=0, user="u1",
+        metadata={"team": "a"}, store=False, service_tier="auto", parallel_tool_calls=False,
+    )  # fmt: skip
+    assert kept.choices[0].message.content == msg.content
     assert out.object == "chat.completion" and msg.role == "assistant"
     assert out.usage.completion_tokens == 6
     stream = client.chat.completions.create(
