@@ -13,6 +13,7 @@ Invariant: importing this module needs neither CuPy nor a GPU (the engine builde
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
@@ -87,8 +88,12 @@ def nvcc_archs() -> tuple[str, ...]:
     """The ``sm_XY`` targets of the nvcc on the PATH, oldest first (empty without nvcc or
     when it cannot say)."""
     nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        return ()
+    return () if nvcc is None else _archs_of(nvcc)
+
+
+@functools.lru_cache(maxsize=4)
+def _archs_of(nvcc: str) -> tuple[str, ...]:
+    """``nvcc --list-gpu-code`` of that nvcc (asked once per path and process)."""
     try:
         res = subprocess.run([nvcc, "--list-gpu-code"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
