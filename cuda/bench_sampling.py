@@ -5,7 +5,9 @@ Rows: greedy, temperature only, top-k 50 + top-p 0.9, top-p 0.9 alone, min-p 0.0
 50 + top-p 0.9 with penalties (which also read the [64, V] counts and prompt mask), and
 top-k 50 + top-p 0.9 on ``sample_kernel`` (one CTA per row: the pre-cluster structure, for
 the record); then greedy, temperature 0.7 and temperature 0.7 + top-p 0.9 at batch 512 (the
-8B sampled bench row's setting at about its mean decode batch: what that row pays a step).
+8B sampled bench row's setting at about its mean decode batch: what that row pays a step),
+the last two also on ``sample_kernel`` (which kernel a batch that large should run: the
+cluster kernel's 64 KB a CTA allow ~50 rows a wave).
 GB/s of the bytes a row must read (logits, plus counts and mask with penalties) against the
 copy rate measured in the same run; targets from issue 17: top-k / top-p / min-p in <= 0.3
 ms, greedy and temperature not slower than the 0.24 ms measured before the cluster kernel.
@@ -41,6 +43,10 @@ LARGE_CASES = (  # batch S_LARGE, no target (the bench row's share of a step is 
     ("sample(greedy)", 0.0, 0, 1.0, 0.0, False, False, None),
     ("sample(temperature=0.7)", 0.7, 0, 1.0, 0.0, False, False, None),
     ("sample(temperature=0.7,top_p=0.9)", 0.7, 0, 0.9, 0.0, False, False, None),
+    # the cluster kernel keeps 64 KB of each row per CTA (3 CTAs an SM: ~50 rows a wave of
+    # 132 SMs, ~10 waves at 512 rows); one CTA per row re-reads the logits but fits ~1 wave
+    ("sample(temperature=0.7) one CTA/row", 0.7, 0, 1.0, 0.0, False, True, None),
+    ("sample(temperature=0.7,top_p=0.9) one CTA/row", 0.7, 0, 0.9, 0.0, False, True, None),
 )
 
 
