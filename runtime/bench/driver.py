@@ -93,6 +93,24 @@ def parse_percentiles(text: str | Sequence[float]) -> tuple[float, ...]:
     return tuple(dict.fromkeys(out))
 
 
+def check_synthetic_fits(spec: SyntheticSpec, max_input_len: int, max_seq_len: int) -> None:
+    """Refuse (ConfigError, exit 3) a synthetic workload of fixed lengths that every request
+    of would be refused by the engine (a prompt over ``max_input_len``, prompt + output over
+    ``max_seq_len``), before any is sent; with a spread (``--isl_stdev`` / ``--osl_stdev``)
+    some may fit, and those that do not fail alone, as dataset rows do."""
+    if spec.isl_stdev == 0 and spec.isl > max_input_len:
+        raise ConfigError(
+            f"isl {spec.isl} is more than the engine's max_input_len={max_input_len}: every "
+            "request would be refused; lower --isl or build with a larger --max_input_len"
+        )
+    if spec.isl_stdev == 0 and spec.osl_stdev == 0 and spec.isl + spec.osl > max_seq_len:
+        raise ConfigError(
+            f"isl + osl = {spec.isl + spec.osl} is more than the engine's "
+            f"max_seq_len={max_seq_len}: every request would be refused; lower --isl / --osl "
+            "or build with a larger --max_seq_len"
+        )
+
+
 def build_requests(
     settings: BenchSettings,
     vocab_size: int | None,
@@ -120,6 +138,8 @@ def build_requests(
                 "a synthetic workload over HTTP needs the model's vocabulary: give "
                 "--engine_dir (the served engine) or --tokenizer, or a --dataset"
             )
+        if limits is not None:
+            check_synthetic_fits(settings.synthetic, *limits)
         spec = dataclasses.replace(settings.synthetic, num_requests=n + settings.warmup)
         reqs = synthetic_workload(spec, vocab_size)
     if any(r.prompt_token_ids is None for r in reqs) and (need_ids or tokenizer is not None):

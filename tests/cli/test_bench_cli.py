@@ -310,3 +310,20 @@ def test_plot_without_matplotlib_is_refused_before_the_run(engine, tmp_path, mon
                               "--num_requests", "2", "--plot", plot])  # fmt: skip
     assert res.exit_code == UsageError.exit_code, res.output
     assert "--plot needs matplotlib" in res.stderr and "loading engine" not in res.stderr
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--isl", "65"], "isl 65 is more than the engine's max_input_len=64"),
+        (["--isl", "60", "--osl", "69"], "isl + osl = 129 is more than the engine's max_seq_len"),
+    ],
+)
+def test_a_workload_no_request_of_fits_is_refused_before_it_runs(engine, args, says) -> None:
+    code, _, stderr = bench(engine, "--num_requests", "3", "--warmup", "0", *args)
+    assert code == ConfigError.exit_code and says in " ".join(stderr.split())
+    assert "requests failed" not in stderr
+    # with a spread some may fit: those run, the others fail alone (exit 9 past the rate)
+    code, _, stderr = bench(engine, "--num_requests", "3", "--warmup", "0", *args,
+                            "--isl_stdev", "1", "--max_failure_rate", "1")  # fmt: skip
+    assert code == 0, stderr
