@@ -70,9 +70,15 @@ def test_url_refusals(shared_server, serve_engine) -> None:
     assert res.exit_code == 3 and "http://" in res.stderr
     res = runner.invoke(
         app, ["bench", "--url", url, "--model", "nope", "--engine_dir", str(serve_engine),
-              "--num_requests", "2", "--warmup", "0"],
+              "--num_requests", "2", "--warmup", "0", "--isl", "8", "--osl", "4"],
     )  # fmt: skip
     assert res.exit_code == 9 and "HTTP 404" in res.stderr
+    # the engine's limits are known from --engine_dir: a workload none of fits is refused
+    res = runner.invoke(
+        app, ["bench", "--url", url, "--model", "tiny", "--engine_dir", str(serve_engine),
+              "--num_requests", "2", "--warmup", "0", "--isl", "500"],
+    )  # fmt: skip
+    assert res.exit_code == 3 and "max_input_len" in res.stderr
 
 
 def test_client_workers_split_the_streams(shared_server, serve_engine) -> None:
