@@ -181,9 +181,13 @@ class CudaBackend(WoOps, GemvOps, GemvFp8Ops, Fp8Ops, SamplingOps):
     def reserve(self, max_num_seqs: int, num_q_heads: int, head_dim: int, vocab_rows: int = 0):
         """Allocate the decode partials and token buffers (before any graph capture)."""
         rows = max_num_seqs * SPLIT_ROWS_PER_SEQ * num_q_heads
+        # each buffer by its own size: a later call with more rows of a smaller head_dim
+        # needs a larger _part_ml and _counters under an _part_acc that is large enough
         if self._part_acc is None or self._part_acc.numel() < rows * head_dim:
             self._part_acc = torch.empty(rows * head_dim, dtype=torch.float32, device=self.device)
+        if self._part_ml is None or self._part_ml.numel() < rows * 2:
             self._part_ml = torch.empty(rows * 2, dtype=torch.float32, device=self.device)
+        if self._counters is None or self._counters.numel() < rows:
             # one counter per (decode token, kv head); num_kv_heads <= num_q_heads
             self._counters = torch.zeros(rows, dtype=torch.int32, device=self.device)
         n = max(max_num_seqs, vocab_rows)
@@ -398,8 +402,9 @@ class CudaBackend(WoOps, GemvOps, GemvFp8Ops, Fp8Ops, SamplingOps):
         nd = meta.num_decode_seqs
         if t == 0 or b == 0:
             return out
-        if self._part_acc is None or self._part_acc.numel() < (
-            self.max_num_seqs * SPLIT_ROWS_PER_SEQ * nq * hd
+        rows = self.max_num_seqs * SPLIT_ROWS_PER_SEQ * nq
+        if self._counters is None or self._counters.numel() < rows or (
+            self._part_acc is not None and self._part_acc.numel() < rows * hd
         ):
             self.reserve(self.max_num_seqs, nq, hd)
         lib = self._lib(q.dtype, hd, nq, nkv)
