@@ -403,8 +403,10 @@ class CudaBackend(WoOps, GemvOps, GemvFp8Ops, Fp8Ops, SamplingOps):
         if t == 0 or b == 0:
             return out
         rows = self.max_num_seqs * SPLIT_ROWS_PER_SEQ * nq
-        if self._counters is None or self._counters.numel() < rows or (
-            self._part_acc is not None and self._part_acc.numel() < rows * hd
+        if (
+            self._counters is None
+            or self._counters.numel() < rows
+            or (self._part_acc is not None and self._part_acc.numel() < rows * hd)
         ):
             self.reserve(self.max_num_seqs, nq, hd)
         lib = self._lib(q.dtype, hd, nq, nkv)
