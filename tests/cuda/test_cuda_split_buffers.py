@@ -10,13 +10,11 @@ same kind of change, small enough for any GPU, checked against the reference. Ru
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
+from helpers.attention import paged_batch, rel_err
 from llmc.cuda import reference as ref
-from llmc.cuda.backend import AttentionMetadata
 
 pytestmark = pytest.mark.cuda
 
@@ -27,37 +25,14 @@ cupy = pytest.importorskip("cupy")
 DEV = torch.device("cuda")
 
 
-def _batch(lens: list[int], bs: int) -> tuple[AttentionMetadata, int]:
-    blocks = [math.ceil(n / bs) for n in lens]
-    tables = torch.full((len(lens), max(blocks)), -1, dtype=torch.int32)
-    perm = torch.randperm(sum(blocks)).to(torch.int32)
-    k = 0
-    for i, nb in enumerate(blocks):
-        tables[i, :nb] = perm[k : k + nb]
-        k += nb
-    n = len(lens)
-    meta = AttentionMetadata(
-        positions=torch.tensor(lens, device=DEV) - 1,
-        slot_mapping=torch.zeros(n, dtype=torch.int64, device=DEV),
-        cu_seqlens_q=torch.arange(n + 1, dtype=torch.int32, device=DEV),
-        seq_lens=torch.tensor(lens, dtype=torch.int32, device=DEV),
-        block_tables=tables.to(DEV),
-        num_decode_seqs=n,
-        max_query_len=1,
-        max_seq_len=max(lens),
-    )
-    return meta, sum(blocks)
-
-
 def _decode(be, nq: int, nkv: int, hd: int, lens: list[int]) -> float:
-    meta, nblocks = _batch(lens, 16)
+    meta, nblocks, _ = paged_batch(lens, [], 16, DEV)
     kc = torch.randn(nblocks, 16, nkv, hd, device=DEV).to(torch.bfloat16)
     vc = torch.randn(nblocks, 16, nkv, hd, device=DEV).to(torch.bfloat16)
     q = torch.randn(len(lens), nq, hd, device=DEV).to(torch.bfloat16)
     out = be.attention(q, kc, vc, meta)
     torch.cuda.synchronize()
-    want = ref.paged_attention(q, kc, vc, meta).double()
-    return ((out.double() - want).norm() / want.norm()).item()
+    return rel_err(out, ref.paged_attention(q, kc, vc, meta))
 
 
 def test_more_rows_of_a_smaller_head_dim_get_their_own_buffers():
