@@ -34,8 +34,12 @@
 //     temperature 0.7 + top-p 0.9 1.921 ms, of which the first radix round ~0.96 ms
 //     (scripts/sampling_variants.py: stopping after 1 / 2 rounds gives 1.441 / 1.708 ms;
 //     plain per-lane atomics instead of the warp match: 2.797 ms).
-//  4. (this) the bin masses are added with two 32-bit shared atomics and a carry
-//     (mass_add) instead of one 64-bit atomic: 1.803 ms at 512 rows (6 % less; same tokens).
+//  4. the bin masses are added with two 32-bit shared atomics and a carry (mass_add)
+//     instead of one 64-bit atomic: 1.803 ms at 512 rows (6 % less; same tokens).
+//  5. (this) no warp aggregation: each lane adds its own key with 32-bit atomics (the
+//     __match_any_sync and two reductions per warp-iteration cost more than the atomics
+//     they saved): 0.879 ms at 512 rows, 0.159 ms for top-p 0.9 alone at 64 rows (0.305 in
+//     v4), same tokens; mass_add skips the high word's atomic when it adds 0.
 // Launch: sample_cluster_kernel grid (SAMPLE_CLUSTER, S), block SAMPLE_THREADS, dynamic
 // shared memory 4 * slice floats (slice = sample_slice(V)); sample_kernel grid S, block
 // SAMPLE_THREADS, no dynamic shared memory.

@@ -103,41 +103,31 @@ struct RadixHist {
 
 #define RADIX_NONE 0xffffffffu  // a lane without a candidate key
 
-// *m += q with two 32-bit shared atomics: the low word, then the high word plus the carry
-// the low add produced (each add detects its own wrap, so the sum is exact in any order).
-// 6 % faster than one 64-bit atomic for the whole top-p kernel at 512 x 128,256 rows on the
-// H200 (scripts/sampling_variants.py, 2026-12-02: 1.803 against 1.923 ms; same tokens).
+// *m += q with 32-bit shared atomics: the low word, then the high word plus the carry the
+// low add produced, only when that is not 0 (q <= 2**32, so mostly it is): each add detects
+// its own wrap, so the sum is exact in any order. Against one 64-bit atomic: 1.803 against
+// 1.923 ms for the whole top-p kernel at 512 x 128,256 on the H200 (scripts/
+// sampling_variants.py, 2026-12-02, with the high word always added; same tokens).
 __device__ __forceinline__ void mass_add(unsigned long long* m, unsigned long long q) {
     unsigned* w = reinterpret_cast<unsigned*>(m);  // little-endian: w[0] low, w[1] high
     const unsigned lo = (unsigned)q, old = atomicAdd(w, lo);
-    atomicAdd(w + 1, (unsigned)(q >> 32) + (old + lo < old ? 1u : 0u));
+    const unsigned hi = (unsigned)(q >> 32) + (old + lo < old ? 1u : 0u);
+    if (hi) atomicAdd(w + 1, hi);
 }
 
-// Adds this lane's key (digit d; RADIX_NONE: none) to the bin counts and masses. On sm_80+
-// (and in the host emulation) the lanes of a warp with the same digit add once, through
-// their first lane: round 0's digit is the top byte (sign and exponent), which puts most
-// keys of a row in a handful of bins, and lone atomics would queue on those.
+// Adds this lane's key (digit d; RADIX_NONE: none) to the bin counts and masses, one
+// 32-bit atomic per lane (and mass_add). Aggregating a warp's equal digits first (one
+// __match_any_sync and two __reduce_add_sync, then one atomic per distinct digit: v3/v4)
+// was the slower choice: the match costs more than the atomics it saves, even in round 0,
+// whose top-byte digits put most keys of a row in a dozen bins (the whole top-p kernel at
+// 512 x 128,256 on the H200: 1.804 ms with the match, 0.879 ms without; same tokens).
 template <bool MASS>
 __device__ __forceinline__ void hist_add(unsigned* cnt, unsigned long long* mass, unsigned d,
                                          unsigned long long q) {
-#if defined(LLMC_HOST_EMULATION) || (defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800)
-    const unsigned peers = __match_any_sync(0xffffffffu, d);
-    unsigned long long sum = 0ull;
-    if (MASS) {  // q <= 2**32: two 32-bit reductions of its 16-bit halves cannot overflow
-        const unsigned lo = __reduce_add_sync(peers, (unsigned)(q & 0xffffull));
-        const unsigned hi = __reduce_add_sync(peers, (unsigned)(q >> 16));
-        sum = ((unsigned long long)hi << 16) + lo;
-    }
-    if (d != RADIX_NONE && (int)(threadIdx.x & 31) == __ffs((int)peers) - 1) {
-        atomicAdd(&cnt[d], (unsigned)__popc(peers));
-        if (MASS) mass_add(&mass[d], sum);
-    }
-#else
     if (d != RADIX_NONE) {
         atomicAdd(&cnt[d], 1u);
         if (MASS) mass_add(&mass[d], q);
     }
-#endif
 }
 
 // One radix round: this CTA's histogram of digit (key >> shift) & 255 over the keys >= lo
@@ -165,7 +155,7 @@ __device__ __forceinline__ void radix_round(RadixHist& h, int& xchg, int rank, i
             }
         }
         // a warp with no candidate adds nothing: most warps after round 0, whose digits
-        // narrowed the candidates to one bin (the match and reductions are skipped)
+        // narrowed the candidates to one bin (one vote, then no divergent branch)
         if (__any_sync(0xffffffffu, d != RADIX_NONE)) hist_add<MASS>(h.cnt[b], h.mass[b], d, q);
     }
     row_sync<C>();  // every CTA's histogram is complete

@@ -5,11 +5,8 @@ Variants are text edits of the kernel source (``llmc.cuda.kernels.source``):
 
 - ``base``: the kernel as it is;
 - ``u32mass``: ``mass_of`` through a 32-bit conversion (e < 1) instead of a 64-bit one;
-- ``atom64``: the bin masses added with one 64-bit shared atomic (sampling.cu v3) instead of
-  two 32-bit ones with a carry (v4, the kernel now);
-- ``nomatch``: every lane adds its own key (no ``__match_any_sync`` / reductions);
-- ``noatomics``: the warp match and reductions without the shared atomics; ``nohist``: no
-  histogram at all (the scan of values, keys and masses alone) — timing only;
+- ``hialways``: ``mass_add`` adds the high word even when it adds 0 (as measured for v4/v5);
+- ``nohist``: no histogram at all (the scan of values, keys and masses alone) — timing only;
 - ``rounds1`` / ``rounds2``: the top-p select stops after 1 / 2 of its 4 radix rounds
   (wrong tokens: timing only, to split the time by round).
 
@@ -37,16 +34,14 @@ MASS_U32 = (
     "    return e < 1.f ? (unsigned long long)__float2uint_rz(e * 4294967296.0f)"
     " : 4294967296ull;"
 )
-ATOM_NOW = "        if (MASS) mass_add(&mass[d], sum);"  # v4: two 32-bit atomics + carry
-ATOM_64 = "        if (MASS) atomicAdd(&mass[d], sum);"  # v3: one 64-bit atomic
+HI_NOW = "    if (hi) atomicAdd(w + 1, hi);"
+HI_ALWAYS = "    atomicAdd(w + 1, hi);"
 ROUND_TAIL = "; shift -= 8) {\n        unsigned cnt;\n        unsigned long long mass;"
 ROUND_LOOP = "    for (int shift = 24; shift >= 0" + ROUND_TAIL  # select_top_p's rounds
-MATCH_IF = "#if defined(LLMC_HOST_EMULATION) || (defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800)"
-LEADER_IF = "    if (d != RADIX_NONE && (int)(threadIdx.x & 31) == __ffs((int)peers) - 1) {"
 HIST_CALL = (
     "if (__any_sync(0xffffffffu, d != RADIX_NONE)) hist_add<MASS>(h.cnt[b], h.mass[b], d, q);"
 )
-EXACT = {"base", "u32mass", "atom64", "nomatch"}
+EXACT = {"base", "u32mass", "hialways"}
 
 
 def _edit(src: str, old: str, new: str) -> str:
@@ -60,12 +55,8 @@ def variant(name: str) -> str:
     for p in name.split("+"):
         if p == "u32mass":
             src = _edit(src, MASS_BASE, MASS_U32)
-        elif p == "atom64":
-            src = _edit(src, ATOM_NOW, ATOM_64)
-        elif p == "nomatch":
-            src = _edit(src, MATCH_IF, "#if 0")
-        elif p == "noatomics":  # the warp match and reductions, no shared atomics
-            src = _edit(src, LEADER_IF, "    if (false) {")
+        elif p == "hialways":
+            src = _edit(src, HI_NOW, HI_ALWAYS)
         elif p == "nohist":  # the scan alone (values, keys, masses), no histogram at all
             src = _edit(src, HIST_CALL, "if (q == 12345ull) h.cnt[b][0] = d;")
         elif p in ("rounds1", "rounds2"):
@@ -99,7 +90,7 @@ def main() -> None:
     ap.add_argument(
         "--variants",
         nargs="+",
-        default=["base", "atom64", "nomatch", "noatomics", "nohist", "rounds1", "rounds2"],
+        default=["base", "hialways", "nohist", "rounds1", "rounds2"],
     )
     args = ap.parse_args()
     slice_ = (-(-V // CLUSTER) + 3) // 4 * 4
