@@ -44,7 +44,8 @@ LARGE_CASES = (  # batch S_LARGE, no target (the bench row's share of a step is 
     ("sample(temperature=0.7)", 0.7, 0, 1.0, 0.0, False, False, None),
     ("sample(temperature=0.7,top_p=0.9)", 0.7, 0, 0.9, 0.0, False, False, None),
     # the cluster kernel keeps 64 KB of each row per CTA (3 CTAs an SM: ~50 rows a wave of
-    # 132 SMs, ~10 waves at 512 rows); one CTA per row re-reads the logits but fits ~1 wave
+    # 132 SMs, ~10 waves at 512 rows); one CTA per row re-reads the logits but fits ~1 wave.
+    # Measured (H200, 2026-12-02, sampler v5): 0.84 ms cluster against 1.49 one CTA a row
     ("sample(temperature=0.7) one CTA/row", 0.7, 0, 1.0, 0.0, False, True, None),
     ("sample(temperature=0.7,top_p=0.9) one CTA/row", 0.7, 0, 0.9, 0.0, False, True, None),
 )
