@@ -117,6 +117,30 @@ __device__ __forceinline__ void wo_stream(float (&tot)[4], WoBatch<BITS, SMODE>&
     }
 }
 
+// wo_stream with the scale form fixed at compile time where it is the common one (f16
+// scales, with or without offsets): a copy of the lane whose f32 / has_o are constants, so the
+// per-k-step scale loads and offset terms carry no run-time branches. Same operations, same
+// bits as the generic stream.
+template <int BITS, int SMODE, bool VECTOR>
+__device__ __forceinline__ void wo_stream_fixed(float (&tot)[4], WoBatch<BITS, SMODE>& A,
+                                                WoBatch<BITS, SMODE>& B, const WoLane& L,
+                                                const unsigned char* xrow, int s0, int s1,
+                                                bool preloaded, const WoSums& xs, int t4) {
+    if (!L.f32) {
+        WoLane F = L;
+        F.f32 = false;
+        if (L.has_o) {
+            F.has_o = true;
+            wo_stream<BITS, SMODE, VECTOR>(tot, A, B, F, xrow, true, s0, s1, preloaded, xs, t4);
+        } else {
+            F.has_o = false;
+            wo_stream<BITS, SMODE, VECTOR>(tot, A, B, F, xrow, true, s0, s1, preloaded, xs, t4);
+        }
+    } else {
+        wo_stream<BITS, SMODE, VECTOR>(tot, A, B, L, xrow, true, s0, s1, preloaded, xs, t4);
+    }
+}
+
 // ---- prologue ---------------------------------------------------------------------------
 // Per-row block sums of v[8] (rows >= M zero); every thread gets the totals.
 __device__ __forceinline__ void wo_reduce_rows(float (&v)[8], float (*red)[8], float* tot) {
@@ -138,39 +162,52 @@ __device__ __forceinline__ void wo_reduce_rows(float (&v)[8], float (*red)[8], f
     for (int m = 0; m < 8; ++m) v[m] = tot[m];
 }
 
+// Two staged 16-bit values (lo, hi): f16 where X16, else the build's dtype. The values are
+// already representable (rounded by the caller), so the conversion is exact.
+template <bool X16>
+__device__ __forceinline__ unsigned int wo_pack_x(float lo, float hi) {
+    if constexpr (X16) return (unsigned int)wo_f2h(lo) | ((unsigned int)wo_f2h(hi) << 16);
+    return pack2(lo, hi);
+}
+
 // Columns c0 .. c0 + VW - 1 of a staged row, in the pair order.
-template <int BITS, int VW>
+template <int BITS, int VW, bool X16>
 __device__ __forceinline__ void wo_stage(unsigned char* row, int c0, const float (&f)[VW]) {
     if constexpr (VW == 8) {  // one code word (4-bit) or two (8-bit): 16 bytes
         v4u v;
         if constexpr (BITS == 4) {
-            v = v4u{pack2(f[0], f[4]), pack2(f[1], f[5]), pack2(f[2], f[6]), pack2(f[3], f[7])};
+            v = v4u{wo_pack_x<X16>(f[0], f[4]), wo_pack_x<X16>(f[1], f[5]),
+                    wo_pack_x<X16>(f[2], f[6]), wo_pack_x<X16>(f[3], f[7])};
         } else {
-            v = v4u{pack2(f[0], f[1]), pack2(f[2], f[3]), pack2(f[4], f[5]), pack2(f[6], f[7])};
+            v = v4u{wo_pack_x<X16>(f[0], f[1]), wo_pack_x<X16>(f[2], f[3]),
+                    wo_pack_x<X16>(f[4], f[5]), wo_pack_x<X16>(f[6], f[7])};
         }
         *reinterpret_cast<v4u*>(row + wo_xoff<BITS>(c0)) = v;
     } else {
 #pragma unroll
         for (int e = 0; e < VW; ++e) {
-            *reinterpret_cast<unsigned short*>(row + wo_xoff<BITS>(c0 + e)) = from_float(f[e]);
+            const unsigned short h = X16 ? wo_f2h(f[e]) : (unsigned short)from_float(f[e]);
+            *reinterpret_cast<unsigned short*>(row + wo_xoff<BITS>(c0 + e)) = h;
         }
     }
 }
 
 // Stage the M rows (rms-normed and rounded for MODE 0 / 1) into xs as 16-bit values in the
-// pair order, zero the pad, and (offsets) their sums per k-step / per row; ends with a barrier.
+// pair order, zero the pad, and (wo_has_sums) their sums per k-step / per row; ends with a
+// barrier. Returns the factor the sums must be multiplied by: 1, or, where f16 staging of a
+// bf16 build (wo_x16) meets a value of magnitude >= 32768, 2^e for the power of two 2^-e the
+// CTA staged every row times (exact: a power of two), so that no staged value overflows.
 template <int MODE, int BITS, int SMODE, int VW>
-__device__ __forceinline__ void wo_prologue(const WoArgs& a, unsigned char* xs, float* xsum,
-                                            int nsum, float (*red)[8], float* tot) {
+__device__ __forceinline__ float wo_prologue(const WoArgs& a, unsigned char* xs, float* xsum,
+                                             int nsum, float (*red)[8], float* tot) {
+    constexpr bool X16 = wo_x16<BITS, SMODE>();
+    constexpr bool RESCALE = X16 && LLMC_DTYPE == 2;  // bf16 values past the f16 range
     constexpr int KS = wo_ks<BITS>();
     const int K = a.K, M = a.M, nv = K / VW;
     const int pad = (K + KS - 1) / KS * KS - K;
     for (int i = threadIdx.x; i < M * pad; i += WO_THREADS) {
         const int m = i / pad, c = K + i % pad;
         *reinterpret_cast<unsigned short*>(xs + m * a.S + wo_xoff<BITS>(c)) = 0;
-    }
-    if (xsum != nullptr) {
-        for (int i = threadIdx.x; i < M * nsum; i += WO_THREADS) xsum[i] = 0.f;
     }
     float rs[8];
 #pragma unroll
@@ -193,12 +230,17 @@ __device__ __forceinline__ void wo_prologue(const WoArgs& a, unsigned char* xs, 
         wo_reduce_rows(v, red, tot);
 #pragma unroll
         for (int m = 0; m < 8; ++m) rs[m] = rsqrtf(v[m] / (float)K + a.eps);
-    } else if (xsum != nullptr) {
-        __syncthreads();  // the sums are zero before any thread adds to them
     }
     // Every lane of a warp makes the same trips (the sums are shuffled over the lanes that
     // share one: a whole k-step of a vector kernel, so one atomic per sum and its bits fixed).
     constexpr int SW = SMODE == WO_ROW ? 32 : (KS / VW < 32 ? KS / VW : 32);
+    __shared__ unsigned int big_bits;  // RESCALE: the CTA's largest |value| (float bits)
+    auto stage_rows = [&](float xscale) -> float {  // returns this thread's largest |value|
+    float amax = 0.f;
+    if (xsum != nullptr) {
+        for (int i = threadIdx.x; i < M * nsum; i += WO_THREADS) xsum[i] = 0.f;
+        __syncthreads();  // the sums are zero before any thread adds to them
+    }
     for (int i0 = 0; i0 < nv; i0 += WO_THREADS) {
         const int i = i0 + (int)threadIdx.x;
         const bool in = i < nv;
@@ -220,7 +262,14 @@ __device__ __forceinline__ void wo_prologue(const WoArgs& a, unsigned char* xs, 
 #pragma unroll
                 for (int e = 0; e < VW; ++e) f[e] = to_float(from_float(f[e] * rs[m] * nw[e]));
             }
-            if (in) wo_stage<BITS, VW>(xs + m * a.S, c0, f);
+            if constexpr (RESCALE) {  // the f16 values the mmas will see (the sums' too)
+#pragma unroll
+                for (int e = 0; e < VW; ++e) {
+                    amax = fmaxf(amax, fabsf(f[e]));
+                    f[e] = wo_h2f(wo_f2h(f[e] * xscale));
+                }
+            }
+            if (in) wo_stage<BITS, VW, X16>(xs + m * a.S, c0, f);
             if (xsum != nullptr) {
                 float s = 0.f;
 #pragma unroll
@@ -233,7 +282,27 @@ __device__ __forceinline__ void wo_prologue(const WoArgs& a, unsigned char* xs, 
             }
         }
     }
+    return amax;
+    };
+    float back = 1.f;
+    if constexpr (RESCALE) {
+        if (threadIdx.x == 0) big_bits = 0u;
+        __syncthreads();
+        const float amax = stage_rows(1.f);
+        if (amax >= 32768.f) atomicMax(&big_bits, __float_as_uint(amax));
+        __syncthreads();
+        const unsigned int bits = big_bits;  // CTA-uniform
+        if (bits != 0u) {  // stage again, times 2^-e: the largest value below 32768
+            const int e = (int)((bits >> 23) & 0xffu) - 127 - 14;  // amax < 2^(e + 15)
+            const float down = __uint_as_float((unsigned int)(127 - e) << 23);
+            back = __uint_as_float((unsigned int)(127 + e) << 23);
+            stage_rows(down);
+        }
+    } else {
+        stage_rows(1.f);
+    }
     __syncthreads();
+    return back;
 }
 
 // ---- epilogue ---------------------------------------------------------------------------
@@ -277,8 +346,9 @@ __device__ __forceinline__ void wo_store(const WoArgs& a, const float (&v)[4], i
     }
 }
 
-// Row mode: the per-row scale (and offset times the row's sum of x) applied at the end.
-template <int SMODE>
+// Row mode: the per-row scale (and offset times the row's sum of x) applied at the end; the
+// biased 8-bit codes' (1024 + code_zero) x the row's sum of x taken off with it.
+template <int BITS, int SMODE>
 __device__ __forceinline__ void wo_row_scale(float (&v)[4], const WoLane& L, const WoSums& xs,
                                              int t4) {
     if constexpr (SMODE == WO_ROW) {
@@ -286,7 +356,8 @@ __device__ __forceinline__ void wo_row_scale(float (&v)[4], const WoLane& L, con
         for (int h = 0; h < 2; ++h) {
             const float s = wo_scale(wo_ld_scale(L.s[h], 0, L.f32), L.f32);
             float o = 0.f;
-            if (L.o[h] != nullptr) o = wo_scale(wo_ld_scale(L.o[h], 0, L.f32), L.f32);
+            if (L.has_o) o = wo_scale(wo_ld_scale(L.o[h], 0, L.f32), L.f32);
+            if constexpr (BITS == 8) o = fmaf(-s, L.k.mz8, o);  // biased codes: 1024 + z
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 v[2 * h + e] *= s;
@@ -317,11 +388,13 @@ __device__ __forceinline__ void gemv_wo_body(const WoArgs& a) {
     if (c <= 0) return;  // the host keeps grid <= tiles; CTA-uniform
     const int nsum = SMODE == WO_ROW ? 1 : ksteps;
     float* xsum = nullptr;
-    if (a.offsets != nullptr && SMODE != WO_DEQ) {
+    if (wo_has_sums<BITS, SMODE>(a.offsets != nullptr)) {
         xsum = reinterpret_cast<float*>(xs + (long long)a.M * a.S);
     }
     const WoSums sums{xsum, nsum, a.M};
-    const unsigned char* xrow = xs + g * a.S + 16 * t4;
+    // token rows >= M read row M - 1: their mma columns are never stored (no predicate, no
+    // zeroed fragments in the k-step loop)
+    const unsigned char* xrow = xs + min(g, a.M - 1) * a.S + 16 * t4;
     const WoConst kc = wo_const(a.code_zero);
     // ring: after the staging and the sums, 16-byte aligned (llmc.cuda.gemv_wo_ops)
     const int R = a.flags >> WO_STAGES_SHIFT;
@@ -343,7 +416,7 @@ __device__ __forceinline__ void gemv_wo_body(const WoArgs& a) {
         const int end = min(min(64 * w.s1, L.rowbytes), beg + 64 * 2 * U);
         for (int off = beg + 128 * (lane >> 4); off < end; off += 256) wo_prefetch(rp + off);
     }
-    wo_prologue<MODE, BITS, SMODE, VW>(a, xs, xsum, nsum, red, tot);
+    const float back = wo_prologue<MODE, BITS, SMODE, VW>(a, xs, xsum, nsum, red, tot);
 
     for (int r = 0; r * WO_WARPS < c; ++r) {
         if (r > 0) {
@@ -354,16 +427,20 @@ __device__ __forceinline__ void gemv_wo_body(const WoArgs& a) {
         if (w.active && w.s0 < w.s1) {
             if constexpr (RING) {
                 if (r > 0) wo_ring_fill<BITS, SMODE>(lane0, R, stage, L, w.s0, w.s1);
-                wo_ring_stream<BITS, SMODE>(acc, lane0, R, stage, L, xrow, g < a.M, w.s0, w.s1,
+                wo_ring_stream<BITS, SMODE>(acc, lane0, R, stage, L, xrow, true, w.s0, w.s1,
                                             sums, t4);
             } else {
-                wo_stream<BITS, SMODE, VECTOR>(acc, A, B, L, xrow, g < a.M, w.s0, w.s1, r == 0,
-                                               sums, t4);
+                wo_stream_fixed<BITS, SMODE, VECTOR>(acc, A, B, L, xrow, w.s0, w.s1, r == 0,
+                                                     sums, t4);
             }
         }
         gemv_split_add(acc, part, w, warp, lane);  // the other warps' shares
         if (w.active && w.part == 0) {
-            wo_row_scale<SMODE>(acc, L, sums, t4);
+            wo_row_scale<BITS, SMODE>(acc, L, sums, t4);
+            if (back != 1.f) {  // the prologue's power of two (CTA-uniform)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) acc[j] *= back;
+            }
             wo_store<MODE>(a, acc, w.tile, g, t4);
         }
         gemv_split_done(w);

@@ -95,12 +95,22 @@ def wo_row_stride(bits: int, k: int) -> int:
     return -(-k // ks) * ks * 2 + 64
 
 
+def wo_has_sums(bits: int, scale_mode: str | None, offsets: bool) -> bool:
+    """Whether a gemv_wo.cu launch stages per-k-step (row mode: per-row) activation sums:
+    for the offsets of the row / kstep modes, and in every launch with biased codes (4-bit
+    kstep, 8-bit row / kstep: magic + q), which takes (magic + code_zero) x the sum off the
+    mma sums (wo_codes.cuh's wo_has_sums, the same rule)."""
+    if scale_mode not in ("row", "kstep"):
+        return False
+    return offsets or scale_mode == "kstep" or bits == 8
+
+
 def wo_smem_bytes(bits: int, k: int, group_size: int, m: int, offsets: bool) -> int:
     """Dynamic shared memory of a gemv_wo.cu launch: M staged rows, plus the per-k-step (or
-    per-row) activation sums the offsets of the row / kstep modes need."""
+    per-row) activation sums where ``wo_has_sums``."""
     mode = wo_scale_mode(bits, k, group_size)
     sums = 0
-    if offsets and mode in ("row", "kstep"):
+    if wo_has_sums(bits, mode, offsets):
         sums = m * (1 if mode == "row" else -(-k // wo_kstep_cols(bits))) * 4
     return m * wo_row_stride(bits, k) + sums
 

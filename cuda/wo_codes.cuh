@@ -131,6 +131,30 @@ __device__ __forceinline__ void wo_mma(float (&d)[4], const unsigned int (&a)[4]
 #endif
 }
 
+// The same mma on f16 operands whatever the build's dtype (the biased 8-bit codes).
+__device__ __forceinline__ void wo_mma_h(float (&d)[4], const unsigned int (&a)[4], unsigned int b0,
+                                         unsigned int b1) {
+#ifdef LLMC_HOST_EMULATION
+    emu_mma16816(d, a, b0, b1, 0);
+#else
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+// float -> f16 bits (round to nearest even), whatever the build's dtype.
+__device__ __forceinline__ unsigned short wo_f2h(float f) {
+#ifdef LLMC_HOST_EMULATION
+    return emu_float_to_half(f);
+#else
+    unsigned short r;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(f));
+    return r;
+#endif
+}
+
 // ---- layout ---------------------------------------------------------------------------
 template <int BITS>
 __host__ __device__ constexpr int wo_vb() {  // columns per 16-byte code vector
@@ -139,6 +163,22 @@ __host__ __device__ constexpr int wo_vb() {  // columns per 16-byte code vector
 template <int BITS>
 __host__ __device__ constexpr int wo_ks() {  // columns per k-step (4 lanes x VB)
     return 4 * wo_vb<BITS>();
+}
+
+// 8-bit codes of the row / kstep modes are unpacked biased: one prmt a pair makes the f16
+// values 1024 + q (bf16 has no exact 8-bit magic), so their mmas run on f16 operands and the
+// activations are staged as f16 (exact for |x| < 65504; gemv_wo.cu's prologue scales the
+// staged rows by a power of two where a value is larger). (magic + code_zero) times the
+// activation sums comes off the mma sums, as for the 4-bit kstep mode.
+template <int BITS, int SMODE>
+__host__ __device__ constexpr bool wo_biased8() {
+    return BITS == 8 && SMODE != WO_DEQ;
+}
+
+// Whether the staged activations are f16 (else the build's 16-bit dtype).
+template <int BITS, int SMODE>
+__host__ __device__ constexpr bool wo_x16() {
+    return LLMC_DTYPE == 1 || wo_biased8<BITS, SMODE>();
 }
 
 // Byte offset of column c in a staged activation row (the pair order of the header).
@@ -159,7 +199,10 @@ __device__ __forceinline__ int wo_xoff(int c) {
 struct WoConst {
     unsigned int one, nz;    // 1.0 | 1.0, -(magic + code_zero) twice
     unsigned int sixteenth, nz16;  // f16 4-bit odd pairs: 1/16 twice, -(64 + code_zero) twice
+    unsigned int magic2;     // 4-bit: the magic exponent twice (0x4300 bf16, 0x6400 f16)
     float fz;                // 8-bit: 2^23 + code_zero
+    float mz;                // 4-bit kstep: magic + code_zero (the bias of the biased codes)
+    float mz8;               // biased 8-bit codes: 1024 + code_zero
 };
 
 __device__ __forceinline__ WoConst wo_const(int code_zero) {
@@ -176,7 +219,34 @@ __device__ __forceinline__ WoConst wo_const(int code_zero) {
     const float nz16 = -(64.f + (float)code_zero);
     c.nz16 = pack2(nz16, nz16);
     c.fz = 8388608.f + (float)code_zero;
+#if LLMC_DTYPE == 1
+    c.magic2 = 0x64006400u;
+#else
+    c.magic2 = 0x43004300u;
+#endif
+    c.mz = magic + (float)code_zero;
+    c.mz8 = 1024.f + (float)code_zero;
     return c;
+}
+
+// (a & m) | c in one lop3 (the compiler splits the two immediates into two ops).
+__device__ __forceinline__ unsigned int wo_and_or(unsigned int a, unsigned int m, unsigned int c) {
+#ifdef LLMC_HOST_EMULATION
+    return (a & m) | c;
+#else
+    unsigned int d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(d) : "r"(a), "r"(m), "r"(c));
+    return d;
+#endif
+}
+
+// 4-bit code word -> the pairs (j, j + 4) of magic + q, j = 0..3 (exact: 128 + q in bf16,
+// 1024 + q in f16): one shift and one lop3 a pair, no subtraction. The kstep mode takes
+// (magic + code_zero) times the k-step's activation sum off the mma sums instead.
+__device__ __forceinline__ void wo_unpack4_biased(unsigned int wd, const WoConst& k,
+                                                  unsigned int (&p)[4]) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) p[j] = wo_and_or(wd >> (4 * j), 0x000f000fu, k.magic2);
 }
 
 // 4-bit code word -> the pairs (j, j + 4) of q - code_zero, j = 0..3 (exact).
@@ -188,8 +258,10 @@ __device__ __forceinline__ void wo_unpack4(unsigned int wd, const WoConst& k, un
     p[2] = wo_fma2((w8 & 0x000f000fu) | 0x64006400u, k.one, k.nz);
     p[3] = wo_fma2((w8 & 0x00f000f0u) | 0x64006400u, k.sixteenth, k.nz16);
 #else
+    unsigned int b[4];
+    wo_unpack4_biased(wd, k, b);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) p[j] = wo_fma2(((wd >> (4 * j)) & 0x000f000fu) | 0x43004300u, k.one, k.nz);
+    for (int j = 0; j < 4; ++j) p[j] = wo_fma2(b[j], k.one, k.nz);
 #endif
 }
 
@@ -197,6 +269,12 @@ __device__ __forceinline__ void wo_unpack4(unsigned int wd, const WoConst& k, un
 __device__ __forceinline__ void wo_unpack8(unsigned int wd, const WoConst& k, float (&f)[4]) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) f[e] = __uint_as_float(__byte_perm(wd, 0x4b000000u, 0x7440 + e)) - k.fz;
+}
+
+// 8-bit code word -> the f16 pairs (1024 + q0, 1024 + q1), (1024 + q2, 1024 + q3) (exact).
+__device__ __forceinline__ void wo_unpack8_biased(unsigned int wd, unsigned int (&p)[2]) {
+    p[0] = __byte_perm(wd, 0x64646464u, 0x4140);
+    p[1] = __byte_perm(wd, 0x64646464u, 0x4342);
 }
 
 // ---- work: cuda/gemv_skeleton.cuh -----------------------------------------------
@@ -209,6 +287,7 @@ struct WoLane {
     int t, K, rowbytes, gs, G;
     int gsh;  // log2(gs) when gs is a power of two (every layout llmc writes), else -1
     bool f32, prefetch;
+    bool has_o;  // offsets (o[h] non-null); gemv_wo.cu streams with f32 / has_o fixed
     WoConst k;
 };
 
@@ -225,6 +304,7 @@ __device__ __forceinline__ WoLane wo_lane(const WoArgs& a, int tile, int g, int 
         L.s[h] = static_cast<const unsigned char*>(a.scales) + row * gbytes;
         L.o[h] = a.offsets ? static_cast<const unsigned char*>(a.offsets) + row * gbytes : nullptr;
     }
+    L.has_o = a.offsets != nullptr;
     L.t = t, L.K = a.K, L.gs = a.gs, L.G = a.G, L.k = k;
     int sh = 0;
     while ((2 << sh) <= a.gs) ++sh;
@@ -280,11 +360,11 @@ __device__ __forceinline__ void wo_load_batch(WoBatch<BITS, SMODE>& B, const WoL
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     B.sc[u].s[h][0] = wo_ld_scale(L.s[h], ga, L.f32);
-                    B.sc[u].o[h][0] = L.o[h] ? wo_ld_scale(L.o[h], ga, L.f32) : 0u;
+                    B.sc[u].o[h][0] = L.has_o ? wo_ld_scale(L.o[h], ga, L.f32) : 0u;
                     if constexpr (SMODE == WO_DEQ) {
                         if (gb != ga) {
                             B.sc[u].s[h][1] = wo_ld_scale(L.s[h], gb, L.f32);
-                            B.sc[u].o[h][1] = L.o[h] ? wo_ld_scale(L.o[h], gb, L.f32) : 0u;
+                            B.sc[u].o[h][1] = L.has_o ? wo_ld_scale(L.o[h], gb, L.f32) : 0u;
                         } else {
                             B.sc[u].s[h][1] = B.sc[u].s[h][0];
                             B.sc[u].o[h][1] = B.sc[u].o[h][0];
@@ -326,7 +406,7 @@ __device__ __forceinline__ void wo_kstep(float (&acc)[4], const v4u (&cv)[2],
 #pragma unroll
                 for (int q = 0; q < 2; ++q) {
                     const float s = wo_scale(sc.s[h][q], L.f32);
-                    const float o = L.o[h] ? wo_scale(sc.o[h][q], L.f32) : 0.f;
+                    const float o = L.has_o ? wo_scale(sc.o[h][q], L.f32) : 0.f;
                     s2[h][q] = pack2(s, s);
                     o2[h][q] = pack2(o, o);
                 }
@@ -337,7 +417,11 @@ __device__ __forceinline__ void wo_kstep(float (&acc)[4], const v4u (&cv)[2],
             unsigned int p[2][4];
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                wo_unpack4(cw[h][w], L.k, p[h]);
+                if constexpr (SMODE == WO_KSTEP) {
+                    wo_unpack4_biased(cw[h][w], L.k, p[h]);
+                } else {
+                    wo_unpack4(cw[h][w], L.k, p[h]);
+                }
                 if constexpr (SMODE == WO_DEQ) {
 #pragma unroll
                     for (int j = 0; j < 4; ++j) p[h][j] = wo_fma2(p[h][j], s2[h][w >> 1], o2[h][w >> 1]);
@@ -350,13 +434,29 @@ __device__ __forceinline__ void wo_kstep(float (&acc)[4], const v4u (&cv)[2],
             const unsigned int a1[4] = {p[0][2], p[1][2], p[0][3], p[1][3]};
             wo_mma(acc, a1, xv.z, xv.w);
         }
+    } else if constexpr (wo_biased8<BITS, SMODE>()) {
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+            v4u xv = v4u{0u, 0u, 0u, 0u};
+            if (has_row) xv = *reinterpret_cast<const v4u*>(xk + q * 64);
+            const unsigned int xw[4] = {xv.x, xv.y, xv.z, xv.w};
+#pragma unroll
+            for (int ww = 0; ww < 2; ++ww) {
+                const int w = 2 * q + ww;
+                unsigned int p[2][2];
+                wo_unpack8_biased(cw[0][w], p[0]);
+                wo_unpack8_biased(cw[1][w], p[1]);
+                const unsigned int a[4] = {p[0][0], p[1][0], p[0][1], p[1][1]};
+                wo_mma_h(acc, a, xw[2 * ww], xw[2 * ww + 1]);
+            }
+        }
     } else {
         float s[2] = {1.f, 1.f}, o[2] = {0.f, 0.f};
         if constexpr (SMODE == WO_DEQ) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 s[h] = wo_scale(sc.s[h][0], L.f32);
-                o[h] = L.o[h] ? wo_scale(sc.o[h][0], L.f32) : 0.f;
+                o[h] = L.has_o ? wo_scale(sc.o[h][0], L.f32) : 0.f;
             }
         }
 #pragma unroll
@@ -386,6 +486,14 @@ __device__ __forceinline__ void wo_kstep(float (&acc)[4], const v4u (&cv)[2],
     }
 }
 
+// Whether a launch stages activation sums: the offsets of the row / kstep modes, and every
+// launch with biased codes (4-bit kstep, 8-bit row / kstep): llmc.cuda.gemv_wo_ops.wo_has_sums,
+// the same rule.
+template <int BITS, int SMODE>
+__host__ __device__ constexpr bool wo_has_sums(bool offsets) {
+    return SMODE != WO_DEQ && (offsets || SMODE == WO_KSTEP || BITS == 8);
+}
+
 // Shared per-k-step activation sums (offsets of the kstep mode, all of K for row mode).
 struct WoSums {
     const float* xsum;  // [M][n] or nullptr
@@ -411,9 +519,14 @@ __device__ __forceinline__ void wo_mma_kstep(float (&tot)[4], const v4u (&cv)[2]
         tot[1] = fmaf(sg, acc[1], tot[1]);
         tot[2] = fmaf(s8, acc[2], tot[2]);
         tot[3] = fmaf(s8, acc[3], tot[3]);
-        if (xs.xsum != nullptr) {  // + o * (sum of the k-step's x), per token
-            const float og = wo_scale(sc.o[0][0], L.f32);
-            const float o8 = wo_scale(sc.o[1][0], L.f32);
+        if (xs.xsum != nullptr) {  // + (o - s (magic + z)) * (sum of the k-step's x), per token
+            float og = L.has_o ? wo_scale(sc.o[0][0], L.f32) : 0.f;
+            float o8 = L.has_o ? wo_scale(sc.o[1][0], L.f32) : 0.f;
+            if constexpr (BITS == 4 || wo_biased8<BITS, SMODE>()) {  // the biased codes'
+                const float mz = BITS == 4 ? L.k.mz : L.k.mz8;     // magic + code_zero
+                og = fmaf(-sg, mz, og);
+                o8 = fmaf(-s8, mz, o8);
+            }
             const int m0 = min(2 * t4, xs.M - 1), m1 = min(2 * t4 + 1, xs.M - 1);
             const float x0 = xs.xsum[m0 * xs.n + ks], x1 = xs.xsum[m1 * xs.n + ks];
             tot[0] = fmaf(og, x0, tot[0]);

@@ -136,11 +136,11 @@ __device__ __forceinline__ void wo_ring_issue(unsigned char* slot, const WoLane&
         for (int h = 0; h < 2; ++h) {
             unsigned char* d = slot + 1024 + 8 * h;
             wo_cp4(d, wo_sp(L.s[h], ga, L.f32));
-            if (L.o[h]) wo_cp4(d + 4, wo_sp(L.o[h], ga, L.f32));
+            if (L.has_o) wo_cp4(d + 4, wo_sp(L.o[h], ga, L.f32));
             if constexpr (SMODE == WO_DEQ) {
                 if (gb != ga) {  // only where the stage has chunk 3
                     wo_cp4(d + 512, wo_sp(L.s[h], gb, L.f32));
-                    if (L.o[h]) wo_cp4(d + 516, wo_sp(L.o[h], gb, L.f32));
+                    if (L.has_o) wo_cp4(d + 516, wo_sp(L.o[h], gb, L.f32));
                 }
             }
         }
@@ -157,7 +157,7 @@ __device__ __forceinline__ void wo_ring_scales(const unsigned char* chunk, const
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         s[h] = wo_pick(ws[h], wo_sp(L.s[h], gi, L.f32), L.f32);
-        o[h] = L.o[h] ? wo_pick(wo[h], wo_sp(L.o[h], gi, L.f32), L.f32) : 0u;
+        o[h] = L.has_o ? wo_pick(wo[h], wo_sp(L.o[h], gi, L.f32), L.f32) : 0u;
     }
 }
 

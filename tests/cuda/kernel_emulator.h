@@ -88,6 +88,12 @@ inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v)
     *p = old + v;
     return old;
 }
+inline unsigned atomicMax(unsigned* p, unsigned v) {  // gemv_wo.cu
+    std::lock_guard<std::mutex> lock(emu_atomic_mutex);
+    const unsigned old = *p;
+    *p = old > v ? old : v;
+    return old;
+}
 inline unsigned __umulhi(unsigned a, unsigned b) {
     return (unsigned)(((unsigned long long)a * b) >> 32);
 }

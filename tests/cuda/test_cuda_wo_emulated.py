@@ -22,6 +22,7 @@ from helpers.packed_weights import random_packed
 from llmc.cuda import reference as ref
 from llmc.cuda.gemv_wo_ops import (
     WO_STAGES_SHIFT,
+    wo_has_sums,
     wo_kernel_name,
     wo_ring_offset,
     wo_ring_stage_bytes,
@@ -157,7 +158,8 @@ VECTOR_CASES = [c for c in CASES if (c[7] // (2 if c[1] == 4 else 1)) % 16 == 0]
 def test_emulated_ring_is_the_register_kernel_bit_for_bit(families, dtype, case, stages):
     """The *_ring kernels (wo_ring.cuh) against the reference and, bit for bit, against the
     register-stream kernel: the same float32 operations in the same order (but for the row
-    mode's sums over more than one warp's columns: float atomics, order not fixed)."""
+    mode's sums (offsets, biased 8-bit codes) over more than one warp's columns: float
+    atomics, order not fixed)."""
     w, x, norm_w, bias, out = _inputs(case, dtype)
     before = out.clone()
     reg = out.clone()
@@ -165,8 +167,34 @@ def test_emulated_ring_is_the_register_kernel_bit_for_bit(families, dtype, case,
     _launch(families, dtype, case, w, x, norm_w, bias, out, stages)
     _check(case, w, x, norm_w, bias, out, before)
     bits, gs, offs, k = case[1], case[2] or case[7], case[3], case[7]
-    if not (offs and wo_scale_mode(bits, k, gs) == "row" and k // 8 > 32):
+    smode = wo_scale_mode(bits, k, gs)
+    if not (wo_has_sums(bits, smode, offs) and smode == "row" and k // 8 > 32):
         assert torch.equal(out, reg), f"{case[-1]}: ring and register kernels differ"
+
+
+LARGE_CASES = [  # 8-bit row / kstep codes stage f16 activations: values past its range
+    ("linear", 8, None, False, torch.float16, 128, 3, 256, 24, 1, "row, |x| ~ 3e5"),
+    ("add", 8, 64, True, torch.float16, 0, 2, 320, 18, 1, "kstep + sums, |x| ~ 3e5"),
+    ("norm", 8, None, True, torch.float16, 128, 1, 512, 16, 2, "row + sums, norm_w ~ 1e5"),
+]
+
+
+@pytest.mark.parametrize("case", LARGE_CASES, ids=_case_id)
+def test_emulated_gemv_wo8_stages_large_activations_scaled(families, case):
+    """bf16 activations beyond f16's range (the f16 staging of the biased 8-bit codes): the
+    prologue stages them times a power of two and the epilogue scales back: finite outputs
+    within the reference's tolerance."""
+    w, x, norm_w, bias, out = _inputs(case, "bfloat16")
+    if case[0] == "norm":
+        norm_w = (norm_w.float() * 1e5).to(torch.bfloat16)
+    else:
+        x = (x.float() * 1e5).to(torch.bfloat16)
+    if out.dtype != torch.float32:
+        out = (out.float() * 1e5).to(out.dtype)
+    before = out.clone()
+    _launch(families, "bfloat16", case, w, x, norm_w, bias, out)
+    assert torch.isfinite(out).all(), f"{case[-1]}: an output overflowed"
+    _check(case, w, x, norm_w, bias, out, before)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

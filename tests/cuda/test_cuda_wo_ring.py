@@ -19,7 +19,7 @@ import torch
 from helpers.attention import rel_err
 from helpers.packed_weights import WO_LAYOUTS, random_packed
 from llmc.cuda import reference as ref
-from llmc.cuda.gemv_wo_ops import wo_scale_mode
+from llmc.cuda.gemv_wo_ops import wo_has_sums, wo_scale_mode
 
 # collected everywhere (``-m cuda --co`` lists them), skipped without a GPU
 pytestmark = [
@@ -104,7 +104,8 @@ def _compare(be, monkeypatch, op, layout, w, m, n, stages, seed) -> None:
     else:
         assert rel_err(out, want) < tol
     bits, gs, offs, _, _ = LAYOUTS[layout]
-    if not (offs and wo_scale_mode(bits, k, gs or k) == "row" and k // 8 > 32):
+    smode = wo_scale_mode(bits, k, gs or k)
+    if not (wo_has_sums(bits, smode, offs) and smode == "row" and k // 8 > 32):
         assert torch.equal(out, reg), f"{layout} {op}: ring and register kernels differ"
 
 
