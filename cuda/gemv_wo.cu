@@ -126,7 +126,7 @@ __device__ __forceinline__ void wo_stream_fixed(float (&tot)[4], WoBatch<BITS, S
                                                 WoBatch<BITS, SMODE>& B, const WoLane& L,
                                                 const unsigned char* xrow, int s0, int s1,
                                                 bool preloaded, const WoSums& xs, int t4) {
-    if (!L.f32) {
+    if (VECTOR && !L.f32) {  // (the scalar kernels: the generic stream, less code to compile)
         WoLane F = L;
         F.f32 = false;
         if (L.has_o) {
@@ -235,71 +235,66 @@ __device__ __forceinline__ float wo_prologue(const WoArgs& a, unsigned char* xs,
     // share one: a whole k-step of a vector kernel, so one atomic per sum and its bits fixed).
     constexpr int SW = SMODE == WO_ROW ? 32 : (KS / VW < 32 ? KS / VW : 32);
     __shared__ unsigned int big_bits;  // RESCALE: the CTA's largest |value| (float bits)
-    auto stage_rows = [&](float xscale) -> float {  // returns this thread's largest |value|
-    float amax = 0.f;
-    if (xsum != nullptr) {
-        for (int i = threadIdx.x; i < M * nsum; i += WO_THREADS) xsum[i] = 0.f;
-        __syncthreads();  // the sums are zero before any thread adds to them
-    }
-    for (int i0 = 0; i0 < nv; i0 += WO_THREADS) {
-        const int i = i0 + (int)threadIdx.x;
-        const bool in = i < nv;
-        float nw[VW];
-#pragma unroll
-        for (int e = 0; e < VW; ++e) nw[e] = 0.f;
-        if constexpr (MODE == 0 || MODE == 1) {
-            if (in) load_vec<VW>(a.norm_w + i * VW, nw);
+    if (RESCALE && threadIdx.x == 0) big_bits = 0u;
+    float xscale = 1.f, back = 1.f;
+    for (int pass = 0; pass < 2; ++pass) {  // pass 1 only where RESCALE found a value
+        float amax = 0.f;  // this thread's largest |value|
+        if (xsum != nullptr) {
+            for (int i = threadIdx.x; i < M * nsum; i += WO_THREADS) xsum[i] = 0.f;
+            __syncthreads();  // the sums are zero before any thread adds to them
         }
-        const int c0 = i * VW;
+        for (int i0 = 0; i0 < nv; i0 += WO_THREADS) {
+            const int i = i0 + (int)threadIdx.x;
+            const bool in = i < nv;
+            float nw[VW];
 #pragma unroll
-        for (int m = 0; m < 8; ++m) {
-            if (m >= M) continue;
-            float f[VW];
-#pragma unroll
-            for (int e = 0; e < VW; ++e) f[e] = 0.f;
-            if (in) load_vec<VW>(a.x + (long long)m * K + c0, f);
+            for (int e = 0; e < VW; ++e) nw[e] = 0.f;
             if constexpr (MODE == 0 || MODE == 1) {
-#pragma unroll
-                for (int e = 0; e < VW; ++e) f[e] = to_float(from_float(f[e] * rs[m] * nw[e]));
+                if (in) load_vec<VW>(a.norm_w + i * VW, nw);
             }
-            if constexpr (RESCALE) {  // the f16 values the mmas will see (the sums' too)
+            const int c0 = i * VW;
 #pragma unroll
-                for (int e = 0; e < VW; ++e) {
-                    amax = fmaxf(amax, fabsf(f[e]));
-                    f[e] = wo_h2f(wo_f2h(f[e] * xscale));
+            for (int m = 0; m < 8; ++m) {
+                if (m >= M) continue;
+                float f[VW];
+#pragma unroll
+                for (int e = 0; e < VW; ++e) f[e] = 0.f;
+                if (in) load_vec<VW>(a.x + (long long)m * K + c0, f);
+                if constexpr (MODE == 0 || MODE == 1) {
+#pragma unroll
+                    for (int e = 0; e < VW; ++e) f[e] = to_float(from_float(f[e] * rs[m] * nw[e]));
                 }
-            }
-            if (in) wo_stage<BITS, VW, X16>(xs + m * a.S, c0, f);
-            if (xsum != nullptr) {
-                float s = 0.f;
+                if constexpr (RESCALE) {  // the f16 values the mmas will see (the sums' too)
 #pragma unroll
-                for (int e = 0; e < VW; ++e) s += in ? f[e] : 0.f;
+                    for (int e = 0; e < VW; ++e) {
+                        amax = fmaxf(amax, fabsf(f[e]));
+                        f[e] = wo_h2f(wo_f2h(f[e] * xscale));
+                    }
+                }
+                if (in) wo_stage<BITS, VW, X16>(xs + m * a.S, c0, f);
+                if (xsum != nullptr) {
+                    float s = 0.f;
 #pragma unroll
-                for (int o = SW / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-                if (in && (threadIdx.x & (SW - 1)) == 0) {
-                    atomicAdd(&xsum[m * nsum + (SMODE == WO_ROW ? 0 : c0 / KS)], s);
+                    for (int e = 0; e < VW; ++e) s += in ? f[e] : 0.f;
+#pragma unroll
+                    for (int o = SW / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+                    if (in && (threadIdx.x & (SW - 1)) == 0) {
+                        atomicAdd(&xsum[m * nsum + (SMODE == WO_ROW ? 0 : c0 / KS)], s);
+                    }
                 }
             }
         }
-    }
-    return amax;
-    };
-    float back = 1.f;
-    if constexpr (RESCALE) {
-        if (threadIdx.x == 0) big_bits = 0u;
-        __syncthreads();
-        const float amax = stage_rows(1.f);
+        if constexpr (!RESCALE) break;
+        if (pass == 1) break;
         if (amax >= 32768.f) atomicMax(&big_bits, __float_as_uint(amax));
         __syncthreads();
         const unsigned int bits = big_bits;  // CTA-uniform
-        if (bits != 0u) {  // stage again, times 2^-e: the largest value below 32768
-            const int e = (int)((bits >> 23) & 0xffu) - 127 - 14;  // amax < 2^(e + 15)
-            const float down = __uint_as_float((unsigned int)(127 - e) << 23);
-            back = __uint_as_float((unsigned int)(127 + e) << 23);
-            stage_rows(down);
-        }
-    } else {
-        stage_rows(1.f);
+        if (bits == 0u) break;
+        // stage again, times 2^-e: the largest value below 32768 (amax < 2^(e + 15))
+        const int e = (int)((bits >> 23) & 0xffu) - 127 - 14;
+        xscale = __uint_as_float((unsigned int)(127 - e) << 23);
+        back = __uint_as_float((unsigned int)(127 + e) << 23);
+        __syncthreads();  // every thread has read big_bits (the sums are re-zeroed next)
     }
     __syncthreads();
     return back;
