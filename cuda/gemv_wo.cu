@@ -20,11 +20,16 @@
 // KS = 4 VB columns. The sum over k does not care which column takes which mma slot as long
 // as weights and activations agree, so the codes are unpacked where they lie:
 //   4-bit: word w (columns 8w..8w+7 of the vector) -> four 16-bit pairs (j, j + 4), j < 4,
-//          by one lop3 with a magic exponent each (f16: 1024 + q, bf16: 128 + q; f16 odd
-//          pairs as 1024 + 16 q, scaled by 1/16 in the same fma), then one fma2 subtracting
-//          magic + code_zero (exact: small integers);
-//   8-bit: byte e -> float 2^23 + q by one prmt, one fadd (- 2^23 - code_zero), exact, and
-//          one cvt per pair (the values are small integers: exact in 16 bits).
+//          by one shift and one 3-input lop3 with a magic exponent each (bf16: 128 + q, f16:
+//          1024 + q). kstep mode feeds these *biased* codes to the mma and takes (magic +
+//          code_zero) x the k-step's activation sum off its sums (the per-k-step sums are then
+//          always staged); row / deq modes first subtract magic + code_zero by one fma2
+//          (exact: small integers; deq: f16 odd pairs as 1024 + 16 q, scaled by 1/16);
+//   8-bit: row / kstep: two bytes -> the f16 pair (1024 + q0, 1024 + q1) by one prmt (biased
+//          as above; f16 mmas, so the activations are staged as f16 also in bf16 builds, the
+//          rows times a power of two when a value reaches 32768: exact, undone in the
+//          epilogue); deq: byte e -> float 2^23 + q by one prmt, one fadd (- 2^23 -
+//          code_zero), exact, and one cvt per pair.
 // The activations are staged once per CTA in shared memory as 16-bit values, in that pair
 // order, rows at stride S (K padded to whole k-steps, + 64 bytes: the two token rows of one
 // LDS.128 phase fall in different banks), the pad zeroed.
@@ -70,10 +75,19 @@
 // (64 code bytes a lane) and 4 in row mode (128): at most 32 KB (kstep, deq) or 64 KB (row)
 // of codes in flight per SM, one batch through the whole prologue; the offsets' per-k-step
 // sums were shared-memory float atomics with 16 lanes on one address (CAS loops).
-// v2 (this): the _ring kernels (89-100 registers, no spills) by default: at M = 1, K = 4096
+// v2: the _ring kernels (89-100 registers, no spills) by default: at M = 1, K = 4096
 // 7 stages for int4 g128 and Q4_K-like (96 KB of codes in flight per SM), 8 for int8
 // per-channel (112 KB); the prologue's sums shuffled over the lanes of one k-step, one atomic
-// each. Not yet measured on the H200 (bench rows "(stages S)", S = 0: v1).
+// each. Not yet measured on the H200 (bench rows "(stages S)", S = 0: v1). (Measured later:
+// slower than v1; the register stream stayed the default, WoOps.wo_stages = 0.)
+// v3 (this, 2026-12-03): ncu of v1 on the H200 showed the register kernels issue-bound, not
+// starved of bytes in flight (int4 gate_up: ~5.9 weights a warp instruction, 1.9 IPC; a pure
+// read of the same pattern with 8 loads in flight a lane reached 95 % of copy): SASS of the
+// int4 kstep k-step was 252 instructions for 2,048 weights. Biased codes (no fma2 a pair,
+// the lop3 no longer split in two), no token-row predicate, the scale form fixed at compile
+// time in the vector register stream: 156 (int4 kstep), int8 row 64 for 1,024. Measured (one
+// 8B layer, T = 1, % of copy): int4 g128 31.6 -> 38.4, int8 48.5 -> 50.2 (59 % without the
+// L2 prefetch, now off for these codes), Q4_K-like 32.9 -> 38.8.
 #include "common.cuh"
 
 #include "wo_codes.cuh"

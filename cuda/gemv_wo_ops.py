@@ -105,6 +105,14 @@ def wo_has_sums(bits: int, scale_mode: str | None, offsets: bool) -> bool:
     return offsets or scale_mode == "kstep" or bits == 8
 
 
+def wo_prefetches(bits: int, scale_mode: str | None, prefetch: bool) -> bool:
+    """Whether a gemv_wo.cu launch asks the L2 for the code vectors ahead (``WO_PREFETCH``):
+    where ``WoOps.wo_prefetch`` says so, but not for the biased 8-bit codes (row / kstep),
+    whose GEMVs it slowed on the H200 (2026-12-03, one 8B layer at T = 1: gate_up 49.6 µs
+    with, 38.9 without; down 27.5 / 22.9; qkv, o_proj equal; docs/PERFORMANCE.md)."""
+    return prefetch and not (bits == 8 and scale_mode in ("row", "kstep"))
+
+
 def wo_smem_bytes(bits: int, k: int, group_size: int, m: int, offsets: bool) -> int:
     """Dynamic shared memory of a gemv_wo.cu launch: M staged rows, plus the per-k-step (or
     per-row) activation sums where ``wo_has_sums``."""
@@ -249,7 +257,8 @@ class WoOps(WoGemmOps):
             kern.max_dynamic_shared_size_bytes = self._wo_budget()
             self._gemv_kernels[(x.dtype, name)] = kern
         flags = _scale_flags(w) | (2 if out.dtype == torch.float32 else 0)
-        flags |= (4 if self.wo_prefetch else 0) | (stages << WO_STAGES_SHIFT)
+        flags |= (4 if wo_prefetches(w.bits, smode, self.wo_prefetch) else 0)
+        flags |= stages << WO_STAGES_SHIFT
         args = (
             _p(x), _p(norm_w) if norm_w is not None else _NULL, np.float32(eps), _p(w.codes),
             _p(w.scales), _p(w.offsets) if w.offsets is not None else _NULL,

@@ -94,7 +94,8 @@ def test_fused_launches_match_the_signature(be, m):
     assert be.linear_residual_add(aligned(m, i), down, res) is res
     kern, grid, _, args, smem = check(be.launches[-1], GEMV_SIG)
     assert kern.name == "gemv_wo8_row_add" and args[-2] == 128 and grid == (132,)
-    assert smem == m * (11 * 128 + 64)  # 704 columns: 11 k-steps of 64
+    assert args[-1] == 0  # no L2 prefetch for the biased 8-bit codes (wo_prefetches)
+    assert smem == m * (11 * 128 + 64) + m * 4  # 704 columns: 11 k-steps of 64; row sums
     small = random_packed(40, 256, 8, 16, offsets=False, scale_dtype=torch.float32, code_zero=32)
     logits = aligned(m, 40, dtype=torch.float32)
     be.linear(aligned(m, 256), small, out=logits)
