@@ -257,7 +257,7 @@ class WoOps(WoGemmOps):
             kern.max_dynamic_shared_size_bytes = self._wo_budget()
             self._gemv_kernels[(x.dtype, name)] = kern
         flags = _scale_flags(w) | (2 if out.dtype == torch.float32 else 0)
-        flags |= (4 if wo_prefetches(w.bits, smode, self.wo_prefetch) else 0)
+        flags |= 4 if wo_prefetches(w.bits, smode, self.wo_prefetch) else 0
         flags |= stages << WO_STAGES_SHIFT
         args = (
             _p(x), _p(norm_w) if norm_w is not None else _NULL, np.float32(eps), _p(w.codes),
