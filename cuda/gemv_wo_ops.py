@@ -189,7 +189,8 @@ class WoOps(WoGemmOps):
     """The weight-only ops (mixin; see the module docstring for what it needs).
 
     ``wo_gemv_passes`` (most passes for 4-bit, 8-bit codes): ``linear`` with T > 8 rows runs
-    the gemv kernel once per 8 rows while that reads fewer bytes than dequantize-then-cuBLAS (which
+    the gemv kernel once per 8 rows (fewer where the staging budget holds fewer: ``_wo_passes``)
+    while that reads fewer bytes than dequantize-then-cuBLAS (which
     reads the codes, writes and reads a 16-bit weight: ~4.5 bytes per int4 weight): up to
     4 passes (T <= 32) for 4-bit codes, 2 (T <= 16) for 8-bit. Not yet measured: the bench's
     ``wo linear`` rows at M = 16 / 32 / 64 say where it should be.
@@ -220,14 +221,27 @@ class WoOps(WoGemmOps):
     def _wo_budget(self) -> int:
         return self._gemv_smem - WO_SMEM_MARGIN
 
-    def _wo_fused(self, x: torch.Tensor, w: PackedWeight) -> bool:
-        """Whether gemv_wo.cu serves x [M, K] against ``w`` (else: dequantize-then-cuBLAS)."""
-        m, k = x.shape
-        if x.dtype not in WO_ACT_DTYPES or not 0 < m <= GEMV_MAX_TOKENS:
-            return False
-        if wo_scale_mode(w.bits, k, w.group_size) is None:
-            return False
-        return wo_smem_bytes(w.bits, k, w.group_size, m, w.offsets is not None) <= self._wo_budget()
+    def _wo_fit_rows(self, x: torch.Tensor, w: PackedWeight) -> int:
+        """Most token rows (<= 8) one gemv_wo.cu launch stages within the shared-memory budget
+        for x [*, K] against ``w``; 0 where the kernels do not serve it (dtype, scale mode)."""
+        k = x.shape[1]
+        if x.dtype not in WO_ACT_DTYPES or wo_scale_mode(w.bits, k, w.group_size) is None:
+            return 0
+        offs, budget = w.offsets is not None, self._wo_budget()
+        fits = [r for r in range(1, GEMV_MAX_TOKENS + 1)
+                if wo_smem_bytes(w.bits, k, w.group_size, r, offs) <= budget]  # fmt: skip
+        return max(fits, default=0)
+
+    def _wo_passes(self, x: torch.Tensor, w: PackedWeight, most: int) -> list[tuple[int, int]]:
+        """Row ranges of x [M, K] (M > 0) for at most ``most`` gemv_wo.cu launches of as many
+        rows as the staging budget allows; [] where that takes more (then: dequantize-then-cuBLAS).
+        More than 8 rows, or 8 rows of a long K (down_proj's 14,336 columns: 229 KB of staging
+        at 8 rows against a 219 KB budget), need more than one launch: each reads the weight
+        again, still fewer bytes than dequantizing it (docs/PERFORMANCE.md, 2026-12-03)."""
+        m, fit = x.shape[0], self._wo_fit_rows(x, w)
+        if fit == 0 or -(-m // fit) > most:
+            return []
+        return [(r0, min(m, r0 + fit)) for r0 in range(0, m, fit)]
 
     def _wo_gemv(
         self, mode: int, x: torch.Tensor, norm_w: torch.Tensor | None, eps: float,
@@ -316,11 +330,9 @@ class WoOps(WoGemmOps):
         _need(out, "out")
         if t == 0:
             return out
-        passes = math.ceil(t / GEMV_MAX_TOKENS)
-        most = self.wo_gemv_passes[weight.bits == 8]
-        if passes <= most and self._wo_fused(x[:GEMV_MAX_TOKENS], weight):
-            for r0 in range(0, t, GEMV_MAX_TOKENS):  # the weight read once per 8 rows
-                r1 = min(t, r0 + GEMV_MAX_TOKENS)
+        passes = self._wo_passes(x, weight, self.wo_gemv_passes[weight.bits == 8])
+        if passes:
+            for r0, r1 in passes:  # the weight read once per pass of <= 8 rows
                 self._wo_gemv(3, x[r0:r1], None, 0.0, weight, bias, out[r0:r1], n)
             return out
         plan = self._wo_gemm_plan(x, weight, out)  # llmc.cuda.gemm_wo_ops
@@ -382,9 +394,11 @@ class WoOps(WoGemmOps):
             _need(bias, "bias", residual.dtype)
         if m == 0:
             return out
-        if not self._wo_fused(residual, weight):
+        passes = self._wo_fused_passes(residual, weight)
+        if not passes:
             return self.linear_wo(self.rms_norm(residual, norm_weight, eps), weight, bias, out)
-        self._wo_gemv(0, residual, norm_weight, eps, weight, bias, out, n)
+        for r0, r1 in passes:
+            self._wo_gemv(0, residual[r0:r1], norm_weight, eps, weight, bias, out[r0:r1], n)
         return out
 
     def norm_gate_up_silu(
@@ -410,10 +424,12 @@ class WoOps(WoGemmOps):
         self._wo_out(op, "out", out, (m, n2 // 2), residual.dtype)
         if m == 0:
             return out
-        if not self._wo_fused(residual, w):
+        passes = self._wo_fused_passes(residual, w)
+        if not passes:
             gate_up = self.linear_wo(self.rms_norm(residual, norm_weight, eps), w)
             return self.silu_and_mul(gate_up, out=out)
-        self._wo_gemv(1, residual, norm_weight, eps, w, None, out, n2 // 2)
+        for r0, r1 in passes:
+            self._wo_gemv(1, residual[r0:r1], norm_weight, eps, w, None, out[r0:r1], n2 // 2)
         return out
 
     def linear_residual_add(
@@ -427,10 +443,19 @@ class WoOps(WoGemmOps):
         self._wo_out(op, "residual", residual, (m, n), x.dtype)
         if m == 0:
             return residual
-        if not self._wo_fused(x, weight):
+        passes = self._wo_fused_passes(x, weight)
+        if not passes:
             return residual.add_(self.linear_wo(x, weight))
-        self._wo_gemv(2, x, None, 0.0, weight, None, residual, n)
+        for r0, r1 in passes:
+            self._wo_gemv(2, x[r0:r1], None, 0.0, weight, None, residual[r0:r1], n)
         return residual
+
+    def _wo_fused_passes(self, x: torch.Tensor, w: PackedWeight) -> list[tuple[int, int]]:
+        """The fused ops' launches for x [M, K], M <= 8 rows: as many as ``linear`` would take
+        (``wo_gemv_passes``), else none (the unfused sequence)."""
+        if not 0 < x.shape[0] <= GEMV_MAX_TOKENS:
+            return []
+        return self._wo_passes(x, w, self.wo_gemv_passes[w.bits == 8])
 
     def _wo_check(
         self, op: str, x: torch.Tensor, w: PackedWeight, norm_w: torch.Tensor | None

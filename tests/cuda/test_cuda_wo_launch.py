@@ -180,18 +180,37 @@ def test_scalar_kernels(be):
     assert be.launches[-1][0].name == "gemv_wo4_kstep_add_scalar"
 
 
-def test_fallbacks_dequantize_then_mm(be):
-    """Past the staging budget (down at M = 8: 8 x 28736 bytes), float32 activations, more
-    rows than the gemv passes take (int4: 32, int8: 16), a group size no kernel serves:
-    wo_rows_kernel into a temporary, then torch.mm."""
+def test_fused_op_in_two_passes_past_the_staging_budget(be):
+    """down_proj at M = 8 (K = 14,336: 8 staged rows need 229 KB, more than the budget):
+    two launches of the fused kernel on row slices of x and the residual (as many rows as
+    fit, then the rest), no dequantized weight."""
     k, n = 14336, 64
     w = random_packed(n, k, 4, 128, offsets=True)
-    assert wo.wo_smem_bytes(4, k, 128, 8, True) > be._gemv_smem - wo.WO_SMEM_MARGIN
+    budget = be._gemv_smem - wo.WO_SMEM_MARGIN
+    fit = max(r for r in range(1, 9) if wo.wo_smem_bytes(4, k, 128, r, True) <= budget)
+    assert 4 <= fit < 8
+    x, res = aligned(8, k), aligned(8, n)
+    be.linear_residual_add(x, w, res)
+    assert [lk[0].name for lk in be.launches] == ["gemv_wo4_kstep_add"] * 2
+    assert [int(lk[3][10]) for lk in be.launches] == [fit, 8 - fit]  # M
+    assert [int(lk[3][0]) - x.data_ptr() for lk in be.launches] == [0, fit * k * 2]
+    assert [int(lk[3][7]) - res.data_ptr() for lk in be.launches] == [0, fit * n * 2]
+
+
+def test_fallbacks_dequantize_then_mm(be):
+    """Past the staging budget in the passes 8-bit codes take (down of a 70B shape at M = 8:
+    K = 28,672, 3 rows a launch, 2 launches at most), float32 activations, more rows than the
+    gemv passes take (int4: 32, int8: 16), a group size no kernel serves: wo_rows_kernel
+    into a temporary, then torch.mm."""
+    k, n = 28672, 64
+    w = random_packed(n, k, 8, k, offsets=False, code_zero=128)
+    budget = be._gemv_smem - wo.WO_SMEM_MARGIN
+    assert wo.wo_smem_bytes(8, k, k, 4, False) > budget >= wo.wo_smem_bytes(8, k, k, 3, False)
     x = torch.zeros(8, k, dtype=torch.bfloat16)
     res = torch.zeros(8, n, dtype=torch.bfloat16)
     be.linear_residual_add(x, w, res)
     kern, grid, block, args, _ = check(be.launches[-1], ROWS_SIG)
-    assert kern.family == "wo_dequant" and args[5:8] == (n, k, n) and grid == (7, n)
+    assert kern.family == "wo_dequant" and args[5:8] == (n, k, n) and grid == (14, n)
     assert block == (wo.WO_ROWS_THREADS,) and args[-1] == 1  # vector path
     for xx, ww in (
         (torch.zeros(2, 256), random_packed(n, 256, 8, 256, offsets=False)),  # float32
