@@ -87,7 +87,9 @@
 // the lop3 no longer split in two), no token-row predicate, the scale form fixed at compile
 // time in the vector register stream: 156 (int4 kstep), int8 row 64 for 1,024. Measured (one
 // 8B layer, T = 1, % of copy): int4 g128 31.6 -> 38.4, int8 48.5 -> 50.2 (59 % without the
-// L2 prefetch, now off for these codes), Q4_K-like 32.9 -> 38.8.
+// L2 prefetch, now off for these codes), Q4_K-like 32.9 -> 38.8. Then the group index as a
+// shift in the fixed-form stream (the division cost ~25 instructions a k-step): int4 kstep
+// 141 instructions a k-step (not yet timed on the H200).
 #include "common.cuh"
 
 #include "wo_codes.cuh"
@@ -140,9 +142,10 @@ __device__ __forceinline__ void wo_stream_fixed(float (&tot)[4], WoBatch<BITS, S
                                                 WoBatch<BITS, SMODE>& B, const WoLane& L,
                                                 const unsigned char* xrow, int s0, int s1,
                                                 bool preloaded, const WoSums& xs, int t4) {
-    if (VECTOR && !L.f32) {  // (the scalar kernels: the generic stream, less code to compile)
+    if (VECTOR && !L.f32 && L.pow2) {  // (the scalar kernels: the generic stream)
         WoLane F = L;
         F.f32 = false;
+        F.pow2 = true;  // the group index a shift
         if (L.has_o) {
             F.has_o = true;
             wo_stream<BITS, SMODE, VECTOR>(tot, A, B, F, xrow, true, s0, s1, preloaded, xs, t4);

@@ -286,6 +286,7 @@ struct WoLane {
     const unsigned char* o[2];  // offset rows (nullptr: none)
     int t, K, rowbytes, gs, G;
     int gsh;  // log2(gs) when gs is a power of two (every layout llmc writes), else -1
+    bool pow2;  // gsh >= 0 (a constant true in gemv_wo.cu's fixed-form stream)
     bool f32, prefetch;
     bool has_o;  // offsets (o[h] non-null); gemv_wo.cu streams with f32 / has_o fixed
     WoConst k;
@@ -309,6 +310,7 @@ __device__ __forceinline__ WoLane wo_lane(const WoArgs& a, int tile, int g, int 
     int sh = 0;
     while ((2 << sh) <= a.gs) ++sh;
     L.gsh = (1 << sh) == a.gs ? sh : -1;
+    L.pow2 = L.gsh >= 0;
     L.prefetch = (a.flags & WO_PREFETCH) != 0;
     return L;
 }
@@ -343,6 +345,16 @@ struct WoBatch {
     WoScales<SMODE> sc[wo_u<SMODE>()];
 };
 
+// Groups of the lane's columns at k-step ks (wo_load_batch, the ring): a (kstep: the k-step's), b.
+template <int BITS, int SMODE>
+__device__ __forceinline__ void wo_groups(const WoLane& L, int ks, int& ga, int& gb) {
+    constexpr int KS = wo_ks<BITS>(), VB = wo_vb<BITS>();
+    const int c0 = ks * KS + (SMODE == WO_DEQ ? L.t * VB : 0), c1 = c0 + VB / 2;
+    const bool sh = L.pow2;  // a shift, not a division (~25 instructions), per k-step
+    ga = min(sh ? c0 >> L.gsh : c0 / L.gs, L.G - 1);
+    gb = SMODE == WO_DEQ ? min(sh ? c1 >> L.gsh : c1 / L.gs, L.G - 1) : ga;
+}
+
 template <int BITS, int SMODE, bool VECTOR>
 __device__ __forceinline__ void wo_load_batch(WoBatch<BITS, SMODE>& B, const WoLane& L, int kb,
                                               int n) {
@@ -354,9 +366,8 @@ __device__ __forceinline__ void wo_load_batch(WoBatch<BITS, SMODE>& B, const WoL
 #pragma unroll
             for (int h = 0; h < 2; ++h) B.c[u][h] = wo_load_codes<VECTOR>(L, L.c[h], ks);
             if constexpr (SMODE != WO_ROW) {
-                const int c0 = ks * KS + (SMODE == WO_DEQ ? L.t * VB : 0);
-                const int ga = min(c0 / L.gs, L.G - 1);
-                const int gb = SMODE == WO_DEQ ? min((c0 + VB / 2) / L.gs, L.G - 1) : ga;
+                int ga, gb;
+                wo_groups<BITS, SMODE>(L, ks, ga, gb);
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     B.sc[u].s[h][0] = wo_ld_scale(L.s[h], ga, L.f32);

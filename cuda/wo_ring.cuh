@@ -99,16 +99,6 @@ __device__ __forceinline__ void wo_wait(int n) {
 }
 
 // ---- one stage --------------------------------------------------------------------------
-// Groups of the lane's columns at k-step ks (as wo_load_batch): a (kstep: the k-step's), b.
-template <int BITS, int SMODE>
-__device__ __forceinline__ void wo_groups(const WoLane& L, int ks, int& ga, int& gb) {
-    constexpr int KS = wo_ks<BITS>(), VB = wo_vb<BITS>();
-    const int c0 = ks * KS + (SMODE == WO_DEQ ? L.t * VB : 0), c1 = c0 + VB / 2;
-    const bool sh = L.gsh >= 0;  // a shift, not a division, per k-step
-    ga = min(sh ? c0 >> L.gsh : c0 / L.gs, L.G - 1);
-    gb = SMODE == WO_DEQ ? min(sh ? c1 >> L.gsh : c1 / L.gs, L.G - 1) : ga;
-}
-
 // Byte address of scale / offset element gi of a row (f16: 2 bytes, f32: 4).
 __device__ __forceinline__ const unsigned char* wo_sp(const unsigned char* row, int gi, bool f32) {
     return row + (long long)gi * (f32 ? 4 : 2);
