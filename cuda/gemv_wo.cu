@@ -88,8 +88,9 @@
 // time in the vector register stream: 156 (int4 kstep), int8 row 64 for 1,024. Measured (one
 // 8B layer, T = 1, % of copy): int4 g128 31.6 -> 38.4, int8 48.5 -> 50.2 (59 % without the
 // L2 prefetch, now off for these codes), Q4_K-like 32.9 -> 38.8. Then the group index as a
-// shift in the fixed-form stream (the division cost ~25 instructions a k-step): int4 kstep
-// 141 instructions a k-step (not yet timed on the H200).
+// shift in the fixed-form stream (the division cost ~25 instructions a k-step) and no
+// bounds check a code load where the rows hold whole k-steps: int4 kstep 131
+// instructions a k-step, int8 row 53 (not yet timed on the H200).
 #include "common.cuh"
 
 #include "wo_codes.cuh"
@@ -134,18 +135,20 @@ __device__ __forceinline__ void wo_stream(float (&tot)[4], WoBatch<BITS, SMODE>&
 }
 
 // wo_stream with the scale form fixed at compile time where it is the common one (f16
-// scales, with or without offsets): a copy of the lane whose f32 / has_o are constants, so the
-// per-k-step scale loads and offset terms carry no run-time branches. Same operations, same
-// bits as the generic stream.
+// scales, with or without offsets, power-of-two groups, whole k-steps a row): a copy of the
+// lane whose f32 / has_o / pow2 / whole are constants, so the per-k-step scale loads, group
+// indices, offset terms and code loads carry no run-time branches. Same operations, same bits
+// as the generic stream.
 template <int BITS, int SMODE, bool VECTOR>
 __device__ __forceinline__ void wo_stream_fixed(float (&tot)[4], WoBatch<BITS, SMODE>& A,
                                                 WoBatch<BITS, SMODE>& B, const WoLane& L,
                                                 const unsigned char* xrow, int s0, int s1,
                                                 bool preloaded, const WoSums& xs, int t4) {
-    if (VECTOR && !L.f32 && L.pow2) {  // (the scalar kernels: the generic stream)
+    if (VECTOR && !L.f32 && L.pow2 && L.whole) {  // (the scalar kernels: the generic stream)
         WoLane F = L;
         F.f32 = false;
-        F.pow2 = true;  // the group index a shift
+        F.pow2 = true;   // the group index a shift
+        F.whole = true;  // no bounds check a code load
         if (L.has_o) {
             F.has_o = true;
             wo_stream<BITS, SMODE, VECTOR>(tot, A, B, F, xrow, true, s0, s1, preloaded, xs, t4);

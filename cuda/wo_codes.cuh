@@ -287,6 +287,7 @@ struct WoLane {
     int t, K, rowbytes, gs, G;
     int gsh;  // log2(gs) when gs is a power of two (every layout llmc writes), else -1
     bool pow2;  // gsh >= 0 (a constant true in gemv_wo.cu's fixed-form stream)
+    bool whole;  // rowbytes % 64 == 0: every k-step's vectors inside the row (ditto)
     bool f32, prefetch;
     bool has_o;  // offsets (o[h] non-null); gemv_wo.cu streams with f32 / has_o fixed
     WoConst k;
@@ -311,6 +312,7 @@ __device__ __forceinline__ WoLane wo_lane(const WoArgs& a, int tile, int g, int 
     while ((2 << sh) <= a.gs) ++sh;
     L.gsh = (1 << sh) == a.gs ? sh : -1;
     L.pow2 = L.gsh >= 0;
+    L.whole = L.rowbytes % 64 == 0;
     L.prefetch = (a.flags & WO_PREFETCH) != 0;
     return L;
 }
@@ -320,7 +322,7 @@ template <bool VECTOR>
 __device__ __forceinline__ v4u wo_load_codes(const WoLane& L, const unsigned char* p, int ks) {
     const int b = ks * 64 + 16 * L.t;  // byte of the row
     if constexpr (VECTOR) {
-        if (b < L.rowbytes) return wo_ld16(p + ks * 64);  // rowbytes % 16 == 0: all or none
+        if (L.whole || b < L.rowbytes) return wo_ld16(p + ks * 64);  // % 16 == 0: all or none
         return v4u{0u, 0u, 0u, 0u};
     } else {
         unsigned int w[4] = {0u, 0u, 0u, 0u};
@@ -395,7 +397,7 @@ __device__ __forceinline__ void wo_prefetch_batch(const WoLane& L, int kb, int s
 #pragma unroll
     for (int u = 0; u < wo_u<SMODE>(); ++u) {
         const int ks = kb + u;
-        if (ks < s1 && ks * 64 + 16 * L.t < L.rowbytes) {
+        if (ks < s1 && (L.whole || ks * 64 + 16 * L.t < L.rowbytes)) {
             wo_prefetch(L.c[0] + ks * 64);
             wo_prefetch(L.c[1] + ks * 64);
         }
