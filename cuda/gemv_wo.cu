@@ -144,7 +144,8 @@ __device__ __forceinline__ void wo_stream_fixed(float (&tot)[4], WoBatch<BITS, S
                                                 WoBatch<BITS, SMODE>& B, const WoLane& L,
                                                 const unsigned char* xrow, int s0, int s1,
                                                 bool preloaded, const WoSums& xs, int t4) {
-    if (VECTOR && !L.f32 && L.pow2 && L.whole) {  // (the scalar kernels: the generic stream)
+    // (row mode loads no scales a k-step: any K; the scalar kernels: the generic stream)
+    if (VECTOR && !L.f32 && (SMODE == WO_ROW || L.pow2) && L.whole) {
         WoLane F = L;
         F.f32 = false;
         F.pow2 = true;   // the group index a shift
