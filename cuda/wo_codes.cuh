@@ -207,23 +207,7 @@ __device__ __forceinline__ void wo_kstep(float (&acc)[4], const v4u (&cv)[2],
             const unsigned int a1[4] = {p[0][2], p[1][2], p[0][3], p[1][3]};
             wo_mma(acc, a1, xv.z, xv.w);
         }
-    } else if constexpr (wo_biased8<BITS, SMODE>()) {
-#pragma unroll
-        for (int q = 0; q < 2; ++q) {
-            v4u xv = v4u{0u, 0u, 0u, 0u};
-            if (has_row) xv = *reinterpret_cast<const v4u*>(xk + q * 64);
-            const unsigned int xw[4] = {xv.x, xv.y, xv.z, xv.w};
-#pragma unroll
-            for (int ww = 0; ww < 2; ++ww) {
-                const int w = 2 * q + ww;
-                unsigned int p[2][2];
-                wo_unpack8_biased(cw[0][w], p[0]);
-                wo_unpack8_biased(cw[1][w], p[1]);
-                const unsigned int a[4] = {p[0][0], p[1][0], p[0][1], p[1][1]};
-                wo_mma_h(acc, a, xw[2 * ww], xw[2 * ww + 1]);
-            }
-        }
-    } else {
+    } else {  // 8-bit: biased f16 codes (row, kstep) or dequantized floats (deq)
         float s[2] = {1.f, 1.f}, o[2] = {0.f, 0.f};
         if constexpr (SMODE == WO_DEQ) {
 #pragma unroll
@@ -243,17 +227,23 @@ __device__ __forceinline__ void wo_kstep(float (&acc)[4], const v4u (&cv)[2],
                 unsigned int p[2][2];
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
-                    float f[4];
-                    wo_unpack8(cw[h][w], L.k, f);
-                    if constexpr (SMODE == WO_DEQ) {
+                    if constexpr (wo_biased8<BITS, SMODE>()) {
+                        wo_unpack8_biased(cw[h][w], p[h]);
+                    } else {
+                        float f[4];
+                        wo_unpack8(cw[h][w], L.k, f);
 #pragma unroll
                         for (int e = 0; e < 4; ++e) f[e] = fmaf(s[h], f[e], o[h]);
+                        p[h][0] = pack2(f[0], f[1]);
+                        p[h][1] = pack2(f[2], f[3]);
                     }
-                    p[h][0] = pack2(f[0], f[1]);
-                    p[h][1] = pack2(f[2], f[3]);
                 }
                 const unsigned int a[4] = {p[0][0], p[1][0], p[0][1], p[1][1]};
-                wo_mma(acc, a, xw[2 * ww], xw[2 * ww + 1]);
+                if constexpr (wo_biased8<BITS, SMODE>()) {
+                    wo_mma_h(acc, a, xw[2 * ww], xw[2 * ww + 1]);
+                } else {
+                    wo_mma(acc, a, xw[2 * ww], xw[2 * ww + 1]);
+                }
             }
         }
     }

@@ -81,37 +81,37 @@ __device__ __forceinline__ unsigned int wo_fma2(unsigned int a, unsigned int b, 
 #endif
 }
 
-// d += A (16 x 16) * B (16 x 8), float32 accumulation, operands in the activation dtype.
+// d += A (16 x 16) * B (16 x 8), float32 accumulation, operands f16 (F16) or bf16.
+template <bool F16>
+__device__ __forceinline__ void wo_mma_t(float (&d)[4], const unsigned int (&a)[4], unsigned int b0,
+                                         unsigned int b1) {
+#ifdef LLMC_HOST_EMULATION
+    emu_mma16816(d, a, b0, b1, F16 ? 0 : 1);
+#else
+    if constexpr (F16) {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+            "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    } else {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+            "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+#endif
+}
+
+// The mma on operands in the activation dtype.
 __device__ __forceinline__ void wo_mma(float (&d)[4], const unsigned int (&a)[4], unsigned int b0,
                                        unsigned int b1) {
-#ifdef LLMC_HOST_EMULATION
-    mma16816(d, a, b0, b1);
-#else
-#if LLMC_DTYPE == 1
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#else
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#endif
-#endif
+    wo_mma_t<LLMC_DTYPE == 1>(d, a, b0, b1);
 }
 
 // The same mma on f16 operands whatever the build's dtype (the biased 8-bit codes).
 __device__ __forceinline__ void wo_mma_h(float (&d)[4], const unsigned int (&a)[4], unsigned int b0,
                                          unsigned int b1) {
-#ifdef LLMC_HOST_EMULATION
-    emu_mma16816(d, a, b0, b1, 0);
-#else
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#endif
+    wo_mma_t<true>(d, a, b0, b1);
 }
 
 // float -> f16 bits (round to nearest even), whatever the build's dtype.
