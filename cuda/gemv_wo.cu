@@ -99,12 +99,12 @@
 template <int BITS, int SMODE>
 __device__ __forceinline__ void wo_mma_batch(float (&tot)[4], const WoBatch<BITS, SMODE>& B,
                                              const WoLane& L, const unsigned char* xrow,
-                                             bool has_row, int kb, int n, const WoSums& xs,
+                                             int kb, int n, const WoSums& xs,
                                              int t4) {
 #pragma unroll
     for (int u = 0; u < wo_u<SMODE>(); ++u) {
         if (u < n) {
-            wo_mma_kstep<BITS, SMODE>(tot, B.c[u], B.sc[u], L, xrow, has_row, kb + u, xs, t4);
+            wo_mma_kstep<BITS, SMODE>(tot, B.c[u], B.sc[u], L, xrow, kb + u, xs, t4);
         }
     }
 }
@@ -113,7 +113,7 @@ __device__ __forceinline__ void wo_mma_batch(float (&tot)[4], const WoBatch<BITS
 template <int BITS, int SMODE, bool VECTOR>
 __device__ __forceinline__ void wo_stream(float (&tot)[4], WoBatch<BITS, SMODE>& A,
                                           WoBatch<BITS, SMODE>& B, const WoLane& L,
-                                          const unsigned char* xrow, bool has_row, int s0, int s1,
+                                          const unsigned char* xrow, int s0, int s1,
                                           bool preloaded, const WoSums& xs, int t4) {
     constexpr int U = wo_u<SMODE>();
     int kb = s0;
@@ -122,13 +122,13 @@ __device__ __forceinline__ void wo_stream(float (&tot)[4], WoBatch<BITS, SMODE>&
         int next = min(U, s1 - kb - U);
         if (next > 0) wo_load_batch<BITS, SMODE, VECTOR>(B, L, kb + U, next);
         wo_prefetch_batch<SMODE>(L, kb + 3 * U, s1);
-        wo_mma_batch<BITS, SMODE>(tot, A, L, xrow, has_row, kb, min(U, s1 - kb), xs, t4);
+        wo_mma_batch<BITS, SMODE>(tot, A, L, xrow, kb, min(U, s1 - kb), xs, t4);
         kb += U;
         if (kb >= s1) break;
         next = min(U, s1 - kb - U);
         if (next > 0) wo_load_batch<BITS, SMODE, VECTOR>(A, L, kb + U, next);
         wo_prefetch_batch<SMODE>(L, kb + 3 * U, s1);
-        wo_mma_batch<BITS, SMODE>(tot, B, L, xrow, has_row, kb, min(U, s1 - kb), xs, t4);
+        wo_mma_batch<BITS, SMODE>(tot, B, L, xrow, kb, min(U, s1 - kb), xs, t4);
         kb += U;
         if (kb >= s1) break;
     }
@@ -152,13 +152,13 @@ __device__ __forceinline__ void wo_stream_fixed(float (&tot)[4], WoBatch<BITS, S
         F.whole = true;  // no bounds check a code load
         if (L.has_o) {
             F.has_o = true;
-            wo_stream<BITS, SMODE, VECTOR>(tot, A, B, F, xrow, true, s0, s1, preloaded, xs, t4);
+            wo_stream<BITS, SMODE, VECTOR>(tot, A, B, F, xrow, s0, s1, preloaded, xs, t4);
         } else {
             F.has_o = false;
-            wo_stream<BITS, SMODE, VECTOR>(tot, A, B, F, xrow, true, s0, s1, preloaded, xs, t4);
+            wo_stream<BITS, SMODE, VECTOR>(tot, A, B, F, xrow, s0, s1, preloaded, xs, t4);
         }
     } else {
-        wo_stream<BITS, SMODE, VECTOR>(tot, A, B, L, xrow, true, s0, s1, preloaded, xs, t4);
+        wo_stream<BITS, SMODE, VECTOR>(tot, A, B, L, xrow, s0, s1, preloaded, xs, t4);
     }
 }
 
@@ -443,7 +443,7 @@ __device__ __forceinline__ void gemv_wo_body(const WoArgs& a) {
         if (w.active && w.s0 < w.s1) {
             if constexpr (RING) {
                 if (r > 0) wo_ring_fill<BITS, SMODE>(lane0, R, stage, L, w.s0, w.s1);
-                wo_ring_stream<BITS, SMODE>(acc, lane0, R, stage, L, xrow, true, w.s0, w.s1,
+                wo_ring_stream<BITS, SMODE>(acc, lane0, R, stage, L, xrow, w.s0, w.s1,
                                             sums, t4);
             } else {
                 wo_stream_fixed<BITS, SMODE, VECTOR>(acc, A, B, L, xrow, w.s0, w.s1, r == 0,

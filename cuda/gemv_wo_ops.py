@@ -227,10 +227,8 @@ class WoOps(WoGemmOps):
         k = x.shape[1]
         if x.dtype not in WO_ACT_DTYPES or wo_scale_mode(w.bits, k, w.group_size) is None:
             return 0
-        offs, budget = w.offsets is not None, self._wo_budget()
-        fits = [r for r in range(1, GEMV_MAX_TOKENS + 1)
-                if wo_smem_bytes(w.bits, k, w.group_size, r, offs) <= budget]  # fmt: skip
-        return max(fits, default=0)
+        per_row = wo_smem_bytes(w.bits, k, w.group_size, 1, w.offsets is not None)
+        return min(GEMV_MAX_TOKENS, self._wo_budget() // per_row)  # the staging is M x per_row
 
     def _wo_passes(self, x: torch.Tensor, w: PackedWeight, most: int) -> list[tuple[int, int]]:
         """Row ranges of x [M, K] (M > 0) for at most ``most`` gemv_wo.cu launches of as many

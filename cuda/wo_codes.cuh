@@ -120,7 +120,6 @@ __device__ __forceinline__ void wo_groups(const WoLane& L, int ks, int& ga, int&
 template <int BITS, int SMODE, bool VECTOR>
 __device__ __forceinline__ void wo_load_batch(WoBatch<BITS, SMODE>& B, const WoLane& L, int kb,
                                               int n) {
-    constexpr int KS = wo_ks<BITS>(), VB = wo_vb<BITS>();
 #pragma unroll
     for (int u = 0; u < wo_u<SMODE>(); ++u) {
         if (u < n) {
@@ -168,7 +167,7 @@ __device__ __forceinline__ void wo_prefetch_batch(const WoLane& L, int kb, int s
 template <int BITS, int SMODE>
 __device__ __forceinline__ void wo_kstep(float (&acc)[4], const v4u (&cv)[2],
                                          const WoScales<SMODE>& sc, const WoLane& L,
-                                         const unsigned char* xk, bool has_row) {
+                                         const unsigned char* xk) {
     const unsigned int cw[2][4] = {{cv[0].x, cv[0].y, cv[0].z, cv[0].w},
                                    {cv[1].x, cv[1].y, cv[1].z, cv[1].w}};
     if constexpr (BITS == 4) {
@@ -200,8 +199,7 @@ __device__ __forceinline__ void wo_kstep(float (&acc)[4], const v4u (&cv)[2],
                     for (int j = 0; j < 4; ++j) p[h][j] = wo_fma2(p[h][j], s2[h][w >> 1], o2[h][w >> 1]);
                 }
             }
-            v4u xv = v4u{0u, 0u, 0u, 0u};
-            if (has_row) xv = *reinterpret_cast<const v4u*>(xk + w * 64);
+            const v4u xv = *reinterpret_cast<const v4u*>(xk + w * 64);
             const unsigned int a0[4] = {p[0][0], p[1][0], p[0][1], p[1][1]};
             wo_mma(acc, a0, xv.x, xv.y);
             const unsigned int a1[4] = {p[0][2], p[1][2], p[0][3], p[1][3]};
@@ -218,8 +216,7 @@ __device__ __forceinline__ void wo_kstep(float (&acc)[4], const v4u (&cv)[2],
         }
 #pragma unroll
         for (int q = 0; q < 2; ++q) {
-            v4u xv = v4u{0u, 0u, 0u, 0u};
-            if (has_row) xv = *reinterpret_cast<const v4u*>(xk + q * 64);
+            const v4u xv = *reinterpret_cast<const v4u*>(xk + q * 64);
             const unsigned int xw[4] = {xv.x, xv.y, xv.z, xv.w};
 #pragma unroll
             for (int ww = 0; ww < 2; ++ww) {
@@ -270,12 +267,12 @@ struct WoSums {
 template <int BITS, int SMODE>
 __device__ __forceinline__ void wo_mma_kstep(float (&tot)[4], const v4u (&cv)[2],
                                              const WoScales<SMODE>& sc, const WoLane& L,
-                                             const unsigned char* xrow, bool has_row, int ks,
+                                             const unsigned char* xrow, int ks,
                                              const WoSums& xs, int t4) {
     const unsigned char* xk = xrow + ks * (wo_ks<BITS>() * 2);  // staged bytes per k-step
     if constexpr (SMODE == WO_KSTEP) {
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
-        wo_kstep<BITS, SMODE>(acc, cv, sc, L, xk, has_row);
+        wo_kstep<BITS, SMODE>(acc, cv, sc, L, xk);
         const float sg = wo_scale(sc.s[0][0], L.f32);
         const float s8 = wo_scale(sc.s[1][0], L.f32);
         tot[0] = fmaf(sg, acc[0], tot[0]);
@@ -298,6 +295,6 @@ __device__ __forceinline__ void wo_mma_kstep(float (&tot)[4], const v4u (&cv)[2]
             tot[3] = fmaf(o8, x1, tot[3]);
         }
     } else {
-        wo_kstep<BITS, SMODE>(tot, cv, sc, L, xk, has_row);
+        wo_kstep<BITS, SMODE>(tot, cv, sc, L, xk);
     }
 }

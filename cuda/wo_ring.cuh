@@ -206,7 +206,7 @@ __device__ __forceinline__ void wo_ring_fill(unsigned char* lane0, int R, int st
 template <int BITS, int SMODE>
 __device__ __forceinline__ void wo_ring_stream(float (&tot)[4], unsigned char* lane0, int R,
                                                int stage, const WoLane& L,
-                                               const unsigned char* xrow, bool has_row, int s0,
+                                               const unsigned char* xrow, int s0,
                                                int s1, const WoSums& xs, int t4) {
     int slot = 0;
     for (int ks = s0; ks < s1; ++ks) {
@@ -215,7 +215,7 @@ __device__ __forceinline__ void wo_ring_stream(float (&tot)[4], unsigned char* l
         v4u cv[2];
         WoScales<SMODE> sc;
         wo_ring_read<BITS, SMODE>(sp, L, ks, cv, sc);
-        wo_mma_kstep<BITS, SMODE>(tot, cv, sc, L, xrow, has_row, ks, xs, t4);
+        wo_mma_kstep<BITS, SMODE>(tot, cv, sc, L, xrow, ks, xs, t4);
         wo_consumed(tot);
         if (ks + R < s1) wo_ring_issue<BITS, SMODE>(sp, L, ks + R);
         wo_commit();
