@@ -116,9 +116,12 @@ def wo_rows(
     cycle: Callable[[list[Callable[[], Any]]], Callable[[], Any]],
     tokens: tuple[int, ...] = TOKENS,
     gemm_tokens: tuple[int, ...] = GEMM_TOKENS,
+    stage_sweep: dict[int, tuple[int, ...]] | None = None,
 ) -> None:
     """Append the rows of the module docstring; ``mem_row``, ``flops_row``, ``graph_ms``,
-    ``time_ms`` and ``cycle`` are llmc.cuda.bench's."""
+    ``time_ms`` and ``cycle`` are llmc.cuda.bench's; ``stage_sweep`` replaces
+    ``STAGE_SWEEP`` (``{}``: no ring rows, as scripts/wo_gemv_quick.py)."""
+    sweep = STAGE_SWEEP if stage_sweep is None else stage_sweep
     g = torch.Generator(device=DEV).manual_seed(7)
     labels: dict[str, tuple | None] = {**LAYOUTS, "bf16": None}
     for m in tokens:
@@ -140,7 +143,7 @@ def wo_rows(
                     mem_row(f"wo T={m} {label} {op} (no L2 prefetch)", f"{k}->{r}", nbytes, ms2,
                             None)  # fmt: skip
                 if layout is not None and hasattr(be, "wo_stages"):  # the ring's depth
-                    for st in STAGE_SWEEP.get(m, ()):
+                    for st in sweep.get(m, ()):
                         be.wo_stages = st
                         ms3 = graph_ms(
                             cycle([lambda w=w, fn=fn: fn(w) for w in copies]), len(copies)
