@@ -234,7 +234,7 @@ class WoOps(WoGemmOps):
         """Row ranges of x [M, K] (M > 0) for at most ``most`` gemv_wo.cu launches of as many
         rows as the staging budget allows; [] where that takes more (then: dequantize-then-cuBLAS).
         More than 8 rows, or 8 rows of a long K (down_proj's 14,336 columns: 229 KB of staging
-        at 8 rows against a 219 KB budget), need more than one launch: each reads the weight
+        at 8 rows against a 195 KB budget), need more than one launch: each reads the weight
         again, still fewer bytes than dequantizing it (docs/PERFORMANCE.md, 2026-12-03)."""
         m, fit = x.shape[0], self._wo_fit_rows(x, w)
         if fit == 0 or -(-m // fit) > most:
