@@ -1,8 +1,8 @@
 """Where the large-step weight-only linear spends its time (dequantize-then-cuBLAS, the
 default plan): for the four Llama-3-8B projections, int4 g128 and int8 weights and M token
-rows, the whole ``CudaBackend.linear`` beside torch.mm on the bf16 weight of the same
+rows, the whole ``CudaBackend.linear`` (launched eagerly and replayed from a CUDA graph) beside torch.mm on the bf16 weight of the same
 shape, and the dequantize kernel alone (every chunk of the weight into one chunk-sized
-buffer: the kernel's share of the linear), with the dequantize kernel's output rate in
+buffer: the kernel's share of the linear; CUDA-graph replays, no launch cost), with the dequantize kernel's output rate in
 GB/s against the copy rate of the same run. GPU only; run from outside the checkout:
 
     python3 $REPO/scripts/wo_gemm_quick.py out.json [M ...]
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from llmc.cuda.bench import ceilings, time_ms
+from llmc.cuda.bench import ceilings, graph_ms, time_ms
 from llmc.cuda.bench_gemv8 import SHAPES
 from llmc.cuda.bench_wo import LAYOUTS, random_packed
 from llmc.cuda.cuda_backend import CudaBackend
@@ -44,7 +44,7 @@ def main(path: str, tokens: tuple[int, ...]) -> None:
         for name, w in packs.items():
             buf = torch.empty(chunk, k, device=DEV, dtype=torch.bfloat16)
 
-            ms = time_ms(lambda w=w, buf=buf: _dequantize(be, w, buf), repeats=10)
+            ms = graph_ms(lambda w=w, buf=buf: _dequantize(be, w, buf), 3)
             rate = 2 * n * k / ms / 1e6
             rows.append(dict(op=op, layout=name, what="dequantize kernel", us=round(ms * 1e3, 1),
                              out_GBps=round(rate), copy_frac=round(rate / bw, 3)))  # fmt: skip
@@ -56,10 +56,11 @@ def main(path: str, tokens: tuple[int, ...]) -> None:
             rows.append(dict(op=op, m=m, layout="bf16", what="torch.mm", us=round(ref * 1e3, 1)))
             print(rows[-1], flush=True)
             for name, w in packs.items():
-                ms = time_ms(lambda x=x, out=out, w=w: be.linear(x, w, out=out), repeats=10)
-                rows.append(dict(op=op, m=m, layout=name, what="linear", us=round(ms * 1e3, 1),
-                                 of_bf16=round(ref / ms, 3)))  # fmt: skip
-                print(rows[-1], flush=True)
+                fn = lambda x=x, out=out, w=w: be.linear(x, w, out=out)  # noqa: E731
+                for how, ms in (("eager", time_ms(fn, repeats=10)), ("graph", graph_ms(fn, 3))):
+                    rows.append(dict(op=op, m=m, layout=name, what=f"linear {how}",
+                                     us=round(ms * 1e3, 1), of_bf16=round(ref / ms, 3)))  # fmt: skip
+                    print(rows[-1], flush=True)
         del dense, packs
     with open(path, "w") as f:
         json.dump({"copy_GBps": bw, "rows": rows}, f, indent=1)
