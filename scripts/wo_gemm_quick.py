@@ -1,9 +1,10 @@
 """Where the large-step weight-only linear spends its time (dequantize-then-cuBLAS, the
 default plan): for the four Llama-3-8B projections, int4 g128 and int8 weights and M token
-rows, the whole ``CudaBackend.linear`` (launched eagerly and replayed from a CUDA graph) beside torch.mm on the bf16 weight of the same
-shape, and the dequantize kernel alone (every chunk of the weight into one chunk-sized
-buffer: the kernel's share of the linear; CUDA-graph replays, no launch cost), with the dequantize kernel's output rate in
-GB/s against the copy rate of the same run. GPU only; run from outside the checkout:
+rows, the whole ``CudaBackend.linear`` (launched eagerly and replayed from a CUDA graph)
+beside torch.mm on the bf16 weight of the same shape, and the dequantize kernel alone
+(every chunk of the weight into one chunk-sized buffer, as linear does; graph replays, no
+launch cost) with its output rate in GB/s against the copy rate of the same run. GPU
+only; run from outside the checkout:
 
     python3 $REPO/scripts/wo_gemm_quick.py out.json [M ...]
 """
@@ -58,8 +59,16 @@ def main(path: str, tokens: tuple[int, ...]) -> None:
             for name, w in packs.items():
                 fn = lambda x=x, out=out, w=w: be.linear(x, w, out=out)  # noqa: E731
                 for how, ms in (("eager", time_ms(fn, repeats=10)), ("graph", graph_ms(fn, 3))):
-                    rows.append(dict(op=op, m=m, layout=name, what=f"linear {how}",
-                                     us=round(ms * 1e3, 1), of_bf16=round(ref / ms, 3)))  # fmt: skip
+                    rows.append(
+                        dict(
+                            op=op,
+                            m=m,
+                            layout=name,
+                            what=f"linear {how}",
+                            us=round(ms * 1e3, 1),
+                            of_bf16=round(ref / ms, 3),
+                        )
+                    )
                     print(rows[-1], flush=True)
         del dense, packs
     with open(path, "w") as f:
