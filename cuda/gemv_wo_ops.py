@@ -16,10 +16,10 @@ on to the BF16 kernels), ``linear`` and ``embedding`` (CudaBackend's own, which 
   gemm_wo_sm90.cu (wgmma), codes dequantized into shared memory ahead of tensor-core MMAs
   (llmc.cuda.gemm_wo_ops: the plans and their table);
 - anything else (T > 8, float32 activations, a staging that exceeds the shared-memory
-  budget, a group size that is not a multiple of 16): dequantize-then-cuBLAS, the weight
-  dequantized (wo_dequant.cu, bit-exact, rounded once into the activation dtype) in row
-  chunks of at most ``WO_CHUNK_BYTES`` into a temporary, each chunk one torch.mm into its
-  columns of ``out``; the fused ops then run their unfused sequences (rms_norm, linear,
+  budget, a group size that is not a multiple of 16): dequantize-then-cuBLAS
+  (llmc.cuda.wo_dequant_ops: wo_dequant.cu, bit-exact, rounded once into the activation
+  dtype, in row chunks on a side stream, each chunk one torch.mm into its columns of
+  ``out``); the fused ops then run their unfused sequences (rms_norm, linear,
   silu_and_mul / add), which compute the same values.
 - ``embedding``: wo_dequant.cu's row gather, rows dequantized into ``out``'s dtype.
 
@@ -43,34 +43,15 @@ from llmc.cuda.launch_args import i32 as _i
 from llmc.cuda.launch_args import need as _need
 from llmc.cuda.launch_args import ptr as _p
 from llmc.cuda.reference_wo import PackedWeight
+from llmc.cuda.wo_dequant_ops import WoDequantOps, wo_scale_flags
 
 WO_ACT_DTYPES = (torch.float16, torch.bfloat16)  # gemv_wo.cu: 16-bit mma operands
-# Dequantized weight rows per cuBLAS call: a bounded temporary (the memory plan does not
-# count it), small enough that the chunk the dequantize kernel writes is still in L2 (50 MB)
-# when the GEMM reads it (not yet measured: the bench's ``wo linear`` rows).
-WO_CHUNK_BYTES = 24 << 20
-# Chunk rows are a multiple of this: each chunk's torch.mm writes the columns out[:, n0:n1],
-# whose base must stay 16-byte aligned (and n1 - n0 a multiple of cuBLAS's tiles) or cuBLAS
-# falls back to its unaligned kernels. Before, the chunk was 24 MB // (2 K) rows: 877 for
-# down_proj (K = 14336), so every chunk after the first wrote from a 2-byte-aligned base
-# (n0 = 877, 1754, ...): 13 % of bf16 cuBLAS on the H200 at M = 8192, against 88 % for
-# gate_up, whose K = 4096 gives 3072-row chunks.
-WO_CHUNK_ALIGN = 128
 WO_SMEM_MARGIN = 1024  # gemv_wo.cu's static shared memory (8.7 KB) is ~0.5 KB above gemv.cu's
-WO_ROWS_THREADS = 256  # wo_rows_kernel block
 WO_WARPS = 16  # gemv_wo.cu: 512 threads
 WO_STAGES_SHIFT = 8  # wo_ring.cuh: flags >> 8 = the ring's stages
 WO_MAX_STAGES = 16
 _MODES = ("norm", "norm_silu", "add", "linear")
 _NULL = np.uint64(0)
-
-
-def wo_chunk_rows(n: int, k: int, elem: int) -> int:
-    """Weight rows per dequantize-then-cuBLAS chunk: the rows of ``WO_CHUNK_BYTES`` split
-    evenly over the chunks they need, rounded up to ``WO_CHUNK_ALIGN`` (see there)."""
-    chunks = max(1, -(-n * k * elem // WO_CHUNK_BYTES))
-    rows = -(-n // chunks)
-    return min(n, -(-rows // WO_CHUNK_ALIGN) * WO_CHUNK_ALIGN)
 
 
 def wo_kstep_cols(bits: int) -> int:
@@ -181,11 +162,7 @@ def check_packed(op: str, w: Any, k: int | None = None) -> tuple[int, int]:
     return n, wk
 
 
-def _scale_flags(w: PackedWeight) -> int:
-    return 1 if w.scales.dtype == torch.float32 else 0
-
-
-class WoOps(WoGemmOps):
+class WoOps(WoGemmOps, WoDequantOps):
     """The weight-only ops (mixin; see the module docstring for what it needs).
 
     ``wo_gemv_passes`` (most passes for 4-bit, 8-bit codes): ``linear`` with T > 8 rows runs
@@ -268,7 +245,7 @@ class WoOps(WoGemmOps):
             kern = self._lib(x.dtype).get("gemv_wo", name)
             kern.max_dynamic_shared_size_bytes = self._wo_budget()
             self._gemv_kernels[(x.dtype, name)] = kern
-        flags = _scale_flags(w) | (2 if out.dtype == torch.float32 else 0)
+        flags = wo_scale_flags(w) | (2 if out.dtype == torch.float32 else 0)
         flags |= 4 if wo_prefetches(w.bits, smode, self.wo_prefetch) else 0
         flags |= stages << WO_STAGES_SHIFT
         args = (
@@ -280,28 +257,6 @@ class WoOps(WoGemmOps):
         )  # fmt: skip
         grid = max(1, min(self._sm_count, wo_tiles(mode, n_out)))
         self._launch(kern, (grid,), (GEMV_THREADS,), args, shared_mem=smem)
-
-    def _wo_rows(
-        self, w: PackedWeight, ids: torch.Tensor | None, n0: int, t: int, out: torch.Tensor
-    ) -> None:
-        """out[i] = dequantize(row ids[i]) (ids None: row n0 + i), i < t, in out's dtype."""
-        n, k = w.shape
-        g = w.scales.shape[1]
-        codes = w.codes[n0:] if ids is None else w.codes
-        scales = w.scales[n0:] if ids is None else w.scales
-        offsets = None if w.offsets is None else (w.offsets[n0:] if ids is None else w.offsets)
-        vec = k % 8 == 0 and w.group_size % 8 == 0 and out.data_ptr() % 16 == 0
-        vec = vec and codes.data_ptr() % 8 == 0
-        per = 8 if vec else 1
-        kern = self._lib(out.dtype).get("wo_dequant", "wo_rows_kernel")
-        args = (
-            _p(ids) if ids is not None else _NULL, _p(codes), _p(scales),
-            _p(offsets) if offsets is not None else _NULL, _p(out), _i(t), _i(k),
-            np.int64(n if ids is not None else n - n0), _i(w.bits), _i(w.code_zero),
-            _i(w.group_size), _i(g), _i(_scale_flags(w)), _i(vec),
-        )  # fmt: skip
-        grid = (math.ceil(k / (per * WO_ROWS_THREADS)), min(t, 65535))
-        self._launch(kern, grid, (WO_ROWS_THREADS,), args)
 
     # ---- ops -----------------------------------------------------------------------------
     def linear_wo(
@@ -337,19 +292,7 @@ class WoOps(WoGemmOps):
         if plan != "dequant":
             self._wo_gemm(plan, x, weight, bias, out)
             return out
-        rows = wo_chunk_rows(n, k, x.element_size())
-        for n0 in range(0, n, rows):
-            n1 = min(n, n0 + rows)
-            wd = torch.empty(n1 - n0, k, dtype=x.dtype, device=self.device)
-            self._wo_rows(weight, None, n0, n1 - n0, wd)
-            b = None if bias is None else bias[n0:n1]
-            dst = out if n1 - n0 == n else out[:, n0:n1]
-            if out.dtype != x.dtype:
-                dst.copy_(torch.nn.functional.linear(x, wd, b))
-            elif b is None:
-                torch.mm(x, wd.t(), out=dst)
-            else:
-                torch.addmm(b, x, wd.t(), out=dst)
+        self._wo_dequant_mm(x, weight, bias, out)  # llmc.cuda.wo_dequant_ops
         return out
 
     def embedding_wo(

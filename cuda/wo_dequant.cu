@@ -57,3 +57,47 @@ extern "C" __global__ void wo_rows_kernel(const long long* __restrict__ ids,
         }
     }
 }
+
+// wo_dequant_kernel: the dequantize use alone, at the memory rate: out[t, :] = dequantize(
+// row t), t < T, for the vector case (K % 8 == 0, gs % 8 == 0, out 16-byte aligned, codes
+// 8-byte aligned). The T x K / 8 units of 8 columns are one flat index (t = u / (K / 8));
+// each thread loads WOD_UNITS units (their codes, scale and offset) before it converts and
+// stores any, so WOD_UNITS loads a thread are in flight, and a warp's j-th units are 32
+// consecutive ones (coalesced loads and 512-byte stores). Grid-stride: grid (min(
+// ceil(units / (256 * WOD_UNITS)), 8 x SMs)), block 256. units < 2^31 (the caller checks).
+#define WOD_UNITS 4
+extern "C" __global__ void wo_dequant_kernel(const unsigned char* __restrict__ codes,
+                                             const void* __restrict__ scales,
+                                             const void* __restrict__ offsets,
+                                             scalar_t* __restrict__ out, int T, int K, int bits,
+                                             int code_zero, int gs, int G, int flags) {
+    const bool f32 = (flags & 1) != 0;
+    const unsigned int per_row = (unsigned int)K / 8u;
+    const unsigned int units = (unsigned int)T * per_row;
+    const long long rowbytes = bits == 4 ? K / 2 : K;
+    const unsigned int step = gridDim.x * blockDim.x * WOD_UNITS;
+    for (unsigned int base = blockIdx.x * blockDim.x * WOD_UNITS + threadIdx.x; base < units;
+         base += step) {
+        unsigned int q[WOD_UNITS][8];
+        float s[WOD_UNITS], o[WOD_UNITS];
+#pragma unroll
+        for (int j = 0; j < WOD_UNITS; ++j) {
+            const unsigned int u = base + j * blockDim.x;
+            if (u >= units) continue;
+            const unsigned int t = u / per_row;
+            const int c0 = 8 * (int)(u - t * per_row);
+            const long long sg = (long long)t * G + c0 / gs;
+            wod_codes8(codes + t * rowbytes, c0, bits, q[j]);
+            s[j] = wod_scale(scales, sg, f32);
+            o[j] = offsets != nullptr ? wod_scale(offsets, sg, f32) : 0.f;
+        }
+#pragma unroll
+        for (int j = 0; j < WOD_UNITS; ++j) {
+            const unsigned int u = base + j * blockDim.x;
+            if (u >= units) continue;
+            float f[8];
+            wod_values8(q[j], s[j], o[j], offsets != nullptr, code_zero, f);
+            store_vec<8>(out + (long long)u * 8, f);
+        }
+    }
+}

@@ -21,7 +21,7 @@ from llmc.cuda.bench import ceilings, graph_ms, time_ms
 from llmc.cuda.bench_gemv8 import SHAPES
 from llmc.cuda.bench_wo import LAYOUTS, random_packed
 from llmc.cuda.cuda_backend import CudaBackend
-from llmc.cuda.gemv_wo_ops import wo_chunk_rows
+from llmc.cuda.wo_dequant_ops import wo_chunk_rows
 
 DEV = torch.device("cuda")
 

@@ -22,7 +22,7 @@ from llmc.cuda.gemm_wo_ops import (
     wo_gemm_plan,
     wo_gemm_planned,
 )
-from llmc.cuda.gemv_wo_ops import WO_CHUNK_BYTES, wo_chunk_rows
+from llmc.cuda.wo_dequant_ops import WO_CHUNK_BYTES, wo_chunk_rows
 
 
 def test_plan_picks_each_tile():

@@ -17,6 +17,7 @@ from helpers.gemv_launch import NP_TYPE, aligned, recording_backend
 from helpers.packed_weights import random_packed
 from llmc.base.errors import UnsupportedError
 from llmc.cuda import gemv_wo_ops as wo
+from llmc.cuda import wo_dequant_ops as wod
 from llmc.cuda.build import families_for
 from llmc.cuda.gemv_ops import GEMV_THREADS
 from llmc.cuda.kernels import CUDA_DIR, FAMILIES, WO_QUANTIZATIONS, KernelConfig
@@ -30,6 +31,7 @@ def _signature(file: str, pattern: str) -> list[str]:
 
 GEMV_SIG = _signature("gemv_wo.cu", r"\) NAME\((.*?)\) \{")
 ROWS_SIG = _signature("wo_dequant.cu", r"void wo_rows_kernel\((.*?)\) \{")
+DEQ_SIG = _signature("wo_dequant.cu", r"void wo_dequant_kernel\((.*?)\) \{")
 
 
 def check(launch: tuple, types: list[str]) -> tuple:
@@ -200,7 +202,7 @@ def test_fused_op_in_two_passes_past_the_staging_budget(be):
 def test_fallbacks_dequantize_then_mm(be):
     """Past the staging budget in the passes 8-bit codes take (down of a 70B shape at M = 8:
     K = 28,672, 3 rows a launch, 2 launches at most), float32 activations, more rows than the
-    gemv passes take (int4: 32, int8: 16), a group size no kernel serves: wo_rows_kernel
+    gemv passes take (int4: 32, int8: 16), a group size no kernel serves: wo_dequant_kernel
     into a temporary, then torch.mm."""
     k, n = 28672, 64
     w = random_packed(n, k, 8, k, offsets=False, code_zero=128)
@@ -209,9 +211,9 @@ def test_fallbacks_dequantize_then_mm(be):
     x = torch.zeros(8, k, dtype=torch.bfloat16)
     res = torch.zeros(8, n, dtype=torch.bfloat16)
     be.linear_residual_add(x, w, res)
-    kern, grid, block, args, _ = check(be.launches[-1], ROWS_SIG)
-    assert kern.family == "wo_dequant" and args[5:8] == (n, k, n) and grid == (14, n)
-    assert block == (wo.WO_ROWS_THREADS,) and args[-1] == 1  # vector path
+    kern, grid, block, args, _ = check(be.launches[-1], DEQ_SIG)
+    assert kern.name == "wo_dequant_kernel" and args[4:6] == (n, k)
+    assert grid == (wod.wo_dequant_grid(n, k, be._sm_count),) and block == (wod.WO_ROWS_THREADS,)
     for xx, ww in (
         (torch.zeros(2, 256), random_packed(n, 256, 8, 256, offsets=False)),  # float32
         (torch.zeros(33, 256, dtype=torch.bfloat16), random_packed(n, 256, 4, 128, offsets=True)),
@@ -225,15 +227,16 @@ def test_fallbacks_dequantize_then_mm(be):
 
 
 def test_linear_chunks_large_weights(be, monkeypatch):
-    monkeypatch.setattr(wo, "WO_CHUNK_BYTES", 64 * 256 * 2)  # 64 rows of K 256 per chunk
-    monkeypatch.setattr(wo, "WO_CHUNK_ALIGN", 32)  # 3 chunks of 50 -> 64 rows
+    monkeypatch.setattr(wod, "WO_CHUNK_BYTES", 64 * 256 * 2)  # 64 rows of K 256 per chunk
+    monkeypatch.setattr(wod, "WO_CHUNK_ALIGN", 32)  # 3 chunks of 50 -> 64 rows
     w = random_packed(150, 256, 4, 128, offsets=True)
     out = be.linear(
         torch.zeros(40, 256, dtype=torch.bfloat16), w, torch.zeros(150, dtype=torch.bfloat16)
     )
     rows = [lk for lk in be.launches if lk[0].family == "wo_dequant"]
-    assert [lk[3][5] for lk in rows] == [64, 64, 22] and out.shape == (40, 150)
-    assert [int(lk[3][1]) - int(rows[0][3][1]) for lk in rows] == [0, 64 * 128, 128 * 128]
+    assert [lk[0].name for lk in rows] == ["wo_dequant_kernel"] * 3
+    assert [lk[3][4] for lk in rows] == [64, 64, 22] and out.shape == (40, 150)
+    assert [int(lk[3][0]) - int(rows[0][3][0]) for lk in rows] == [0, 64 * 128, 128 * 128]
 
 
 def test_linear_gemv_passes_of_eight_rows(ring):

@@ -1,0 +1,155 @@
+"""Dequantize-then-cuBLAS and the row gather of the weight-only ops (cuda/wo_dequant.cu).
+
+``_wo_dequant_mm(x, w, bias, out)``: out = x @ dequantize(w).T (+ bias) for the steps the
+GEMV kernels and the tiled GEMMs do not take (llmc.cuda.gemv_wo_ops). The 16-bit weight is
+never whole in memory: row chunks of at most ``WO_CHUNK_BYTES`` (``wo_chunk_rows``) are
+dequantized into one of two chunk buffers on a side stream while torch.mm of the previous
+chunk runs on the caller's stream — the dequantization (memory-bound) fills the SMs a
+chunk's GEMM (compute-bound, a 3,072-row chunk at M = 512 is 48 cuBLAS tiles on 132 SMs)
+leaves idle. The order is kept by events: chunk i's dequantization waits for chunk i - 2's
+GEMM (its buffer), chunk i's GEMM for its dequantization; the side stream first waits for
+the caller's stream and the caller's stream has waited for every side-stream kernel when the
+call returns, so the buffers (allocated on the caller's stream) are free for its next work
+and CUDA-graph capture sees one fork-join per chunk.
+
+The kernels: ``wo_dequant_kernel`` (the vector case: K % 8 == 0, group size % 8 == 0,
+aligned buffers; several 8-column units a thread, grid-stride) and ``wo_rows_kernel`` (the
+row gather: embedding, and any other case). Both are bit-exact to
+``PackedWeight.dequantize`` rounded once into the activation dtype.
+
+``WoDequantOps`` is a mixin: the class using it provides ``device``, ``_lib(dtype)``,
+``_launch`` and ``_sm_count`` (CudaBackend does).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from llmc.cuda.launch_args import i32 as _i
+from llmc.cuda.launch_args import ptr as _p
+from llmc.cuda.reference_wo import PackedWeight
+
+# Dequantized weight rows per cuBLAS call: a bounded temporary (two of them; the memory plan
+# does not count them), small enough that the chunk the dequantize kernel writes is still in
+# L2 (50 MB) when the GEMM reads it.
+WO_CHUNK_BYTES = 24 << 20
+# Chunk rows are a multiple of this: each chunk's torch.mm writes the columns out[:, n0:n1],
+# whose base must stay 16-byte aligned (and n1 - n0 a multiple of cuBLAS's tiles) or cuBLAS
+# falls back to its unaligned kernels. Before, the chunk was 24 MB // (2 K) rows: 877 for
+# down_proj (K = 14336), so every chunk after the first wrote from a 2-byte-aligned base
+# (n0 = 877, 1754, ...): 13 % of bf16 cuBLAS on the H200 at M = 8192, against 88 % for
+# gate_up, whose K = 4096 gives 3072-row chunks.
+WO_CHUNK_ALIGN = 128
+WO_ROWS_THREADS = 256  # block of both kernels
+WOD_UNITS = 4  # wo_dequant.cu: 8-column units a thread per grid-stride round
+WOD_BLOCKS_PER_SM = 8  # wo_dequant_kernel's grid: at most this many blocks a SM
+_NULL = np.uint64(0)
+
+
+def wo_chunk_rows(n: int, k: int, elem: int) -> int:
+    """Weight rows per dequantize-then-cuBLAS chunk: the rows of ``WO_CHUNK_BYTES`` split
+    evenly over the chunks they need, rounded up to ``WO_CHUNK_ALIGN`` (see there)."""
+    chunks = max(1, -(-n * k * elem // WO_CHUNK_BYTES))
+    rows = -(-n // chunks)
+    return min(n, -(-rows // WO_CHUNK_ALIGN) * WO_CHUNK_ALIGN)
+
+
+def wo_dequant_grid(t: int, k: int, sms: int) -> int:
+    """Blocks of a wo_dequant_kernel launch for t rows of k columns."""
+    units = t * (k // 8)
+    return max(1, min(math.ceil(units / (WO_ROWS_THREADS * WOD_UNITS)), WOD_BLOCKS_PER_SM * sms))
+
+
+def wo_scale_flags(w: PackedWeight) -> int:
+    """The kernels' scale flag: 1 for float32 scales / offsets, 0 for float16."""
+    return 1 if w.scales.dtype == torch.float32 else 0
+
+
+class WoDequantOps:
+    """Dequantize-then-cuBLAS and the row gather (mixin; see the module docstring)."""
+
+    device: torch.device
+    _sm_count: int
+    _lib: Any
+    _launch: Any
+
+    def _wo_side_stream(self) -> torch.cuda.Stream:
+        side = getattr(self, "_wo_side", None)
+        if side is None:
+            side = self._wo_side = torch.cuda.Stream(self.device)
+        return side
+
+    def _wo_rows(
+        self, w: PackedWeight, ids: torch.Tensor | None, n0: int, t: int, out: torch.Tensor
+    ) -> None:
+        """out[i] = dequantize(row ids[i]) (ids None: row n0 + i), i < t, in out's dtype."""
+        n, k = w.shape
+        g = w.scales.shape[1]
+        codes = w.codes[n0:] if ids is None else w.codes
+        scales = w.scales[n0:] if ids is None else w.scales
+        offsets = None if w.offsets is None else (w.offsets[n0:] if ids is None else w.offsets)
+        vec = k % 8 == 0 and w.group_size % 8 == 0 and out.data_ptr() % 16 == 0
+        vec = vec and codes.data_ptr() % 8 == 0
+        lib = self._lib(out.dtype)
+        offs = _p(offsets) if offsets is not None else _NULL
+        if ids is None and vec and t * (k // 8) < 2**31:  # the flat kernel's unit index
+            kern = lib.get("wo_dequant", "wo_dequant_kernel")
+            args = (
+                _p(codes), _p(scales), offs, _p(out), _i(t), _i(k), _i(w.bits),
+                _i(w.code_zero), _i(w.group_size), _i(g), _i(wo_scale_flags(w)),
+            )  # fmt: skip
+            grid = (wo_dequant_grid(t, k, self._sm_count),)
+            self._launch(kern, grid, (WO_ROWS_THREADS,), args)
+            return
+        per = 8 if vec else 1
+        kern = lib.get("wo_dequant", "wo_rows_kernel")
+        args = (
+            _p(ids) if ids is not None else _NULL, _p(codes), _p(scales), offs, _p(out),
+            _i(t), _i(k), np.int64(n if ids is not None else n - n0), _i(w.bits),
+            _i(w.code_zero), _i(w.group_size), _i(g), _i(wo_scale_flags(w)), _i(vec),
+        )  # fmt: skip
+        grid = (math.ceil(k / (per * WO_ROWS_THREADS)), min(t, 65535))
+        self._launch(kern, grid, (WO_ROWS_THREADS,), args)
+
+    def _wo_dequant_mm(
+        self, x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, out: torch.Tensor
+    ) -> None:
+        """out = x @ dequantize(w).T (+ bias), chunk by chunk (the module docstring)."""
+        n, k = w.shape
+        rows = wo_chunk_rows(n, k, x.element_size())
+        starts = list(range(0, n, rows))
+        overlap = len(starts) > 1 and x.is_cuda
+        bufs = [torch.empty(rows, k, dtype=x.dtype, device=self.device)]
+        if overlap:
+            bufs.append(torch.empty(rows, k, dtype=x.dtype, device=self.device))
+            main, side = torch.cuda.current_stream(self.device), self._wo_side_stream()
+            side.wait_stream(main)
+            done: list[torch.cuda.Event] = []
+        for i, n0 in enumerate(starts):
+            n1 = min(n, n0 + rows)
+            wd = bufs[i % len(bufs)][: n1 - n0]
+            if overlap:
+                with torch.cuda.stream(side):
+                    if i >= 2:
+                        side.wait_event(done[i - 2])
+                    self._wo_rows(w, None, n0, n1 - n0, wd)
+                    ready = torch.cuda.Event()
+                    ready.record(side)
+                main.wait_event(ready)
+            else:
+                self._wo_rows(w, None, n0, n1 - n0, wd)
+            b = None if bias is None else bias[n0:n1]
+            dst = out if n1 - n0 == n else out[:, n0:n1]
+            if out.dtype != x.dtype:
+                dst.copy_(torch.nn.functional.linear(x, wd, b))
+            elif b is None:
+                torch.mm(x, wd.t(), out=dst)
+            else:
+                torch.addmm(b, x, wd.t(), out=dst)
+            if overlap:
+                done.append(torch.cuda.Event())
+                done[-1].record(main)
