@@ -70,8 +70,11 @@ def wo_scale_flags(w: PackedWeight) -> int:
 
 
 class WoDequantOps:
-    """Dequantize-then-cuBLAS and the row gather (mixin; see the module docstring)."""
+    """Dequantize-then-cuBLAS and the row gather (mixin; see the module docstring).
+    ``wo_dequant_overlap`` False: every chunk on the caller's stream, one buffer (the
+    bench's comparison)."""
 
+    wo_dequant_overlap: bool = True
     device: torch.device
     _sm_count: int
     _lib: Any
@@ -122,7 +125,7 @@ class WoDequantOps:
         n, k = w.shape
         rows = wo_chunk_rows(n, k, x.element_size())
         starts = list(range(0, n, rows))
-        overlap = len(starts) > 1 and x.is_cuda
+        overlap = self.wo_dequant_overlap and len(starts) > 1 and x.is_cuda
         bufs = [torch.empty(rows, k, dtype=x.dtype, device=self.device)]
         if overlap:
             bufs.append(torch.empty(rows, k, dtype=x.dtype, device=self.device))

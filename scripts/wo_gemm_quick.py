@@ -1,6 +1,7 @@
 """Where the large-step weight-only linear spends its time (dequantize-then-cuBLAS, the
 default plan): for the four Llama-3-8B projections, int4 g128 and int8 weights and M token
-rows, the whole ``CudaBackend.linear`` (launched eagerly and replayed from a CUDA graph)
+rows, the whole ``CudaBackend.linear`` (launched eagerly and replayed from a CUDA graph, with and without the side-stream
+overlap)
 beside torch.mm on the bf16 weight of the same shape, and the dequantize kernel alone
 (every chunk of the weight into one chunk-sized buffer, as linear does; graph replays, no
 launch cost) with its output rate in GB/s against the copy rate of the same run. GPU
@@ -58,7 +59,11 @@ def main(path: str, tokens: tuple[int, ...]) -> None:
             print(rows[-1], flush=True)
             for name, w in packs.items():
                 fn = lambda x=x, out=out, w=w: be.linear(x, w, out=out)  # noqa: E731
-                for how, ms in (("eager", time_ms(fn, repeats=10)), ("graph", graph_ms(fn, 3))):
+                eager, graph = time_ms(fn, repeats=10), graph_ms(fn, 3)
+                be.wo_dequant_overlap = False
+                serial = graph_ms(fn, 3)
+                del be.wo_dequant_overlap  # back to the class default
+                for how, ms in (("eager", eager), ("graph", graph), ("graph, no overlap", serial)):
                     rows.append(
                         dict(
                             op=op,
