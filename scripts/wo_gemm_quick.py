@@ -1,8 +1,8 @@
 """Where the large-step weight-only linear spends its time (dequantize-then-cuBLAS, the
 default plan): for the four Llama-3-8B projections, int4 g128 and int8 weights and M token
-rows, the whole ``CudaBackend.linear`` (launched eagerly and replayed from a CUDA graph, with and without the side-stream
-overlap)
-beside torch.mm on the bf16 weight of the same shape, and the dequantize kernel alone
+rows, the whole ``CudaBackend.linear`` (launched eagerly, and replayed from a CUDA graph
+with and without the side-stream overlap) beside torch.mm on the bf16 weight of the same
+shape, and the dequantize kernel alone
 (every chunk of the weight into one chunk-sized buffer, as linear does; graph replays, no
 launch cost) with its output rate in GB/s against the copy rate of the same run. GPU
 only; run from outside the checkout:
