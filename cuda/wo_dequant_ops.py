@@ -50,10 +50,11 @@ WOD_BLOCKS_PER_SM = 8  # wo_dequant_kernel's grid: at most this many blocks a SM
 _NULL = np.uint64(0)
 
 
-def wo_chunk_rows(n: int, k: int, elem: int) -> int:
-    """Weight rows per dequantize-then-cuBLAS chunk: the rows of ``WO_CHUNK_BYTES`` split
-    evenly over the chunks they need, rounded up to ``WO_CHUNK_ALIGN`` (see there)."""
-    chunks = max(1, -(-n * k * elem // WO_CHUNK_BYTES))
+def wo_chunk_rows(n: int, k: int, elem: int, chunk_bytes: int | None = None) -> int:
+    """Weight rows per dequantize-then-cuBLAS chunk: the rows of ``chunk_bytes`` (default
+    ``WO_CHUNK_BYTES``) split evenly over the chunks they need, rounded up to
+    ``WO_CHUNK_ALIGN`` (see there)."""
+    chunks = max(1, -(-n * k * elem // (chunk_bytes or WO_CHUNK_BYTES)))
     rows = -(-n // chunks)
     return min(n, -(-rows // WO_CHUNK_ALIGN) * WO_CHUNK_ALIGN)
 
@@ -71,10 +72,11 @@ def wo_scale_flags(w: PackedWeight) -> int:
 
 class WoDequantOps:
     """Dequantize-then-cuBLAS and the row gather (mixin; see the module docstring).
-    ``wo_dequant_overlap`` False: every chunk on the caller's stream, one buffer (the
-    bench's comparison)."""
+    ``wo_dequant_overlap`` False: every chunk on the caller's stream, one buffer;
+    ``wo_chunk_bytes``: the chunk's bytes (the bench's comparisons)."""
 
     wo_dequant_overlap: bool = True
+    wo_chunk_bytes: int | None = None  # None: WO_CHUNK_BYTES
     device: torch.device
     _sm_count: int
     _lib: Any
@@ -123,7 +125,7 @@ class WoDequantOps:
     ) -> None:
         """out = x @ dequantize(w).T (+ bias), chunk by chunk (the module docstring)."""
         n, k = w.shape
-        rows = wo_chunk_rows(n, k, x.element_size())
+        rows = wo_chunk_rows(n, k, x.element_size(), self.wo_chunk_bytes)
         starts = list(range(0, n, rows))
         overlap = self.wo_dequant_overlap and len(starts) > 1 and x.is_cuda
         bufs = [torch.empty(rows, k, dtype=x.dtype, device=self.device)]
