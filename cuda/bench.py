@@ -108,8 +108,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return _result(ceil, rows)
     if args.only in ("gemvwo", "gemmwo"):  # the weight-only rows alone (llmc.cuda.bench_wo)
         if args.only == "gemvwo":
-            wo_rows(be, rows, mem_row, flops_row, graph_ms, time_ms, _cycle)
-        wo_gemm_rows(be, flops_row, time_ms)
+            wo_rows(be, rows, mem_row, flops_row, graph_ms, _cycle)
+        wo_gemm_rows(be, flops_row, graph_ms)
         return _result(ceil, rows)
 
     # RMSNorm / fused add + RMSNorm: 16384 x 4096 bf16 (128 MiB per tensor)
@@ -164,8 +164,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     decode_short(be, rows, mem_row)
     fused_gemv(be, rows, mem_row)
     fp8_gemv(be, rows, mem_row, graph_ms, _cycle)
-    wo_rows(be, rows, mem_row, flops_row, graph_ms, time_ms, _cycle)
-    wo_gemm_rows(be, flops_row, time_ms)
+    wo_rows(be, rows, mem_row, flops_row, graph_ms, _cycle)
+    wo_gemm_rows(be, flops_row, graph_ms)
 
     # Prefill attention: sm90 and mma.sync kernels, bf16 / fp8 KV, beside torch SDPA
     from llmc.cuda.bench_prefill import prefill_rows

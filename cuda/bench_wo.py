@@ -112,14 +112,13 @@ def wo_rows(
     mem_row: Callable,
     flops_row: Callable,
     graph_ms: Callable[[Callable[[], Any], int], float],
-    time_ms: Callable[..., float],
     cycle: Callable[[list[Callable[[], Any]]], Callable[[], Any]],
     tokens: tuple[int, ...] = TOKENS,
     gemm_tokens: tuple[int, ...] = GEMM_TOKENS,
     stage_sweep: dict[int, tuple[int, ...]] | None = None,
 ) -> None:
-    """Append the rows of the module docstring; ``mem_row``, ``flops_row``, ``graph_ms``,
-    ``time_ms`` and ``cycle`` are llmc.cuda.bench's; ``stage_sweep`` replaces
+    """Append the rows of the module docstring; ``mem_row``, ``flops_row``, ``graph_ms``
+    and ``cycle`` are llmc.cuda.bench's; ``stage_sweep`` replaces
     ``STAGE_SWEEP`` (``{}``: no ring rows, as scripts/wo_gemv_quick.py)."""
     sweep = STAGE_SWEEP if stage_sweep is None else stage_sweep
     g = torch.Generator(device=DEV).manual_seed(7)
@@ -175,29 +174,31 @@ def wo_rows(
             x = torch.randn(m, k, device=DEV, generator=g).to(BF16)
             out = torch.empty(m, r, device=DEV, dtype=BF16)
             flops = 2 * m * r * k
-            ms = time_ms(lambda x=x, out=out, d=dense: torch.mm(x, d.t(), out=out), repeats=10)
+            ms = graph_ms(lambda x=x, out=out, d=dense: torch.mm(x, d.t(), out=out), 3)
             flops_row(f"wo linear M={m} bf16 cuBLAS {op}", f"{m}x{k}->{r}", flops, ms, None)
             for name, w in packs.items():
                 fn = lambda x=x, out=out, w=w: be.linear(x, w, out=out)  # noqa: E731
                 flops_row(f"wo linear M={m} {name} {op}", f"{m}x{k}->{r}", flops,
-                          time_ms(fn, repeats=10), None)  # fmt: skip
+                          graph_ms(fn, 3), None)  # fmt: skip
                 passes = getattr(be, "wo_gemv_passes", None)  # CudaBackend's (WoOps)
                 if passes and m <= 8 * max(passes):  # the other plan: dequantize-then-cuBLAS
                     be.wo_gemv_passes = (1, 1)
                     flops_row(f"wo linear M={m} {name} {op} (dequant+cuBLAS)", f"{m}x{k}->{r}",
-                              flops, time_ms(fn, repeats=10), None)  # fmt: skip
+                              flops, graph_ms(fn, 3), None)  # fmt: skip
                     del be.wo_gemv_passes  # back to the class default
 
 
 def wo_gemm_rows(
     be: Any,
     flops_row: Callable,
-    time_ms: Callable[..., float],
+    graph_ms: Callable[[Callable[[], Any], int], float],
     tokens: tuple[int, ...] = GEMM_PLAN_TOKENS,
 ) -> None:
-    """Append the ``wo gemm`` rows of the module docstring (``flops_row`` and ``time_ms``
-    are llmc.cuda.bench's). The GEMV passes are off (``wo_gemv_passes`` (1, 1)) so that
-    M = 16 reaches the large-step plans; both attributes are restored afterwards."""
+    """Append the ``wo gemm`` rows of the module docstring (``flops_row`` and ``graph_ms``
+    are llmc.cuda.bench's: CUDA-graph replays, so that the launches of dequantize-then-
+    cuBLAS's chunks do not bound it as they do timed eagerly). The GEMV passes are off
+    (``wo_gemv_passes`` (1, 1)) so that M = 16 reaches the large-step plans; both
+    attributes are restored afterwards."""
     g = torch.Generator(device=DEV).manual_seed(11)
     sm90 = torch.cuda.get_device_capability(DEV) == (9, 0) if DEV.type == "cuda" else False
     plans = ("mma", "sm90", "dequant") if sm90 else ("mma", "dequant")
@@ -210,14 +211,14 @@ def wo_gemm_rows(
                 x = torch.randn(m, k, device=DEV, generator=g).to(BF16)
                 out = torch.empty(m, r, device=DEV, dtype=BF16)
                 flops, shape = 2 * m * r * k, f"{m}x{k}->{r}"
-                ms = time_ms(lambda x=x, out=out, d=dense: torch.mm(x, d.t(), out=out), repeats=10)
+                ms = graph_ms(lambda x=x, out=out, d=dense: torch.mm(x, d.t(), out=out), 3)
                 flops_row(f"wo gemm M={m} bf16 cuBLAS {op}", shape, flops, ms, None)
                 for name, w in packs.items():
                     for plan in plans:
                         be.wo_gemm = plan
                         fn = lambda x=x, out=out, w=w: be.linear(x, w, out=out)  # noqa: E731
                         flops_row(f"wo gemm M={m} {name} {op} {plan}", shape, flops,
-                                  time_ms(fn, repeats=10), None)  # fmt: skip
+                                  graph_ms(fn, 3), None)  # fmt: skip
             del dense, packs
     finally:
         for attr in ("wo_gemm", "wo_gemv_passes"):  # back to the class defaults

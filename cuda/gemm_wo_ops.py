@@ -49,10 +49,13 @@ _NULL = np.uint64(0)
 # 0.4-0.6x the time of dequantize-then-cuBLAS at M = 16 and 64 (e.g. qkv int4 M = 16:
 # 0.106 vs 0.193 ms); from M = 256 the three plans are within ~20 % of each other, no plan
 # wins every projection (sm90 qkv / o_proj, dequantize down_proj), and from M = 512
-# dequantize-then-cuBLAS wins (M = 1024 qkv int4: 0.187 vs 0.384 ms sm90). All of them are
-# 4-8x slower than bf16 cuBLAS of the same shape below M = 1024: per-weight dequantization,
-# not bytes, bounds them. The default stays ``dequant`` (the GEMM kernels' GPU test batch was
-# cut before pytest named its failures): ``auto`` is this table.
+# dequantize-then-cuBLAS wins (M = 1024 qkv int4: 0.187 vs 0.384 ms sm90). Those rows were
+# timed eagerly, which bounds dequantize-then-cuBLAS by its chunks' launches: replayed from
+# CUDA graphs, as the engine runs it (2026-12-03, scripts/wo_gemm_quick.py), it takes
+# 1.04-1.9x bf16 cuBLAS's time at M = 512 (gate_up the most: its dequantization writes the
+# 16-bit weight at ~1.6 TB/s) and 1.02-1.5x at M = 1024. The default stays ``dequant`` (the
+# GEMM kernels' GPU test batch was cut before pytest named its failures): ``auto`` is this
+# table.
 WO_GEMM_TABLE: tuple[tuple[int | None, str], ...] = ((64, "mma"), (None, "dequant"))
 WO_GEMM_PLANS = ("dequant", "mma", "sm90", "auto")
 GS_STAGES, GS_TILE = 6, 128 * 128  # gemm_wo_sm90.cu: stages, bytes of an X slot / W tile

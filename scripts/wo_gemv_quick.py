@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from llmc.cuda.bench import _cycle, ceilings, graph_ms, time_ms
+from llmc.cuda.bench import _cycle, ceilings, graph_ms
 from llmc.cuda.bench_wo import wo_rows
 from llmc.cuda.cuda_backend import CudaBackend
 
@@ -35,7 +35,7 @@ def main(path: str) -> None:
     def flops_row(*_: Any) -> None:  # no wo linear rows here (gemm_tokens=())
         raise AssertionError("unexpected flops row")
 
-    wo_rows(be, rows, mem_row, flops_row, graph_ms, time_ms, _cycle, gemm_tokens=(), stage_sweep={})
+    wo_rows(be, rows, mem_row, flops_row, graph_ms, _cycle, gemm_tokens=(), stage_sweep={})
     with open(path, "w") as f:
         json.dump({"copy_GBps": bw, "rows": rows}, f, indent=1)
 

@@ -20,7 +20,7 @@ def test_gemm_rows_on_the_torch_backend(monkeypatch):
     be = TorchBackend(cpu)
     seen: list[str] = []
 
-    def time_ms(fn, repeats=10):
+    def graph_ms(fn, calls):
         seen.append(getattr(be, "wo_gemm", "-"))
         out = fn()
         assert torch.isfinite(out).all()
@@ -30,9 +30,9 @@ def test_gemm_rows_on_the_torch_backend(monkeypatch):
 
     def flops_row(name, shape, flops, ms, target):
         rows.append(dict(kernel=name, shape=shape, flops=flops, ms=ms, target=target))
-        rows[-1]["plan_set"] = seen[-1]  # time_ms ran just before
+        rows[-1]["plan_set"] = seen[-1]  # graph_ms ran just before
 
-    bw.wo_gemm_rows(be, flops_row, time_ms, tokens=(16, 40))
+    bw.wo_gemm_rows(be, flops_row, graph_ms, tokens=(16, 40))
     by = {r["kernel"]: r for r in rows}
     plans = ("mma", "dequant")  # no sm_90 device here: no sm90 rows
     assert len(rows) == 2 * len(shapes) * (1 + len(bw.GEMM_PLAN_LAYOUTS) * len(plans))
