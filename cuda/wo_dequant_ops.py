@@ -12,10 +12,11 @@ the caller's stream and the caller's stream has waited for every side-stream ker
 call returns, so the buffers (allocated on the caller's stream) are free for its next work
 and CUDA-graph capture sees one fork-join per chunk.
 
-The kernels: ``wo_dequant_kernel`` (the vector case: K % 8 == 0, group size % 8 == 0,
-aligned buffers; several 8-column units a thread, grid-stride) and ``wo_rows_kernel`` (the
-row gather: embedding, and any other case). Both are bit-exact to
-``PackedWeight.dequantize`` rounded once into the activation dtype.
+The kernel: ``wo_rows_kernel`` (rows of a chunk, or the rows an embedding looks up; 8
+columns a thread where K % 8 == 0, the group size % 8 == 0 and the buffers are aligned),
+bit-exact to ``PackedWeight.dequantize`` rounded once into the activation dtype. (A flat
+grid-stride variant with four 8-column units a thread was measured on the H200 on
+2026-12-03 and was no faster: 1.35-1.78 against 1.56-1.78 TB/s written, int4 slower.)
 
 ``WoDequantOps`` is a mixin: the class using it provides ``device``, ``_lib(dtype)``,
 ``_launch`` and ``_sm_count`` (CudaBackend does).
@@ -44,9 +45,7 @@ WO_CHUNK_BYTES = 24 << 20
 # (n0 = 877, 1754, ...): 13 % of bf16 cuBLAS on the H200 at M = 8192, against 88 % for
 # gate_up, whose K = 4096 gives 3072-row chunks.
 WO_CHUNK_ALIGN = 128
-WO_ROWS_THREADS = 256  # block of both kernels
-WOD_UNITS = 4  # wo_dequant.cu: 8-column units a thread per grid-stride round
-WOD_BLOCKS_PER_SM = 8  # wo_dequant_kernel's grid: at most this many blocks a SM
+WO_ROWS_THREADS = 256  # wo_rows_kernel block
 _NULL = np.uint64(0)
 
 
@@ -57,12 +56,6 @@ def wo_chunk_rows(n: int, k: int, elem: int, chunk_bytes: int | None = None) -> 
     chunks = max(1, -(-n * k * elem // (chunk_bytes or WO_CHUNK_BYTES)))
     rows = -(-n // chunks)
     return min(n, -(-rows // WO_CHUNK_ALIGN) * WO_CHUNK_ALIGN)
-
-
-def wo_dequant_grid(t: int, k: int, sms: int) -> int:
-    """Blocks of a wo_dequant_kernel launch for t rows of k columns."""
-    units = t * (k // 8)
-    return max(1, min(math.ceil(units / (WO_ROWS_THREADS * WOD_UNITS)), WOD_BLOCKS_PER_SM * sms))
 
 
 def wo_scale_flags(w: PackedWeight) -> int:
@@ -99,21 +92,11 @@ class WoDequantOps:
         offsets = None if w.offsets is None else (w.offsets[n0:] if ids is None else w.offsets)
         vec = k % 8 == 0 and w.group_size % 8 == 0 and out.data_ptr() % 16 == 0
         vec = vec and codes.data_ptr() % 8 == 0
-        lib = self._lib(out.dtype)
-        offs = _p(offsets) if offsets is not None else _NULL
-        if ids is None and vec and t * (k // 8) < 2**31:  # the flat kernel's unit index
-            kern = lib.get("wo_dequant", "wo_dequant_kernel")
-            args = (
-                _p(codes), _p(scales), offs, _p(out), _i(t), _i(k), _i(w.bits),
-                _i(w.code_zero), _i(w.group_size), _i(g), _i(wo_scale_flags(w)),
-            )  # fmt: skip
-            grid = (wo_dequant_grid(t, k, self._sm_count),)
-            self._launch(kern, grid, (WO_ROWS_THREADS,), args)
-            return
         per = 8 if vec else 1
-        kern = lib.get("wo_dequant", "wo_rows_kernel")
+        kern = self._lib(out.dtype).get("wo_dequant", "wo_rows_kernel")
         args = (
-            _p(ids) if ids is not None else _NULL, _p(codes), _p(scales), offs, _p(out),
+            _p(ids) if ids is not None else _NULL, _p(codes), _p(scales),
+            _p(offsets) if offsets is not None else _NULL, _p(out),
             _i(t), _i(k), np.int64(n if ids is not None else n - n0), _i(w.bits),
             _i(w.code_zero), _i(w.group_size), _i(g), _i(wo_scale_flags(w)), _i(vec),
         )  # fmt: skip

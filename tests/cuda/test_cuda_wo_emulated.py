@@ -76,12 +76,7 @@ def families(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("wo_emu")
     fams = {dt: EmulatedFamily("gemv_wo", KernelConfig(dt, 128, 32, 8), names, tmp) for dt in TORCH}
     rows = {
-        dt: EmulatedFamily(
-            "wo_dequant",
-            KernelConfig(dt, 128, 32, 8),
-            {"wo_rows_kernel": 14, "wo_dequant_kernel": 11},
-            tmp,
-        )
+        dt: EmulatedFamily("wo_dequant", KernelConfig(dt, 128, 32, 8), {"wo_rows_kernel": 14}, tmp)
         for dt in ("float32", "bfloat16")
     }
     return fams, rows
@@ -232,10 +227,3 @@ def test_emulated_rows_are_bit_exact(families, dtype, bits, gs, offs, sdt, k):
     args = (w.codes, w.scales, w.offsets if offs else 0, full, 11, k, 11, bits, w.code_zero, gs)
     kern((grid[0], 11), 256, 0, *args, w.scales.shape[1], flags, vec)
     assert torch.equal(full, dense.to(dt))
-    if vec:  # wo_dequant_kernel: 11 x k / 8 units, grid-stride rounds of 4 units a thread
-        flat = families[1][dtype]["wo_dequant_kernel"]
-        for blocks, threads in ((1, 32), (2, 64), (8, 256)):
-            full = torch.full((11, k), float("nan")).to(dt)
-            args = (w.codes, w.scales, w.offsets if offs else 0, full, 11, k, bits, w.code_zero)
-            flat((blocks,), threads, *args, gs, w.scales.shape[1], flags)
-            assert torch.equal(full, dense.to(dt)), (blocks, threads)

@@ -31,7 +31,6 @@ def _signature(file: str, pattern: str) -> list[str]:
 
 GEMV_SIG = _signature("gemv_wo.cu", r"\) NAME\((.*?)\) \{")
 ROWS_SIG = _signature("wo_dequant.cu", r"void wo_rows_kernel\((.*?)\) \{")
-DEQ_SIG = _signature("wo_dequant.cu", r"void wo_dequant_kernel\((.*?)\) \{")
 
 
 def check(launch: tuple, types: list[str]) -> tuple:
@@ -202,7 +201,7 @@ def test_fused_op_in_two_passes_past_the_staging_budget(be):
 def test_fallbacks_dequantize_then_mm(be):
     """Past the staging budget in the passes 8-bit codes take (down of a 70B shape at M = 8:
     K = 28,672, 3 rows a launch, 2 launches at most), float32 activations, more rows than the
-    gemv passes take (int4: 32, int8: 16), a group size no kernel serves: wo_dequant_kernel
+    gemv passes take (int4: 32, int8: 16), a group size no kernel serves: wo_rows_kernel
     into a temporary, then torch.mm."""
     k, n = 28672, 64
     w = random_packed(n, k, 8, k, offsets=False, code_zero=128)
@@ -211,9 +210,9 @@ def test_fallbacks_dequantize_then_mm(be):
     x = torch.zeros(8, k, dtype=torch.bfloat16)
     res = torch.zeros(8, n, dtype=torch.bfloat16)
     be.linear_residual_add(x, w, res)
-    kern, grid, block, args, _ = check(be.launches[-1], DEQ_SIG)
-    assert kern.name == "wo_dequant_kernel" and args[4:6] == (n, k)
-    assert grid == (wod.wo_dequant_grid(n, k, be._sm_count),) and block == (wod.WO_ROWS_THREADS,)
+    kern, grid, block, args, _ = check(be.launches[-1], ROWS_SIG)
+    assert kern.family == "wo_dequant" and args[5:8] == (n, k, n) and grid == (14, n)
+    assert block == (wod.WO_ROWS_THREADS,) and args[-1] == 1  # vector path
     for xx, ww in (
         (torch.zeros(2, 256), random_packed(n, 256, 8, 256, offsets=False)),  # float32
         (torch.zeros(33, 256, dtype=torch.bfloat16), random_packed(n, 256, 4, 128, offsets=True)),
@@ -234,9 +233,8 @@ def test_linear_chunks_large_weights(be, monkeypatch):
         torch.zeros(40, 256, dtype=torch.bfloat16), w, torch.zeros(150, dtype=torch.bfloat16)
     )
     rows = [lk for lk in be.launches if lk[0].family == "wo_dequant"]
-    assert [lk[0].name for lk in rows] == ["wo_dequant_kernel"] * 3
-    assert [lk[3][4] for lk in rows] == [64, 64, 22] and out.shape == (40, 150)
-    assert [int(lk[3][0]) - int(rows[0][3][0]) for lk in rows] == [0, 64 * 128, 128 * 128]
+    assert [lk[3][5] for lk in rows] == [64, 64, 22] and out.shape == (40, 150)
+    assert [int(lk[3][1]) - int(rows[0][3][1]) for lk in rows] == [0, 64 * 128, 128 * 128]
 
 
 def test_linear_gemv_passes_of_eight_rows(ring):
