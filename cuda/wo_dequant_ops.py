@@ -3,14 +3,17 @@
 ``_wo_dequant_mm(x, w, bias, out)``: out = x @ dequantize(w).T (+ bias) for the steps the
 GEMV kernels and the tiled GEMMs do not take (llmc.cuda.gemv_wo_ops). The 16-bit weight is
 never whole in memory: row chunks of at most ``WO_CHUNK_BYTES`` (``wo_chunk_rows``) are
-dequantized into one of two chunk buffers on a side stream while torch.mm of the previous
-chunk runs on the caller's stream — the dequantization (memory-bound) fills the SMs a
-chunk's GEMM (compute-bound, a 3,072-row chunk at M = 512 is 48 cuBLAS tiles on 132 SMs)
-leaves idle. The order is kept by events: chunk i's dequantization waits for chunk i - 2's
-GEMM (its buffer), chunk i's GEMM for its dequantization; the side stream first waits for
-the caller's stream and the caller's stream has waited for every side-stream kernel when the
-call returns, so the buffers (allocated on the caller's stream) are free for its next work
-and CUDA-graph capture sees one fork-join per chunk.
+dequantized, under CUDA-graph capture, into one of two chunk buffers on a side stream while
+torch.mm of the previous chunk runs on the caller's stream, so that the dequantization
+(memory-bound) overlaps the GEMMs (compute-bound): 3-10 % off gate_up / down at M = 512 -
+2048 on the H200 (docs/PERFORMANCE.md, 2026-12-03 afternoon). Launched eagerly, the chunks
+stay on the caller's stream: there the host bounds the path, and the events and stream
+switches of the overlap cost ~3x the host time a chunk (qkv M = 512, eager: 601 us with it,
+173 without, two calls of the same day). The order is kept by events: chunk i's
+dequantization waits for chunk i - 2's GEMM (its buffer), chunk i's GEMM for its
+dequantization; the side stream first waits for the caller's stream, and the caller's stream
+has waited for every side-stream kernel when the call returns, so the buffers (allocated on
+the caller's stream) are free for its next work and the capture sees one fork-join a chunk.
 
 The kernel: ``wo_rows_kernel`` (rows of a chunk, or the rows an embedding looks up; 8
 columns a thread where K % 8 == 0, the group size % 8 == 0 and the buffers are aligned),
@@ -111,6 +114,7 @@ class WoDequantOps:
         rows = wo_chunk_rows(n, k, x.element_size(), self.wo_chunk_bytes)
         starts = list(range(0, n, rows))
         overlap = self.wo_dequant_overlap and len(starts) > 1 and x.is_cuda
+        overlap = overlap and torch.cuda.is_current_stream_capturing()  # see the docstring
         bufs = [torch.empty(rows, k, dtype=x.dtype, device=self.device)]
         if overlap:
             bufs.append(torch.empty(rows, k, dtype=x.dtype, device=self.device))

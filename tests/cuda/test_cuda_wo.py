@@ -6,12 +6,12 @@ Every layout combination the engines write: 4 / 8 bits, group sizes 16 / 32 / 64
 int8_wo / int4_wo / GGUF (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K-like); the fused ops
 (norm_linear, norm_gate_up_silu, linear_residual_add) and linear for M = 1..8 rows (the
 gemv kernels, vector and scalar), linear for larger T (dequantize-then-cuBLAS, in row
-chunks, dequantized on a side stream beside the previous chunk's GEMM, eager and in a CUDA
-graph) with bias and float32 logits, embedding bit-exact; bf16 / f16 / f32 activations;
-odd N, K not a multiple of 256, the Llama-3-8B shapes (down at M = 8: past the staging
-budget, the unfused sequence). Outputs poisoned with NaN; relative error below 1e-2
-(16-bit: the float32-accumulated reference rounded once) or 1e-5 (float32). Also CUDA-graph
-capture and the errors. Run with ``pytest -m cuda -o addopts=""`` on a GPU.
+chunks; in a CUDA graph dequantized on a side stream beside the previous chunk's GEMM)
+with bias and float32 logits, embedding bit-exact; bf16 / f16 / f32 activations; odd N, K
+not a multiple of 256, the Llama-3-8B shapes (down at M = 8: past the staging budget, two
+passes). Outputs poisoned with NaN; relative error below 1e-2 (16-bit: the
+float32-accumulated reference rounded once) or 1e-5 (float32). Also CUDA-graph capture and
+the errors. Run with ``pytest -m cuda -o addopts=""`` on a GPU.
 """
 
 from __future__ import annotations
@@ -229,10 +229,10 @@ def test_graph_capture_and_replay(be):
 
 @pytest.mark.parametrize("layout", ["int4_g128_asym", "int8_perchannel"])
 def test_dequantize_chunks_overlap_eager_and_in_a_graph(be, layout):
-    """Dequantize-then-cuBLAS over 7 chunks (N = 20000, K = 4096): each chunk dequantized on
-    the side stream into one of two buffers while the previous chunk's GEMM runs; eager and
-    captured in a CUDA graph, replayed on fresh inputs (a missing wait would let a GEMM read
-    the other chunk's weights or a half-written buffer)."""
+    """Dequantize-then-cuBLAS over 7 chunks (N = 20000, K = 4096): eager (one stream), and
+    captured in a CUDA graph, where each chunk is dequantized on the side stream into one of
+    two buffers while the previous chunk's GEMM runs, replayed on fresh inputs (a missing
+    wait would let a GEMM read the other chunk's weights or a half-written buffer)."""
     k, n, t = 4096, 20000, 64
     w = packed(layout, n, k, 4)
     x = torch.empty(t, k, device=DEV, dtype=torch.bfloat16)
