@@ -134,6 +134,9 @@ class CudaBackend(WoOps, GemvOps, GemvFp8Ops, Fp8Ops, SamplingOps):
         self._gemv_kernels: dict[tuple[torch.dtype, str], Any] = {}
         self._occupancy: dict[int, int] = {}  # id(kernel) -> resident CTAs per SM
         self._zero_means: dict[tuple[int, int], torch.Tensor] = {}  # fp8 KV without k_mean
+        # dequantize-then-cuBLAS's side stream (llmc.cuda.wo_dequant_ops), made here: never
+        # first during a graph capture
+        self._wo_side = torch.cuda.Stream(self.device)
         # small decode batches: split over a thread-block cluster (sm_90+; see attention)
         self.cluster_decode = torch.cuda.get_device_capability(self.device)[0] >= 9
         self.force_splits: int | None = None  # benchmark override of num_splits

@@ -22,7 +22,7 @@ grid-stride variant with four 8-column units a thread was measured on the H200 o
 2026-12-03 and was no faster: 1.35-1.78 against 1.56-1.78 TB/s written, int4 slower.)
 
 ``WoDequantOps`` is a mixin: the class using it provides ``device``, ``_lib(dtype)``,
-``_launch`` and ``_sm_count`` (CudaBackend does).
+``_launch``, ``_sm_count`` and the side stream ``_wo_side`` (CudaBackend does).
 """
 
 from __future__ import annotations
@@ -79,8 +79,9 @@ class WoDequantOps:
     _launch: Any
 
     def _wo_side_stream(self) -> torch.cuda.Stream:
+        """The side stream (CudaBackend makes it at construction, outside any capture)."""
         side = getattr(self, "_wo_side", None)
-        if side is None:
+        if side is None:  # a backend built without CudaBackend.__init__
             side = self._wo_side = torch.cuda.Stream(self.device)
         return side
 

@@ -230,15 +230,16 @@ def test_graph_capture_and_replay(be):
 @pytest.mark.parametrize("layout", ["int4_g128_asym", "int8_perchannel"])
 def test_dequantize_chunks_overlap_eager_and_in_a_graph(be, layout):
     """Dequantize-then-cuBLAS over 7 chunks (N = 20000, K = 4096): eager (one stream), and
-    captured in a CUDA graph, where each chunk is dequantized on the side stream into one of
-    two buffers while the previous chunk's GEMM runs, replayed on fresh inputs (a missing
-    wait would let a GEMM read the other chunk's weights or a half-written buffer)."""
+    captured in a CUDA graph, where each chunk is dequantized on the side stream (made by
+    CudaBackend's constructor, first used in this capture) into one of two buffers while
+    the previous chunk's GEMM runs, replayed on fresh inputs (a missing wait would let a
+    GEMM read the other chunk's weights or a half-written buffer)."""
     k, n, t = 4096, 20000, 64
     w = packed(layout, n, k, 4)
     x = torch.empty(t, k, device=DEV, dtype=torch.bfloat16)
     out = torch.empty(t, n, device=DEV, dtype=torch.bfloat16)
     x.copy_(torch.randn(t, k, device=DEV))
-    be.linear(x, w, out=out)
+    be.linear(x, w, out=out)  # eager: one stream (the side stream's first use is captured)
     assert rel_err(out, ref.linear(x, w)) < 1e-2
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
