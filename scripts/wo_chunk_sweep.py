@@ -1,9 +1,10 @@
-"""Dequantize-then-cuBLAS against its chunk size: the dequantize kernel's output rate and
-the large-step weight-only linear (int4 g128, int8) of the Llama-3-8B gate_up / down / qkv
-projections at M = 512 and 1024 for chunks of 24 / 12 / 6 / 3 MB (two chunk buffers in
-turn: with a small chunk both stay in L2), beside torch.mm on the bf16 weight and the
-device's write rate (fill of 1 GiB: DRAM; of one 12 MB buffer again and again: L2).
-CUDA-graph replays. GPU only; run from outside the checkout:
+"""Dequantize-then-cuBLAS against its chunk size: the large-step weight-only linear (int4
+g128, int8) of the Llama-3-8B gate_up / down / qkv projections at M = 512 and 1024 for
+chunks of 96 / 48 / 24 / 12 / 6 / 3 MB (two chunk buffers in turn under graph capture:
+small chunks stay in L2, large ones make fewer, fuller GEMMs), beside torch.mm on the bf16
+weight and the device's write rate (fill of 1 GiB: DRAM; of one 12 MB buffer again and
+again: L2, launch gaps included). CUDA-graph replays (2026-12-03 at bb2ac9b over 3-24 MB:
+24 MB fastest, each further chunk ~6-8 us). GPU only; run from outside the checkout:
 
     python3 $REPO/scripts/wo_chunk_sweep.py out.json
 """
@@ -22,7 +23,7 @@ from llmc.cuda.bench_wo import LAYOUTS, random_packed
 from llmc.cuda.cuda_backend import CudaBackend
 
 DEV = torch.device("cuda")
-CHUNK_MB = (24, 12, 6, 3)
+CHUNK_MB = (96, 48, 24, 12, 6, 3)
 OPS = ("gate_up", "down", "qkv")
 TOKENS = (512, 1024)
 
