@@ -13,6 +13,10 @@
 #
 #   DEVICE_TEST_PART=1 PYTEST_ARGS="-n 14 --timeout 300" SKIP_BENCH=1 bash scripts/device_test.sh
 #   DEVICE_TEST_PART=2 PYTEST_ARGS="-n 14 --timeout 300" SKIP_BENCH=1 bash scripts/device_test.sh
+#
+# PYTEST_ARGS is split on spaces (so `-k 'a and b'` in it selects nothing: pytest sees
+# `'a`, `and`, `b'`); a -k expression goes in PYTEST_K instead, passed as one argument:
+#   PYTEST_K="dequantize or embedding" PYTEST_ARGS="-n 14 $PWD/tests/cuda/test_cuda_wo.py" ...
 set -u
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$REPO/device-out}
@@ -57,7 +61,7 @@ fi
 LLMC_FAILED_LOG="$OUT/failed.txt" \
 $PY -m pytest -m cuda -o addopts="" -q -p no:cacheprovider --continue-on-collection-errors \
     --rootdir "$REPO" -c "$REPO/pyproject.toml" --junitxml "$OUT/pytest.xml" \
-    ${PYTEST_ARGS:-} $TARGETS > "$OUT/pytest.log" 2>&1 || status=1
+    ${PYTEST_K:+-k "$PYTEST_K"} ${PYTEST_ARGS:-} $TARGETS > "$OUT/pytest.log" 2>&1 || status=1
 
 if [ "${SKIP_BENCH:-0}" != "1" ]; then
     $PY -m llmc.cuda.bench --json "$OUT/kernel_bench.json" > "$OUT/bench.txt" 2>&1 || status=1
