@@ -3,7 +3,7 @@ cuda/gemm_wo_sm90.cu).
 
 ``linear(x [M, K], PackedWeight)`` past the small-step GEMV passes runs one of three plans:
 
-- ``dequant``: dequantize-then-cuBLAS (llmc.cuda.gemv_wo_ops: the 16-bit weight written to
+- ``dequant``: dequantize-then-cuBLAS (llmc.cuda.wo_dequant_ops: the 16-bit weight written to
   a temporary in row chunks, then torch.mm);
 - ``mma``: gemm_wo.cu (any sm_80+ GPU): the codes staged once per M-tile with cp.async,
   dequantized into shared memory (the same bit-exact formula, rounded once into the
