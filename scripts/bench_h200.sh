@@ -25,6 +25,8 @@
 # smolk4, 128k8, b1k4: multi-step decoding), smolpw / 128pw / 2048pw (the smol, 128 and 2048
 # rows with --piecewise_graph_max_tokens 8192: piecewise CUDA graphs of prefill and mixed
 # steps), smolnopw / 128nopw / 2048nopw (the same rows with --piecewise_graph_max_tokens 0).
+# int4128pw / int8128pw: the weight-only 128/128 rows with piecewise graphs (their prefill
+# and mixed steps run dequantize-then-cuBLAS chunk by chunk when eager: host-bound?).
 # SKIP_TESTS=1
 # skips step 2; PYTEST_ARGS
 # (absolute paths: Python runs outside the checkout) replaces its test files. LLMC_COMMIT names
@@ -185,6 +187,10 @@ for r in $ROWS; do
             --num_requests "$N_B1" --isl 128 --osl 512 --concurrency 1 --warmup 1 ;;
     int8128) wo_engine "$W8" int8_wo; bench llama8b_int8wo_128_128 "$W8" 200 \
             --num_requests "$N_128" --isl 128 --osl 128 ;;
+    int4128pw) wo_engine "$W4" int4_wo; bench llama8b_int4wo_128_128_pw "$W4" 200 \
+            --num_requests "$N_128" --isl 128 --osl 128 --piecewise_graph_max_tokens 8192 ;;
+    int8128pw) wo_engine "$W8" int8_wo; bench llama8b_int8wo_128_128_pw "$W8" 200 \
+            --num_requests "$N_128" --isl 128 --osl 128 --piecewise_graph_max_tokens 8192 ;;
     beam4) [ -f "$ENG/llama3-8b-beam4/manifest.json" ] \
             || build llama3-8b "$ENG/llama3-8b-beam4" --max_beam_width 4
         bench llama8b_128_128_beam4 "$ENG/llama3-8b-beam4" 300 --num_requests "${N_BEAM:-$N_128}" \

@@ -54,6 +54,8 @@ ROWS = (
     ("llama8b_int4wo_128_128", "Llama-3-8B int4_wo (g128) 128/128 offline"),
     ("llama8b_int8wo_b1_128_512", "Llama-3-8B int8_wo batch 1, 128/512"),
     ("llama8b_int8wo_128_128", "Llama-3-8B int8_wo 128/128 offline"),
+    ("llama8b_int4wo_128_128_pw", "Llama-3-8B int4_wo (g128) 128/128 offline, piecewise graphs"),
+    ("llama8b_int8wo_128_128_pw", "Llama-3-8B int8_wo 128/128 offline, piecewise graphs"),
 )
 
 TRTLLM_FP8 = {
