@@ -31,7 +31,7 @@ def _dequantize(be: CudaBackend, w: Any, buf: torch.Tensor) -> None:
     """Every chunk of ``w`` dequantized into ``buf`` (one chunk's rows), as linear does."""
     n, chunk = w.shape[0], buf.shape[0]
     for n0 in range(0, n, chunk):
-        be._wo_rows(w, None, n0, min(chunk, n - n0), buf)
+        be._wo_dequant_rows(w, n0, min(chunk, n - n0), buf)
 
 
 def main(path: str, tokens: tuple[int, ...]) -> None:

@@ -237,6 +237,34 @@ def test_linear_chunks_large_weights(be, monkeypatch):
     assert [int(lk[3][1]) - int(rows[0][3][1]) for lk in rows] == [0, 64 * 128, 128 * 128]
 
 
+@pytest.mark.parametrize(
+    "bits, gs, offs, sdt, k",
+    [(4, 128, True, torch.float16, 512), (8, 512, False, torch.float16, 512),
+     (4, 32, True, torch.float32, 256), (8, 36, False, torch.float16, 72),
+     (4, 8, True, torch.float16, 72)],  # 36-byte code rows: row 3 starts 4 bytes off 8
+)  # fmt: skip
+def test_dequantize_chunks_launch_as_the_row_kernel(be, bits, gs, offs, sdt, k):
+    """linear's chunk launches (``_wo_dequant_rows``, per-weight arguments built once) are
+    exactly ``_wo_rows``'s (the embedding's gather) for every chunk start, aligned or not,
+    vector and scalar paths; a second weight gets its own arguments."""
+    w = random_packed(200, k, bits, gs, offsets=offs, scale_dtype=sdt)
+    unaligned = torch.empty(5 * k + 1, dtype=torch.bfloat16)[1:].view(5, k)
+    chunks = [(0, 64, aligned(64, k)), (64, 64, aligned(64, k)), (128, 72, aligned(72, k))]
+    for n0, t, out in [*chunks, (3, 5, aligned(5, k)), (3, 5, unaligned)]:
+        be.launches.clear()
+        be._wo_rows(w, None, n0, t, out)
+        be._wo_dequant_rows(w, n0, t, out)
+        (k1, g1, b1, a1, s1), (k2, g2, b2, a2, s2) = be.launches
+        check(be.launches[1], ROWS_SIG)
+        assert (k1.name, g1, b1, s1) == (k2.name, g2, b2, s2)
+        assert [(type(a), a) for a in a1] == [(type(a), a) for a in a2], (n0, t)
+    assert len(be._wo_consts) == 1
+    w2 = random_packed(200, k, bits, gs, offsets=offs, scale_dtype=sdt, seed=1)
+    be.launches.clear()
+    be._wo_dequant_rows(w2, 0, 8, aligned(8, k))
+    assert int(be.launches[0][3][1]) == w2.codes.data_ptr() and len(be._wo_consts) == 2
+
+
 def test_linear_gemv_passes_of_eight_rows(ring):
     """T = 20 rows of an int4 weight: three passes of the gemv kernel (8, 8, 4 rows) on row
     slices of x and out, no dequantized weight."""
