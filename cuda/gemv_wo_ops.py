@@ -269,7 +269,7 @@ class WoOps(WoGemmOps, WoDequantOps):
         """x [T, K] @ dequantize(weight).T (+ bias) [T, N], rounded to x's dtype (``out``
         may be float32: the rounded values, as the BF16 linear gives float32 logits)."""
         _need(x, "x")
-        n, k = check_packed("linear", weight, x.shape[1] if x.dim() == 2 else None)
+        n, _ = check_packed("linear", weight, x.shape[1] if x.dim() == 2 else None)
         t = x.shape[0]
         if bias is not None:
             _need(bias, "bias", x.dtype)

@@ -103,13 +103,7 @@ class WoDequantOps:
     _sm_count: int
     _lib: Any
     _launch: Any
-
-    def _wo_side_stream(self) -> torch.cuda.Stream:
-        """The side stream (CudaBackend makes it at construction, outside any capture)."""
-        side = getattr(self, "_wo_side", None)
-        if side is None:  # a backend built without CudaBackend.__init__
-            side = self._wo_side = torch.cuda.Stream(self.device)
-        return side
+    _wo_side: torch.cuda.Stream  # made by CudaBackend's constructor, outside any capture
 
     def _wo_rows(
         self, w: PackedWeight, ids: torch.Tensor | None, n0: int, t: int, out: torch.Tensor
@@ -182,7 +176,7 @@ class WoDequantOps:
         bufs = [torch.empty(rows, k, dtype=x.dtype, device=self.device)]
         if overlap:
             bufs.append(torch.empty(rows, k, dtype=x.dtype, device=self.device))
-            main, side = torch.cuda.current_stream(self.device), self._wo_side_stream()
+            main, side = torch.cuda.current_stream(self.device), self._wo_side
             side.wait_stream(main)
             done: list[torch.cuda.Event] = []
         for i, n0 in enumerate(starts):
