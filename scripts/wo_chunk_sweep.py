@@ -6,7 +6,7 @@ weight and the device's write rate (fill of 1 GiB: DRAM; of one 12 MB buffer aga
 again: L2, launch gaps included). CUDA-graph replays (2026-12-03 at bb2ac9b over 3-24 MB:
 24 MB fastest, each further chunk ~6-8 us). GPU only; run from outside the checkout:
 
-    python3 $REPO/scripts/wo_chunk_sweep.py out.json
+    python3 $REPO/scripts/wo_chunk_sweep.py out.json [CHUNK_MB ...]   # default: CHUNK_MB
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def write_rates() -> dict[str, float]:
     return {"fill_1GiB_GBps": (1 << 30) / dram / 1e6, "fill_12MB_GBps": (12 << 20) / l2 / 1e6}
 
 
-def main(path: str) -> None:
+def main(path: str, chunk_mb: tuple[int, ...] = CHUNK_MB) -> None:
     be = CudaBackend(DEV, max_num_seqs=256)
     ceil = ceilings() | write_rates()
     print(ceil, flush=True)
@@ -57,7 +57,7 @@ def main(path: str) -> None:
         for m in TOKENS:
             fn = lambda x=xs[m], o=outs[m], d=dense: torch.mm(x, d.t(), out=o)  # noqa: E731
             row(op=op, m=m, what="bf16 torch.mm", us=round(graph_ms(fn, 3) * 1e3, 1))
-        for mb in CHUNK_MB:
+        for mb in chunk_mb:
             be.wo_chunk_bytes = mb << 20
             for name, w in packs.items():
                 for m in TOKENS:
@@ -71,4 +71,4 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], tuple(int(a) for a in sys.argv[2:]) or CHUNK_MB)
