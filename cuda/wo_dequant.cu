@@ -57,3 +57,66 @@ extern "C" __global__ void wo_rows_kernel(const long long* __restrict__ ids,
         }
     }
 }
+
+// wo_rows_wide<R> (dequantize only, ids = nullptr): the same values as wo_rows_kernel's
+// vec path with more bytes in flight a thread: R rows x 32 columns (four 8-column units;
+// int4: one 16-byte code load a row, int8: two), every load of the R rows issued before
+// the first store. Requirements: K % 32 == 0, gs % 8 == 0, code rows and output rows
+// 16-byte aligned. Grid (ceil(K / (32 * blockDim.x)), ceil(T / R)), any block of whole warps.
+template <int R>
+__device__ __forceinline__ void wo_rows_wide_body(const unsigned char* __restrict__ codes,
+                                                  const void* __restrict__ scales,
+                                                  const void* __restrict__ offsets,
+                                                  scalar_t* __restrict__ out, int T, int K,
+                                                  int bits, int code_zero, int gs, int G,
+                                                  int flags) {
+    const bool f32 = (flags & 1) != 0, has_o = offsets != nullptr;
+    const int c0 = 32 * (blockIdx.x * blockDim.x + threadIdx.x);
+    if (c0 >= K) return;
+    const long long rowbytes = bits == 4 ? K / 2 : K;
+    const int t0 = blockIdx.y * R;
+    v4u w[R][2];
+    float s[R][4], o[R][4];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const int t = min(t0 + r, T - 1);  // past T: row T - 1 again, never stored
+        const unsigned char* row = codes + t * rowbytes + c0 * bits / 8;
+        w[r][0] = *reinterpret_cast<const v4u*>(row);
+        w[r][1] = bits == 8 ? *reinterpret_cast<const v4u*>(row + 16) : v4u{0u, 0u, 0u, 0u};
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const long long gi = (long long)t * G + (c0 + 8 * u) / gs;
+            s[r][u] = wod_scale(scales, gi, f32);
+            o[r][u] = has_o ? wod_scale(offsets, gi, f32) : 0.f;
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        if (t0 + r >= T) break;
+        const unsigned int word[8] = {w[r][0].x, w[r][0].y, w[r][0].z, w[r][0].w,
+                                      w[r][1].x, w[r][1].y, w[r][1].z, w[r][1].w};
+        scalar_t* dst = out + (long long)(t0 + r) * K + c0;
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            unsigned int q[8];
+#pragma unroll
+            for (int e = 0; e < 8; ++e)
+                q[e] = bits == 4 ? (word[u] >> (4 * e)) & 15u
+                                 : (word[2 * u + (e >> 2)] >> (8 * (e & 3))) & 255u;
+            float f[8];
+            wod_values8(q, s[r][u], o[r][u], has_o, code_zero, f);
+            store_vec<8>(dst + 8 * u, f);
+        }
+    }
+}
+
+#define WO_ROWS_WIDE(R)                                                                        \
+    extern "C" __global__ void wo_rows_wide##R(                                                \
+        const unsigned char* __restrict__ codes, const void* __restrict__ scales,              \
+        const void* __restrict__ offsets, scalar_t* __restrict__ out, int T, int K, int bits,  \
+        int code_zero, int gs, int G, int flags) {                                             \
+        wo_rows_wide_body<R>(codes, scales, offsets, out, T, K, bits, code_zero, gs, G, flags); \
+    }
+WO_ROWS_WIDE(1)
+WO_ROWS_WIDE(2)
+WO_ROWS_WIDE(4)

@@ -40,10 +40,16 @@ from llmc.cuda.launch_args import i32 as _i
 from llmc.cuda.launch_args import ptr as _p
 from llmc.cuda.reference_wo import PackedWeight
 
-# Dequantized weight rows per cuBLAS call: a bounded temporary (two of them; the memory plan
-# does not count them), small enough that the chunk the dequantize kernel writes is still in
-# L2 (50 MB) when the GEMM reads it.
-WO_CHUNK_BYTES = 24 << 20
+# Dequantized weight rows per cuBLAS call: a bounded temporary (two of them when a weight
+# takes several chunks; the memory plan does not count them: they come out of the memory the
+# KV pool leaves free, kv_cache_free_gpu_mem_fraction). Large enough that every 8B
+# projection is one chunk (gate_up's 16-bit weight is 235 MB; lm_head takes four): a chunk's
+# GEMM covers few output columns, so at decode's ~500 rows cuBLAS's grid fills few SMs. On
+# the H200 (2026-12-03, scripts/wo_chunk_sweep.py, int4 g128, M = 512): gate_up 343.7 us at
+# 24 MB chunks, 304.4 at 48, 308.7 at 128 (two, overlapped), 288.9 at 256 (one); down 169.9
+# / 170.3 / 146.1 / 149.4 (the 24-MB figure was the default before; the 12 / 6 / 3 MB
+# chunks that would stay in L2 were slower still).
+WO_CHUNK_BYTES = 256 << 20
 # Chunk rows are a multiple of this: each chunk's torch.mm writes the columns out[:, n0:n1],
 # whose base must stay 16-byte aligned (and n1 - n0 a multiple of cuBLAS's tiles) or cuBLAS
 # falls back to its unaligned kernels. Before, the chunk was 24 MB // (2 K) rows: 877 for

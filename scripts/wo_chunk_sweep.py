@@ -4,7 +4,8 @@ chunks of 96 / 48 / 24 / 12 / 6 / 3 MB (two chunk buffers in turn under graph ca
 small chunks stay in L2, large ones make fewer, fuller GEMMs), beside torch.mm on the bf16
 weight and the device's write rate (fill of 1 GiB: DRAM; of one 12 MB buffer again and
 again: L2, launch gaps included). CUDA-graph replays (2026-12-03 at bb2ac9b over 3-24 MB:
-24 MB fastest, each further chunk ~6-8 us). GPU only; run from outside the checkout:
+24 MB fastest, each further chunk ~6-8 us; at ada9753 over 24-256 MB: one chunk a weight
+fastest, the default since). GPU only; run from outside the checkout:
 
     python3 $REPO/scripts/wo_chunk_sweep.py out.json [CHUNK_MB ...]   # default: CHUNK_MB
 """

@@ -80,14 +80,17 @@ def test_unsupported_shapes_fall_back():
 def test_dequant_chunks_are_aligned():
     """Dequantize-then-cuBLAS chunks: whole multiples of 128 rows (each chunk's columns of
     out start 16-byte aligned: down_proj's 877-row chunks did not, 13 % of cuBLAS), split
-    evenly, within the 24 MB temporary's budget (+ one alignment step)."""
+    evenly, within the temporary's budget (+ one alignment step); every 8B projection is one
+    chunk, lm_head several."""
     for n, k in ((4096, 14336), (28672, 4096), (6144, 4096), (20000, 4096), (128256, 4096)):
         rows = wo_chunk_rows(n, k, 2)
-        assert rows % 128 == 0 and rows * k * 2 <= WO_CHUNK_BYTES + 128 * k * 2
+        assert (rows == n or rows % 128 == 0) and rows * k * 2 <= WO_CHUNK_BYTES + 128 * k * 2
         chunks = -(-n // rows)
         assert chunks == max(1, -(-n * k * 2 // WO_CHUNK_BYTES))
-    assert wo_chunk_rows(4096, 14336, 2) == 896
-    assert wo_chunk_rows(97, 1152, 2) == 97  # one chunk: all rows
+    assert wo_chunk_rows(4096, 14336, 2) == 4096 and wo_chunk_rows(28672, 4096, 2) == 28672
+    assert wo_chunk_rows(4096, 14336, 2, 24 << 20) == 896  # 24 MB: five chunks, rounded to 128 rows
+    assert wo_chunk_rows(128256, 4096, 2) == 32128  # four chunks
+    assert wo_chunk_rows(97, 1152, 2) == 97 and wo_chunk_rows(20000, 4096, 2) == 20000  # one chunk
 
 
 def test_plan_of_a_step():
