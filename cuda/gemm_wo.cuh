@@ -91,69 +91,40 @@ __device__ __forceinline__ void gw_stage(const GwArgs& a, unsigned char* xsl, in
 }
 
 // The code tile cd of k-tile kt -> the 16-bit W tile ws [BN][GW_BK] (zeros past N and K):
-// units of 8 columns of one group (GW_UNITS(BN) a thread), one scale / offset and one
-// 16-byte store each. gw_scales loads a k-tile's scales and offsets into registers,
-// gw_dequant_with applies them: gemm_wo_sm90.cu loads tile kt + 1's while it dequantizes
-// tile kt, so their global-memory latency is off the path between the MMAs; gw_dequant does
-// both in turn (gemm_wo.cu).
+// units of 8 columns of one group, one scale / offset load and one 16-byte store each.
 // flags & 4 (row-scaled: one group a row, no offsets, as int8_wo): the exact integers
 // q - code_zero (|.| <= 255: exact in bf16 / f16), the row's scale applied to the float32
 // sum in gw_store2 (fewer operations a weight, and no per-weight rounding).
-#define GW_UNITS(BN) ((BN) * (GW_BK / 8) / GW_THREADS)
-
-template <int BN>
-__device__ __forceinline__ void gw_scales(const GwArgs& a, int n0, int kt,
-                                          float (&s)[GW_UNITS(BN)],
-                                          float (&o)[GW_UNITS(BN)]) {
-    const bool f32 = (a.flags & 1) != 0, has_o = a.offsets != nullptr;
-    // group of column k: none (one group a row), a shift (power-of-two groups) or a division
-    const int gsl = a.G == 1 ? 31 : (__popc(a.gs) == 1 ? __ffs(a.gs) - 1 : -1);
-#pragma unroll
-    for (int i = 0; i < GW_UNITS(BN); ++i) {
-        const int u = threadIdx.x + i * GW_THREADS;
-        const int n = n0 + (u >> 3), k = kt * GW_BK + (u & 7) * 8;
-        s[i] = 0.f;
-        o[i] = 0.f;
-        if (n < a.N && k < a.K && (a.flags & 4) == 0) {
-            const int grp = gsl == 31 ? 0 : gsl >= 0 ? k >> gsl : k / a.gs;
-            const long long gi = (long long)n * a.G + grp;
-            s[i] = wod_scale(a.scales, gi, f32);
-            if (has_o) o[i] = wod_scale(a.offsets, gi, f32);
-        }
-    }
-}
-
-template <int BITS, int BN, bool SWZ>
-__device__ __forceinline__ void gw_dequant_with(const GwArgs& a, const unsigned char* cd,
-                                                unsigned char* ws, int n0, int kt,
-                                                const float (&s)[GW_UNITS(BN)],
-                                                const float (&o)[GW_UNITS(BN)]) {
-    constexpr int CB = GW_BK * BITS / 8;
-    static_assert(BN * (GW_BK / 8) % GW_THREADS == 0, "whole units per thread");
-    const bool has_o = a.offsets != nullptr, row_scaled = (a.flags & 4) != 0;
-#pragma unroll
-    for (int i = 0; i < GW_UNITS(BN); ++i) {
-        const int u = threadIdx.x + i * GW_THREADS;
-        const int r = u >> 3, c0 = (u & 7) * 8, n = n0 + r, k = kt * GW_BK + c0;
-        float f[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        if (n < a.N && k < a.K) {
-            unsigned int q[8];
-            wod_codes8(cd + r * CB, c0, BITS, q);
-            if (row_scaled)  // the integers; the scale in the epilogue
-                wod_ints8(q, a.code_zero, f);
-            else
-                wod_values8(q, s[i], o[i], has_o, a.code_zero, f);
-        }
-        store_vec<8>(reinterpret_cast<scalar_t*>(ws + gw_chunk<SWZ>(r, u & 7)), f);
-    }
-}
-
 template <int BITS, int BN, bool SWZ>
 __device__ __forceinline__ void gw_dequant(const GwArgs& a, const unsigned char* cd,
                                            unsigned char* ws, int n0, int kt) {
-    float s[GW_UNITS(BN)], o[GW_UNITS(BN)];
-    gw_scales<BN>(a, n0, kt, s, o);
-    gw_dequant_with<BITS, BN, SWZ>(a, cd, ws, n0, kt, s, o);
+    constexpr int CB = GW_BK * BITS / 8;
+    const bool f32 = (a.flags & 1) != 0, has_o = a.offsets != nullptr;
+    const bool row_scaled = (a.flags & 4) != 0;
+    // group of column k: none (one group a row), a shift (power-of-two groups) or a division
+    const int gsl = a.G == 1 ? 31 : (__popc(a.gs) == 1 ? __ffs(a.gs) - 1 : -1);
+    constexpr int U = BN * (GW_BK / 8);  // units of 8 columns
+    static_assert(U % GW_THREADS == 0, "whole units per thread");
+#pragma unroll 2
+    for (int i = 0; i < U / GW_THREADS; ++i) {
+        const int u = threadIdx.x + i * GW_THREADS;
+        const int r = u >> 3, c0 = (u & 7) * 8, n = n0 + r, k = kt * GW_BK + c0;
+        float f[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        if (n < a.N && k < a.K && row_scaled) {  // the integers; the scale in the epilogue
+            unsigned int q[8];
+            wod_codes8(cd + r * CB, c0, BITS, q);
+            wod_ints8(q, a.code_zero, f);
+        } else if (n < a.N && k < a.K) {
+            const int grp = gsl == 31 ? 0 : gsl >= 0 ? k >> gsl : k / a.gs;
+            const long long gi = (long long)n * a.G + grp;
+            const float s = wod_scale(a.scales, gi, f32);
+            const float o = has_o ? wod_scale(a.offsets, gi, f32) : 0.f;
+            unsigned int q[8];
+            wod_codes8(cd + r * CB, c0, BITS, q);
+            wod_values8(q, s, o, has_o, a.code_zero, f);
+        }
+        store_vec<8>(reinterpret_cast<scalar_t*>(ws + gw_chunk<SWZ>(r, u & 7)), f);
+    }
 }
 
 // out[m, n], out[m, n + 1] = the sums c0, c1 (times the row's scale when row-scaled,

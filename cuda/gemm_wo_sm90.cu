@@ -13,10 +13,8 @@
 //   wait for tile kt's cp.async group; __syncthreads (A: every warpgroup's wgmma of kt - 2 is
 //   complete, so its X slot and W tile are free);
 //   cp.async of tile kt + STAGES - 2 into the slot of kt - 2 (STAGES - 2 tiles ahead);
-//   load tile kt + 1's scales and offsets into registers (gw_scales: their latency spans
-//   an iteration); dequantize tile kt's codes into W[kt % 2] with tile kt's (loaded the
-//   iteration before; while wgmma of kt - 1 runs on the tensor cores); fence.proxy.async;
-//   __syncthreads (B);
+//   dequantize tile kt's codes into W[kt % 2] (while wgmma of kt - 1 runs on the tensor
+//   cores); fence.proxy.async; __syncthreads (B);
 //   4 wgmma k16 steps on X slot kt, W[kt % 2]; commit; wait until only this group is
 //   pending (wgmma of kt - 1 complete).
 // Requirements, launch arguments and flags: those of gemm_wo.cu (llmc.cuda.gemm_wo_ops),
@@ -62,8 +60,6 @@ __device__ __forceinline__ void gemm_wo_sm90_body(const GwArgs& a) {
 #pragma unroll
     for (int s = 0; s < GS_STAGES - 2; ++s)
         gw_stage<BITS, GS_BM, GS_BN, true, GS_STAGES>(a, xsl, GS_TILE, csl, CS, m0, n0, s, KT);
-    float sc[GW_UNITS(GS_BN)], oc[GW_UNITS(GS_BN)];  // tile kt's scales and offsets
-    gw_scales<GS_BN>(a, n0, 0, sc, oc);
     for (int kt = 0; kt < KT; ++kt) {
         cp_async_wait<GS_STAGES - 3>();  // tile kt landed (this thread's copies)
         __syncthreads();                 // A
@@ -71,14 +67,7 @@ __device__ __forceinline__ void gemm_wo_sm90_body(const GwArgs& a) {
         gw_stage<BITS, GS_BM, GS_BN, true, GS_STAGES>(a, xsl, GS_TILE, csl, CS, m0, n0,
                                                       kt + GS_STAGES - 2, KT);
         unsigned char* w = wsl + (kt & 1) * GS_TILE;
-        float sn[GW_UNITS(GS_BN)], on[GW_UNITS(GS_BN)];
-        gw_scales<GS_BN>(a, n0, kt + 1, sn, on);  // tile kt + 1's, used next iteration
-        gw_dequant_with<BITS, GS_BN, true>(a, csl + st * CS, w, n0, kt, sc, oc);
-#pragma unroll
-        for (int i = 0; i < GW_UNITS(GS_BN); ++i) {
-            sc[i] = sn[i];
-            oc[i] = on[i];
-        }
+        gw_dequant<BITS, GS_BN, true>(a, csl + st * CS, w, n0, kt);
         fence_async_smem();  // st.shared / cp.async (generic proxy) -> wgmma (async proxy)
         __syncthreads();     // B
         wg_fence();
