@@ -14,8 +14,8 @@ cuda/gemm_wo_sm90.cu).
 
 Which one: ``WoGemmOps.wo_gemm`` — one of the plans for every step it applies to
 (``gw_unsupported``: else ``dequant``), or ``auto``: the table ``WO_GEMM_TABLE`` by rows M.
-The default stays ``dequant`` until the kernels' GPU tests are seen passing (their bench
-rows are measured: the table's comment).
+The default is ``dequant``, the fastest plan measured (the table's comment); the kernels'
+GPU tests pass (358 of tests/cuda/test_cuda_wo_gemm.py on the H200, 2026-12-03).
 
 Invariant: every plan computes the same rounded weights; they differ only in the order of
 the float32 accumulation (tolerance of a float32-accumulated GEMM). ``WoGemmOps`` is a
@@ -44,19 +44,15 @@ GW_STATIC_SMEM = 48 * 1024  # above this a kernel needs its dynamic-shared-memor
 _NULL = np.uint64(0)
 
 # The plan by rows M under ``wo_gemm = "auto"``: the first entry whose bound holds (None:
-# any M). Measured on the H200 (272b320, ``python -m llmc.cuda.bench --only gemvwo``, the
-# four projections of an 8B layer, int4 g128 and int8): mma.sync's 32 / 64-row tiles take
-# 0.4-0.6x the time of dequantize-then-cuBLAS at M = 16 and 64 (e.g. qkv int4 M = 16:
-# 0.106 vs 0.193 ms); from M = 256 the three plans are within ~20 % of each other, no plan
-# wins every projection (sm90 qkv / o_proj, dequantize down_proj), and from M = 512
-# dequantize-then-cuBLAS wins (M = 1024 qkv int4: 0.187 vs 0.384 ms sm90). Those rows were
-# timed eagerly, which bounds dequantize-then-cuBLAS by its chunks' launches: replayed from
-# CUDA graphs, as the engine runs it (2026-12-03, scripts/wo_gemm_quick.py), it takes
-# 1.04-1.9x bf16 cuBLAS's time at M = 512 (gate_up the most: its dequantization writes the
-# 16-bit weight at ~1.6 TB/s) and 1.02-1.5x at M = 1024. The default stays ``dequant`` (the
-# GEMM kernels' GPU test batch was cut before pytest named its failures): ``auto`` is this
-# table.
-WO_GEMM_TABLE: tuple[tuple[int | None, str], ...] = ((64, "mma"), (None, "dequant"))
+# any M). Measured on the H200 replayed from CUDA graphs, as the engine runs decode
+# (2026-12-03, ``scripts/wo_plan_sweep.py``, the four 8B projections, int4 g128 and int8,
+# M = 16-2048): dequantize-then-cuBLAS is the fastest plan at every M from 64 on but for
+# gate_up at M = 64 (mma 112 vs 182 us int8, 164 vs 193 int4); mma and sm90 take
+# 0.12-0.29x bf16 cuBLAS's time there against dequantize's 0.33-0.84x (gate_up M = 512 int4:
+# 768 / 769 / 282 us, bf16 157; sm90's k-tile takes ~1.7 us whatever M and the bits, a
+# latency not found yet). The table's earlier first entry (mma up to 64 rows) came from
+# eager timings, where dequantize-then-cuBLAS is bound by its launches.
+WO_GEMM_TABLE: tuple[tuple[int | None, str], ...] = ((None, "dequant"),)
 WO_GEMM_PLANS = ("dequant", "mma", "sm90", "auto")
 GS_STAGES, GS_TILE = 6, 128 * 128  # gemm_wo_sm90.cu: stages, bytes of an X slot / W tile
 

@@ -45,14 +45,11 @@ def test_plan_picks_each_tile():
 def test_plan_table_and_choices():
     """wo_gemm: a plan everywhere, or ``auto`` by the table; sm90 is mma off sm_90; a bad
     name is refused."""
-    assert [wo_gemm_planned("auto", m, True) for m in (9, 64, 65, 1024, 1025)] == [
-        "mma",
-        "mma",
-        "dequant",
-        "dequant",
-        "dequant",
-    ]  # fmt: skip  (the H200's rows: gemm_wo_ops.WO_GEMM_TABLE)
-    assert wo_gemm_planned("auto", 32, False) == "mma"
+    # the H200's rows (gemm_wo_ops.WO_GEMM_TABLE): dequantize-then-cuBLAS at every M
+    assert {wo_gemm_planned("auto", m, sm90) for m in (9, 64, 65, 1025) for sm90 in (1, 0)} == {
+        "dequant"
+    }
+    assert wo_gemm_planned("mma", 32, True) == "mma"
     assert wo_gemm_planned("dequant", 16, True) == "dequant"
     assert wo_gemm_planned("sm90", 8192, True) == "sm90"
     with pytest.raises(UnsupportedError, match="wo_gemm = 'wgmma'"):
@@ -94,11 +91,12 @@ def test_dequant_chunks_are_aligned():
 
 
 def test_plan_of_a_step():
-    """wo_gemm_plan: auto follows the table (mma to 64 rows, then dequantize); unsupported
-    steps dequantize whatever the choice."""
+    """wo_gemm_plan: auto follows the table (dequantize at every M); an explicit plan is
+    kept where it applies; unsupported steps dequantize whatever the choice."""
     w = random_packed(4096, 128, 4, 128, offsets=True)
     x = torch.zeros(256, 128, dtype=torch.bfloat16)
-    assert wo_gemm_plan("auto", torch.zeros(64, 128, dtype=torch.bfloat16), w, True) == "mma"
+    assert wo_gemm_plan("auto", torch.zeros(64, 128, dtype=torch.bfloat16), w, True) == "dequant"
+    assert wo_gemm_plan("mma", torch.zeros(64, 128, dtype=torch.bfloat16), w, True) == "mma"
     assert wo_gemm_plan("auto", x, w, True) == "dequant"
     assert wo_gemm_plan("sm90", x, w, True) == "sm90"  # an explicit choice is kept
     assert wo_gemm_plan("sm90", x, w, False) == "mma"
