@@ -57,4 +57,3 @@ extern "C" __global__ void wo_rows_kernel(const long long* __restrict__ ids,
         }
     }
 }
-

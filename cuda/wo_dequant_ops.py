@@ -2,11 +2,13 @@
 
 ``_wo_dequant_mm(x, w, bias, out)``: out = x @ dequantize(w).T (+ bias) for the steps the
 GEMV kernels and the tiled GEMMs do not take (llmc.cuda.gemv_wo_ops). The 16-bit weight is
-never whole in memory: row chunks of at most ``WO_CHUNK_BYTES`` (``wo_chunk_rows``) are
-dequantized, under CUDA-graph capture, into one of two chunk buffers on a side stream while
-torch.mm of the previous chunk runs on the caller's stream, so that the dequantization
-(memory-bound) overlaps the GEMMs (compute-bound): 3-10 % off gate_up / down at M = 512 -
-2048 on the H200 (docs/PERFORMANCE.md, 2026-12-03 afternoon). Launched eagerly, the chunks
+dequantized into a temporary of at most ``WO_CHUNK_BYTES`` (``wo_chunk_rows``): a weight that
+fits (every 8B projection) in one piece and one GEMM; a larger one (e.g. a quantized
+lm_head) in row chunks, under CUDA-graph capture into one of two chunk buffers on a side
+stream while torch.mm of the previous chunk runs on the caller's stream, so that the
+dequantization (memory-bound) overlaps the GEMMs (compute-bound): 3-10 % off gate_up / down
+at M = 512 - 2048 in 24-MB chunks on the H200 (docs/perf/archive-2026-12-03.md, afternoon;
+one piece is faster still: WO_CHUNK_BYTES's comment). Launched eagerly, the chunks
 stay on the caller's stream: there the host bounds the path, and the events and stream
 switches of the overlap cost ~3x the host time a chunk (qkv M = 512, eager: 601 us with it,
 173 without, two calls of the same day). The order is kept by events: chunk i's
@@ -156,9 +158,10 @@ class WoDequantOps:
 
     def _wo_dequant_rows(self, w: PackedWeight, n0: int, t: int, out: torch.Tensor) -> None:
         """``_wo_rows(w, None, n0, t, out)`` with the same launch, its per-weight arguments
-        built once (``_RowsConsts``): dequantize-then-cuBLAS launches a chunk at a time,
-        ~20 a layer, eagerly in prefill and mixed steps, where the host bounds it. Python
-        per chunk on this project's CPU (launch excluded, 2026-12-03): 11.3 -> 3.6 us."""
+        built once (``_RowsConsts``): dequantize-then-cuBLAS launches one a weight (a chunk
+        at a time past WO_CHUNK_BYTES), eagerly in prefill and mixed steps, where the host
+        bounds it. Python a launch on this project's CPU (launch excluded, 2026-12-03):
+        11.3 -> 3.6 us."""
         c = self._wo_rows_consts(w, out.dtype)
         codes = c.codes + n0 * c.codes_row
         vec = c.vec_ok and out.data_ptr() % 16 == 0 and codes % 8 == 0

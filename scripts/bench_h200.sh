@@ -26,7 +26,7 @@
 # rows with --piecewise_graph_max_tokens 8192: piecewise CUDA graphs of prefill and mixed
 # steps), smolnopw / 128nopw / 2048nopw (the same rows with --piecewise_graph_max_tokens 0).
 # int4128pw / int8128pw: the weight-only 128/128 rows with piecewise graphs (their prefill
-# and mixed steps run dequantize-then-cuBLAS chunk by chunk when eager: host-bound?).
+# and mixed steps run dequantize-then-cuBLAS eagerly otherwise: host-bound?).
 # SKIP_TESTS=1
 # skips step 2; PYTEST_ARGS
 # (absolute paths: Python runs outside the checkout) replaces its test files. LLMC_COMMIT names
