@@ -80,14 +80,19 @@ __device__ __forceinline__ void gemm_wo_body(const GwArgs& a) {
             for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
 
     const int KT = (a.K + GW_BK - 1) / GW_BK;
+    const GwLoader<BITS, BM, BN, GW_THREADS> ld =
+        gw_loader<BITS, BM, BN, GW_THREADS>(a, m0, n0, threadIdx.x);
 #pragma unroll
-    for (int s = 0; s < S - 1; ++s) gw_stage<BITS, BM, BN, false, S>(a, xsl, XB, csl, CS, m0, n0, s, KT);
+    for (int s = 0; s < S - 1; ++s) gw_stage<BITS, BM, BN, false, S>(a, ld, xsl, XB, csl, CS, s, KT);
     for (int kt = 0; kt < KT; ++kt) {
         gw_wait_stages<S - 2>();  // tile kt landed (this thread's copies)
         __syncthreads();          // every warp is past tile kt - 1: its slot and W are free
         const int st = kt % S;
-        gw_stage<BITS, BM, BN, false, S>(a, xsl, XB, csl, CS, m0, n0, kt + S - 1, KT);
-        gw_dequant<BITS, BN, false>(a, csl + st * CS, reinterpret_cast<unsigned char*>(ws), n0, kt);
+        gw_stage<BITS, BM, BN, false, S>(a, ld, xsl, XB, csl, CS, kt + S - 1, KT);
+        GwPre<BN> pre;
+        gw_pre_load<BN>(a, n0, kt, threadIdx.x, pre);
+        gw_dequant<BITS, BN, false>(a, csl + st * CS, reinterpret_cast<unsigned char*>(ws),
+                                    threadIdx.x, pre);
         __syncthreads();
         const scalar_t* xt = reinterpret_cast<const scalar_t*>(xsl + st * XB);
 #pragma unroll

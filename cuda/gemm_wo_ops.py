@@ -9,8 +9,9 @@ cuda/gemm_wo_sm90.cu).
   dequantized into shared memory (the same bit-exact formula, rounded once into the
   activation dtype: the same weight values), mma.sync m16n8k16, float32 accumulation,
   rounded once; tiles 128x128 / 64x128 / 32x64 (``gw_tile``);
-- ``sm90``: gemm_wo_sm90.cu (sm_90 devices; elsewhere ``mma``): the same staging and
-  dequantization, wgmma m64n128k16 on 128x128 tiles, six stages.
+- ``sm90``: gemm_wo_sm90.cu (sm_90 devices; elsewhere ``mma``): the same dequantization,
+  warp specialized (a cp.async producer warpgroup, two consumer warpgroups), wgmma
+  m64n128k16 on 128x128 tiles, six stages.
 
 Which one: ``WoGemmOps.wo_gemm`` — one of the plans for every step it applies to
 (``gw_unsupported``: else ``dequant``), or ``auto``: the table ``WO_GEMM_TABLE`` by rows M.
@@ -55,6 +56,7 @@ _NULL = np.uint64(0)
 WO_GEMM_TABLE: tuple[tuple[int | None, str], ...] = ((None, "dequant"),)
 WO_GEMM_PLANS = ("dequant", "mma", "sm90", "auto")
 GS_STAGES, GS_TILE = 6, 128 * 128  # gemm_wo_sm90.cu: stages, bytes of an X slot / W tile
+GS_THREADS = 384  # gemm_wo_sm90.cu: a producer warpgroup and two consumer warpgroups
 
 
 def gw_kernel_name(bits: int, bm: int, bn: int) -> str:
@@ -130,8 +132,14 @@ def wo_gemm_plan(
 
 def gs_smem_bytes(bits: int) -> int:
     """Dynamic shared memory of a gemm_wo_sm90.cu launch: X slots, two W tiles, code slots,
-    and 1024 bytes to round the base up to the swizzle's alignment."""
-    return (GS_STAGES + 2) * GS_TILE + GS_STAGES * 128 * GW_BK * bits // 8 + 1024
+    a full and an empty mbarrier a stage, and 1024 bytes to round the base up to the
+    swizzle's alignment."""
+    return (GS_STAGES + 2) * GS_TILE + GS_STAGES * (128 * GW_BK * bits // 8 + 16) + 1024
+
+
+def gw_threads(plan: str) -> int:
+    """Threads a CTA of the ``plan`` (mma or sm90) launch."""
+    return GS_THREADS if plan == "sm90" else GW_THREADS
 
 
 def gw_row_scaled(w: PackedWeight) -> bool:
@@ -201,4 +209,4 @@ class WoGemmOps:
         cargs = tuple(
             _NULL if a is None else _p(a) if isinstance(a, torch.Tensor) else _i(a) for a in args
         )
-        self._launch(kern, (grid,), (GW_THREADS,), cargs, shared_mem=smem)
+        self._launch(kern, (grid,), (gw_threads(plan),), cargs, shared_mem=smem)

@@ -41,7 +41,7 @@ def check(launch: tuple, family: str, name: str) -> tuple:
     assert len(args) == len(GW_SIG) == 13
     for a, ty in zip(args, GW_SIG, strict=True):
         assert type(a) is (np.uint64 if "*" in ty else NP_TYPE[ty]), (ty, type(a))
-    assert block == (gw.GW_THREADS,)
+    assert block == (gw.GS_THREADS if family == "gemm_wo_sm90" else gw.GW_THREADS,)
     want_attr = smem if smem > gw.GW_STATIC_SMEM else 0
     assert kern.max_dynamic_shared_size_bytes == want_attr
     return grid, args, smem
