@@ -37,27 +37,6 @@
 
 #if MMA_DECODE_16 || MMA_DECODE_FP8
 
-// How an e4m3 cache's codes become fp16 mma operands (LLMC_FP8_KV_MODE, a compile-time
-// choice measured by scripts/fp8_kv_modes.py): 0 = cvt.rn.f16x2.e4m3x2 for K and V (the
-// conversion pipe), 1 = K by integer ops and V by cvt, 2 = K by cvt and V by integer ops,
-// 3 = both by integer ops, 4 = no conversion (timing only: wrong values).  The integer form
-// is value / 256 exactly (s.eeee.mmm -> s.0eeee.mmm0000000, subnormals alike); the factor
-// is restored on the scores (K) and on the accumulator (V), powers of two: the same bits.
-#ifndef LLMC_FP8_KV_MODE
-#define LLMC_FP8_KV_MODE 0
-#endif
-#define FP8_K_INT (LLMC_FP8_KV_MODE == 1 || LLMC_FP8_KV_MODE == 3)
-#define FP8_V_INT (LLMC_FP8_KV_MODE == 2 || LLMC_FP8_KV_MODE == 3)
-
-// e4m3 codes in the high byte of each 16-bit half of v -> fp16x2 of value / 256.
-__device__ __forceinline__ unsigned fp8_hi_bytes_div256(unsigned v) {
-    return ((v >> 1) & 0x3f803f80u) | (v & 0x80008000u);
-}
-// e4m3 codes in the low byte of each 16-bit half of v -> fp16x2 of value / 256.
-__device__ __forceinline__ unsigned fp8_lo_bytes_div256(unsigned v) {
-    return ((v << 7) & 0x3f803f80u) | ((v << 8) & 0x80008000u);
-}
-
 #ifndef LLMC_HOST_EMULATION
 // D = A B + D, fp16 (F16) or bf16 operands.
 template <bool F16>
@@ -160,16 +139,7 @@ __device__ __forceinline__ void mma_tile(const MmaTile<cache_t>& tl, const unsig
         for (int nt = 0; nt < 2; ++nt) {
             unsigned b0, b1;
             if constexpr (FP8) {
-#if LLMC_FP8_KV_MODE == 4
-                b0 = tl.k[nt][ks];
-                b1 = tl.k[nt][ks] >> 8;
-#elif FP8_K_INT
-                // bytes (0, 2) and (1, 3): dims +0, +2 and +1, +3 (Q packed the same way)
-                b0 = fp8_lo_bytes_div256(tl.k[nt][ks]);
-                b1 = fp8_hi_bytes_div256(tl.k[nt][ks]);
-#else
                 fp8x4_to_half2x2(tl.k[nt][ks], b0, b1);
-#endif
             } else {
                 b0 = tl.k[nt][2 * ks];
                 b1 = tl.k[nt][2 * ks + 1];
@@ -177,14 +147,6 @@ __device__ __forceinline__ void mma_tile(const MmaTile<cache_t>& tl, const unsig
             mma_16816<F16>(s[nt], qa[ks][0], 0u, qa[ks][1], 0u, b0, b1);
         }
     }
-#if FP8_K_INT
-    if constexpr (FP8) {
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[nt][e] *= 256.f;
-    }
-#endif
     // row g (head g): s[nt][0], s[nt][1] are keys base + 8 nt + 2t, + 1
     float mx = LLMC_NEG_INF;
 #pragma unroll
@@ -224,23 +186,9 @@ __device__ __forceinline__ void mma_tile(const MmaTile<cache_t>& tl, const unsig
         unsigned a[4];
         if constexpr (FP8) {
             // word mt / 2 of a key holds dims 4 (mt / 2) .. + 3: bytes 0, 1 for even mt
-#if LLMC_FP8_KV_MODE == 4
-            a[0] = __byte_perm(tl.v[0][mt >> 1], tl.v[1][mt >> 1], 0x5140u);
-            a[1] = a[0] >> 8;
-            a[2] = __byte_perm(tl.v[2][mt >> 1], tl.v[3][mt >> 1], 0x5140u);
-            a[3] = a[2] >> 8;
-#elif FP8_V_INT
-            // each code into the high byte of its half (the low bytes: masked away)
-            const unsigned s0 = (mt & 1) ? 0x6020u : 0x4000u, s1 = (mt & 1) ? 0x7030u : 0x5010u;
-            a[0] = fp8_hi_bytes_div256(__byte_perm(tl.v[0][mt >> 1], tl.v[1][mt >> 1], s0));
-            a[1] = fp8_hi_bytes_div256(__byte_perm(tl.v[0][mt >> 1], tl.v[1][mt >> 1], s1));
-            a[2] = fp8_hi_bytes_div256(__byte_perm(tl.v[2][mt >> 1], tl.v[3][mt >> 1], s0));
-            a[3] = fp8_hi_bytes_div256(__byte_perm(tl.v[2][mt >> 1], tl.v[3][mt >> 1], s1));
-#else
             const unsigned sel = (mt & 1) ? 0x7362u : 0x5140u;
             fp8x4_to_half2x2(__byte_perm(tl.v[0][mt >> 1], tl.v[1][mt >> 1], sel), a[0], a[1]);
             fp8x4_to_half2x2(__byte_perm(tl.v[2][mt >> 1], tl.v[3][mt >> 1], sel), a[2], a[3]);
-#endif
         } else {
             a[0] = __byte_perm(tl.v[0][mt], tl.v[1][mt], 0x5410u);
             a[1] = __byte_perm(tl.v[0][mt], tl.v[1][mt], 0x7632u);
@@ -310,11 +258,8 @@ __device__ __forceinline__ void attend_cta_mma(
         }
 #pragma unroll
         for (int ks = 0; ks < HD / 16; ++ks) {
-            // (an integer-converted e4m3 K pairs dims +0, +2 and +1, +3: so does Q)
-            constexpr int o1 = (sizeof(cache_t) == 1 && FP8_K_INT) ? 2 : 1;
-            constexpr int o2 = (sizeof(cache_t) == 1 && FP8_K_INT) ? 1 : 2;
-            qa[ks][0] = pack_op<F16>(f[4 * ks] * scale_log2, f[4 * ks + o1] * scale_log2);
-            qa[ks][1] = pack_op<F16>(f[4 * ks + o2] * scale_log2, f[4 * ks + 3] * scale_log2);
+            qa[ks][0] = pack_op<F16>(f[4 * ks] * scale_log2, f[4 * ks + 1] * scale_log2);
+            qa[ks][1] = pack_op<F16>(f[4 * ks + 2] * scale_log2, f[4 * ks + 3] * scale_log2);
         }
     }
     float m = LLMC_NEG_INF, l = 0.f, o[HD / 16][4];
@@ -326,14 +271,6 @@ __device__ __forceinline__ void attend_cta_mma(
     else
         mma_keys<false, NWARPS, cache_t, F16>(k_cache, v_cache, bt, block_size, bs_shift, kvh,
                                               kbeg, kend, qa, m, l, o);
-#if FP8_V_INT
-    if constexpr (sizeof(cache_t) == 1) {
-#pragma unroll
-        for (int mt = 0; mt < HD / 16; ++mt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) o[mt][e] *= 256.f;
-    }
-#endif
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
     if (tq == 0 && g8 < G) {
