@@ -7,7 +7,8 @@ write and decode attention beside their BF16 twins, and the W8A8 GEMMs beside BF
 - rope_kv with a bf16 and an fp8 cache (``rope_kv_rows``, the bench's rope section): GB/s;
 - decode attention at 64 sequences x 4,096 context (GQA 32/8, hd 128), bf16 and fp8 KV,
   auto and forced split plans (``decode_64x4096``, called by the bench for its decode
-  section; CUDA-graph replays): GB/s of KV read (+ q / out) against the copy ceiling, target 85 % (issue 12);
+  section; CUDA-graph replays): GB/s of KV read (+ q / out) against the copy ceiling,
+  target 85 % (issue 12);
 - linear_fp8 (torch._scaled_mm row-wise) beside torch.mm in bf16 at the Llama-3-8B shapes
   (qkv 4096 -> 6144, o 4096 -> 4096, gate_up 4096 -> 28672, down 14336 -> 4096) for M = 512,
   1024, 4096 rows: TFLOP/s against the bf16 matmul ceiling (fp8 may pass 100 %).
