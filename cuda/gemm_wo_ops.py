@@ -14,9 +14,11 @@ cuda/gemm_wo_sm90.cu).
   m64n128k16 on 128x128 tiles, six stages.
 
 Which one: ``WoGemmOps.wo_gemm`` — one of the plans for every step it applies to
-(``gw_unsupported``: else ``dequant``), or ``auto``: the table ``WO_GEMM_TABLE`` by rows M.
-The default is ``dequant``, the fastest plan measured (the table's comment); the kernels'
-GPU tests pass (358 of tests/cuda/test_cuda_wo_gemm.py on the H200, 2026-12-03).
+(``gw_unsupported``: else ``dequant``), or ``auto`` (the default): the table
+``WO_GEMM_TABLE`` by rows M and output columns N — ``mma`` for wide projections (gate_up)
+up to 64 rows, ``dequant`` everywhere else, the fastest plans measured on the H200 and the
+H100 (the table's comment); the kernels' GPU tests pass (358 of tests/cuda/test_cuda_wo_gemm.py
+on the H200, 2026-12-03; the whole file on the H100, 2026-12-07).
 
 Invariant: every plan computes the same rounded weights; they differ only in the order of
 the float32 accumulation (tolerance of a float32-accumulated GEMM). ``WoGemmOps`` is a
@@ -44,16 +46,24 @@ GW_TILES = ((128, 128), (64, 128), (32, 64))  # (BM, BN) the file instantiates, 
 GW_STATIC_SMEM = 48 * 1024  # above this a kernel needs its dynamic-shared-memory attribute
 _NULL = np.uint64(0)
 
-# The plan by rows M under ``wo_gemm = "auto"``: the first entry whose bound holds (None:
-# any M). Measured on the H200 replayed from CUDA graphs, as the engine runs decode
-# (2026-12-03, ``scripts/wo_plan_sweep.py``, the four 8B projections, int4 g128 and int8,
-# M = 16-2048): dequantize-then-cuBLAS is the fastest plan at every M from 64 on but for
-# gate_up at M = 64 (mma 112 vs 182 us int8, 164 vs 193 int4); mma and sm90 take
-# 0.12-0.29x bf16 cuBLAS's time there against dequantize's 0.33-0.84x (gate_up M = 512 int4:
-# 768 / 769 / 282 us, bf16 157; sm90's k-tile takes ~1.7 us whatever M and the bits, a
-# latency not found yet). The table's earlier first entry (mma up to 64 rows) came from
-# eager timings, where dequantize-then-cuBLAS is bound by its launches.
-WO_GEMM_TABLE: tuple[tuple[int | None, str], ...] = ((None, "dequant"),)
+# The plan under ``wo_gemm = "auto"``: the first entry (most rows M or None = any, fewest
+# output columns N, plan) that holds. Measured replayed from CUDA graphs, as the engine runs
+# decode (``scripts/wo_plan_sweep.py``, the four 8B projections, int4 g128 and int8):
+# - H200, 2026-12-03 (M = 16-2048): dequantize-then-cuBLAS is the fastest plan at every M
+#   from 64 on but for gate_up at M = 64 (mma 112 vs 182 us int8, 164 vs 193 int4); mma and
+#   sm90 take 0.12-0.29x bf16 cuBLAS's time from M = 128 on against dequantize's 0.33-0.84x
+#   (gate_up M = 512 int4: 768 / 769 / 282 us, bf16 157);
+# - H100, 2026-12-07 (M = 64, 512, 2048; sm90 warp specialized since): gate_up at M = 64
+#   mma 109.0 vs dequant 219.4 us int4, 90.4 vs 214.1 int8; qkv / o_proj / down at M = 64
+#   int4 dequant 50.4 / 33.4 / 118.1 vs mma 57.1 / 41.5 / 136.0; at M >= 512 dequant
+#   0.53-0.83x bf16 against mma 0.16-0.31x and sm90 0.25-0.35x.
+# Dequantize's cost is the whole weight whatever M (a 16-bit copy written and read back), so
+# it loses where the weight is wide and M small; both GPUs agree on gate_up (N = 28,672)
+# at M = 64, so that entry is mma for N >= 16,384 up to 64 rows (the GEMV passes serve
+# M <= 32 int4 / 16 int8 first). The table's first entry of 2026-12-01 (mma up to 64 rows
+# for every shape) came from eager timings, where dequantize-then-cuBLAS is bound by its
+# launches.
+WO_GEMM_TABLE: tuple[tuple[int | None, int, str], ...] = ((64, 16384, "mma"), (None, 0, "dequant"))
 WO_GEMM_PLANS = ("dequant", "mma", "sm90", "auto")
 GS_STAGES, GS_TILE = 6, 128 * 128  # gemm_wo_sm90.cu: stages, bytes of an X slot / W tile
 GS_THREADS = 384  # gemm_wo_sm90.cu: a producer warpgroup and two consumer warpgroups
@@ -106,16 +116,18 @@ def gw_unsupported(x: torch.Tensor, w: PackedWeight, out: torch.Tensor | None = 
     return None
 
 
-def wo_gemm_planned(choice: str, m: int, sm90: bool) -> str:
-    """The plan ``wo_gemm`` = ``choice`` picks for M rows (support aside); ``sm90`` is
-    ``mma`` off sm_90 devices."""
+def wo_gemm_planned(choice: str, m: int, sm90: bool, n: int = 0) -> str:
+    """The plan ``wo_gemm`` = ``choice`` picks for M rows of N output columns (support
+    aside); ``sm90`` is ``mma`` off sm_90 devices."""
     if choice not in WO_GEMM_PLANS:
         raise UnsupportedError(
             f"CudaBackend.wo_gemm = {choice!r}: choose one of {', '.join(WO_GEMM_PLANS)}"
         )
     plan = choice
     if choice == "auto":
-        plan = next(p for bound, p in WO_GEMM_TABLE if bound is None or m <= bound)
+        plan = next(
+            p for most, min_n, p in WO_GEMM_TABLE if (most is None or m <= most) and n >= min_n
+        )
     return "mma" if plan == "sm90" and not sm90 else plan
 
 
@@ -124,7 +136,7 @@ def wo_gemm_plan(
 ) -> str:
     """The plan that runs x [M, K] against ``w`` under ``wo_gemm`` = ``choice``:
     ``wo_gemm_planned``, then ``dequant`` where the kernels do not apply."""
-    plan = wo_gemm_planned(choice, x.shape[0], sm90)
+    plan = wo_gemm_planned(choice, x.shape[0], sm90, w.shape[0])
     if plan == "dequant" or gw_unsupported(x, w, out):
         return "dequant"
     return plan
@@ -175,7 +187,7 @@ def gw_launch(
 class WoGemmOps:
     """The tensor-core plans and their launch (mixin; see the module docstring)."""
 
-    wo_gemm: str = "dequant"
+    wo_gemm: str = "auto"
 
     device: torch.device
     _sm_count: int

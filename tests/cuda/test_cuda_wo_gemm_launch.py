@@ -85,9 +85,17 @@ def test_sm90_launch(be):
 def test_plans_and_fallbacks(be):
     w = random_packed(256, 512, 4, 64, offsets=False)
     x = aligned(64, 512)
-    be.wo_gemm = "dequant"  # the default
+    assert be.wo_gemm == "auto"  # the default: the table (a narrow weight dequantizes)
     be.linear(x, w, out=aligned(64, 256))
     assert [lk[0].family for lk in be.launches] == ["wo_dequant"]
+    wide = random_packed(16384, 512, 4, 64, offsets=False)  # gate_up-wide: mma to 64 rows
+    be.linear(x, wide, out=aligned(64, 16384))
+    assert be.launches[-1][0].family == "gemm_wo"
+    be.linear(aligned(65, 512), wide, out=aligned(65, 16384))
+    assert be.launches[-1][0].family == "wo_dequant"
+    be.wo_gemm = "dequant"
+    be.linear(x, wide, out=aligned(64, 16384))
+    assert be.launches[-1][0].family == "wo_dequant"
     be.wo_gemm = "sm90"  # no sm_90 device (CPU): mma
     be.linear(x, w, out=aligned(64, 256))
     assert be.launches[-1][0].family == "gemm_wo"

@@ -45,10 +45,15 @@ def test_plan_picks_each_tile():
 def test_plan_table_and_choices():
     """wo_gemm: a plan everywhere, or ``auto`` by the table; sm90 is mma off sm_90; a bad
     name is refused."""
-    # the H200's rows (gemm_wo_ops.WO_GEMM_TABLE): dequantize-then-cuBLAS at every M
-    assert {wo_gemm_planned("auto", m, sm90) for m in (9, 64, 65, 1025) for sm90 in (1, 0)} == {
-        "dequant"
-    }
+    # the measured rows (gemm_wo_ops.WO_GEMM_TABLE): mma for wide weights (gate_up) up to
+    # 64 rows, dequantize-then-cuBLAS everywhere else
+    for sm90 in (True, False):
+        assert [wo_gemm_planned("auto", m, sm90, 28672) for m in (9, 64, 65, 1025)] == [
+            "mma", "mma", "dequant", "dequant",
+        ]  # fmt: skip
+        assert {wo_gemm_planned("auto", m, sm90, n) for m in (9, 64, 65, 1025)
+                for n in (0, 4096, 6144, 16383)} == {"dequant"}  # fmt: skip
+    assert wo_gemm_planned("auto", 64, True, 16384) == "mma"
     assert wo_gemm_planned("mma", 32, True) == "mma"
     assert wo_gemm_planned("dequant", 16, True) == "dequant"
     assert wo_gemm_planned("sm90", 8192, True) == "sm90"
@@ -91,11 +96,18 @@ def test_dequant_chunks_are_aligned():
 
 
 def test_plan_of_a_step():
-    """wo_gemm_plan: auto follows the table (dequantize at every M); an explicit plan is
-    kept where it applies; unsupported steps dequantize whatever the choice."""
+    """wo_gemm_plan: auto follows the table (mma for a weight of >= 16,384 rows up to 64
+    token rows, else dequantize); an explicit plan is kept where it applies; unsupported
+    steps dequantize whatever the choice."""
     w = random_packed(4096, 128, 4, 128, offsets=True)
+    wide = random_packed(16384, 64, 8, 64, offsets=False)
     x = torch.zeros(256, 128, dtype=torch.bfloat16)
     assert wo_gemm_plan("auto", torch.zeros(64, 128, dtype=torch.bfloat16), w, True) == "dequant"
+    assert wo_gemm_plan("auto", torch.zeros(64, 64, dtype=torch.bfloat16), wide, False) == "mma"
+    assert wo_gemm_plan("auto", torch.zeros(65, 64, dtype=torch.bfloat16), wide, True) == (
+        "dequant"
+    )
+    assert wo_gemm_plan("auto", torch.zeros(64, 64), wide, True) == "dequant"  # float32 x
     assert wo_gemm_plan("mma", torch.zeros(64, 128, dtype=torch.bfloat16), w, True) == "mma"
     assert wo_gemm_plan("auto", x, w, True) == "dequant"
     assert wo_gemm_plan("sm90", x, w, True) == "sm90"  # an explicit choice is kept
