@@ -103,9 +103,9 @@ def rope_kv_rows(be: Any, time_ms: Callable, mem_row: Callable) -> None:
 
 def decode_64x4096(be: Any, time_ms: Callable, mem_row: Callable) -> None:
     """64 x 4,096 decode, bf16 and fp8 KV, auto split plan (the issue's 85 % target) and
-    forced ones. The bench passes ``graph_ms`` as ``time_ms``: the runner replays decode
-    steps from CUDA graphs, and an eagerly timed launch also counts the GPU's wait for the
-    host's (~45 us of a 212-us fp8 call on the H100, 2026-12-07)."""
+    forced ones. The bench passes ``graph_ms`` as ``time_ms`` (as to every row here): the
+    runner replays decode steps from CUDA graphs, and an eagerly timed launch also counts
+    the GPU's wait for the host's (~45 us of a 212-us fp8 call on the H100, 2026-12-07)."""
     batch, ctx, nq, nkv, hd, bs = 64, 4096, 32, 8, 128, 32
     meta = decode_meta(batch, ctx, bs)
     q = torch.randn(batch, nq, hd, device=DEV).to(BF16)
