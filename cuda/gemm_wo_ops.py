@@ -56,7 +56,7 @@ _NULL = np.uint64(0)
 # - H100, 2026-12-07 (M = 64, 512, 2048; sm90 warp specialized since): gate_up at M = 64
 #   mma 109.0 vs dequant 219.4 us int4, 90.4 vs 214.1 int8; qkv / o_proj / down at M = 64
 #   int4 dequant 50.4 / 33.4 / 118.1 vs mma 57.1 / 41.5 / 136.0; at M >= 512 dequant
-#   0.53-0.83x bf16 against mma 0.16-0.31x and sm90 0.25-0.35x.
+#   0.54-0.83x bf16 against mma 0.16-0.31x and sm90 0.25-0.37x.
 # Dequantize's cost is the whole weight whatever M (a 16-bit copy written and read back), so
 # it loses where the weight is wide and M small; both GPUs agree on gate_up (N = 28,672)
 # at M = 64, so that entry is mma for N >= 16,384 up to 64 rows (the GEMV passes serve
