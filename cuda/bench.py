@@ -361,6 +361,10 @@ def _gemv_ops(
 
 
 def _commit() -> str:
+    """LLMC_COMMIT when set (the device tool's copy of the tree keeps a stale .git, as
+    scripts/bench_h200.sh says), else the checkout's HEAD."""
+    if os.environ.get("LLMC_COMMIT"):
+        return os.environ["LLMC_COMMIT"]
     try:
         return (
             subprocess.run(
