@@ -28,6 +28,7 @@ the ``_gemv_kernels`` cache).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -201,9 +202,14 @@ class WoGemmOps:
         """``dequant``, ``mma`` or ``sm90`` for x [M, K] against ``w`` into ``out``."""
         if self.wo_gemm == "dequant":
             return "dequant"
-        cuda = self.device.type == "cuda"
-        sm90 = cuda and torch.cuda.get_device_capability(self.device) == (9, 0)
-        return wo_gemm_plan(self.wo_gemm, x, w, sm90, out)
+        return wo_gemm_plan(self.wo_gemm, x, w, self._wo_sm90, out)
+
+    @functools.cached_property
+    def _wo_sm90(self) -> bool:
+        """Whether the device is sm_90 (asked once: ``_wo_gemm_plan`` runs per linear)."""
+        if self.device.type != "cuda":
+            return False
+        return torch.cuda.get_device_capability(self.device) == (9, 0)
 
     def _wo_gemm(
         self, plan: str, x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None,

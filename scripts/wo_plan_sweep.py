@@ -1,10 +1,11 @@
 """The large-step weight-only linear's plans against each other and bf16 cuBLAS, all
 replayed from CUDA graphs (as the engine runs decode): for the four Llama-3-8B projections,
 int4 g128 and int8 weights and M token rows, ``CudaBackend.linear`` under ``wo_gemm`` =
-dequant (dequantize-then-cuBLAS), mma (cuda/gemm_wo.cu) and sm90 (cuda/gemm_wo_sm90.cu),
-beside torch.mm on a bf16 weight of the same shape; each plan's output is compared with
-dequant's (max |difference| over max |value|: float32 sums in another order). Picks the rows
-of ``WO_GEMM_TABLE``. GPU only; run from outside the checkout:
+dequant (dequantize-then-cuBLAS), mma (cuda/gemm_wo.cu), sm90 (cuda/gemm_wo_sm90.cu) and
+auto (the default: the plan ``WO_GEMM_TABLE`` picks, named in the row's ``chose``), beside
+torch.mm on a bf16 weight of the same shape; each plan's output is compared with dequant's
+(max |difference| over max |value|: float32 sums in another order). Picks the rows of
+``WO_GEMM_TABLE``. GPU only; run from outside the checkout:
 
     python3 $REPO/scripts/wo_plan_sweep.py out.json [M ...]
 """
@@ -24,7 +25,7 @@ from llmc.cuda.cuda_backend import CudaBackend
 
 DEV = torch.device("cuda")
 TOKENS = (16, 64, 128, 256, 512, 1024, 2048)
-PLANS = ("dequant", "mma", "sm90")
+PLANS = ("dequant", "mma", "sm90", "auto")
 
 
 def main(path: str, tokens: tuple[int, ...]) -> None:
@@ -57,7 +58,8 @@ def main(path: str, tokens: tuple[int, ...]) -> None:
                     rel = float((got - base).abs().max() / base.abs().max().clamp_min(1e-30))
                     ms = graph_ms(fn, 3)
                     row(op=op, m=m, layout=name, plan=plan, us=round(ms * 1e3, 1),
-                        of_bf16=round(ref_ms / ms, 3), rel_diff=rel)  # fmt: skip
+                        of_bf16=round(ref_ms / ms, 3), rel_diff=rel,
+                        chose=be._wo_gemm_plan(x, w, out))  # fmt: skip
         del dense, packs
     del be.wo_gemm
     with open(path, "w") as f:
