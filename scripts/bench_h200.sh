@@ -15,7 +15,8 @@
 # the 128/128 row at temperature 0.7, top_p 0.9, issue 17); also available:
 # b1sync (--no_async_scheduling), b1mb256 (--max_batch_size 256), b1prof (batch-1
 # per-kernel profile), 128mb1024 (a second 8B engine built with max_batch_size 1024),
-# prof2048 and profsmol (kernel-family profiles), int4b1 / int4128 / int8b1 / int8128 (issue
+# prof2048, profsmol and proffp8 (kernel-family profiles; proffp8: the FP8 + FP8 KV engine at
+# 128/128, N_PROF_FP8 requests, default 1500), int4b1 / int4128 / int8b1 / int8128 (issue
 # 14: weight-only int4_wo / int8_wo engines of the 8B profile, dummy weights quantized at
 # build, batch 1 128/512 and 128/128 offline; beside the bf16 rows b1 / 128), beam4 (issue 16:
 # an 8B engine built with --max_beam_width 4, 128/128 at --beam_width 4, N_BEAM requests,
@@ -170,6 +171,12 @@ for r in $ROWS; do
         timeout 150 $LLMC profile --engine_dir "$SM" --num_requests 2048 --isl 128 --osl 128 \
             --warmup 2 --json "$RES/profile_smol.json" > "$RES/profile_smol.txt" 2>&1 \
             || { log "profile smol FAILED"; status=1; }
+        pack ;;
+    proffp8) fp8_engine; log "profile FP8 + FP8 KV 128/128 (kernel families in profile_fp8.json)"
+        timeout 200 $LLMC profile --engine_dir "$F8" --num_requests "${N_PROF_FP8:-1500}" --isl 128 \
+            --osl 128 --warmup 2 --json "$RES/profile_fp8.json" > "$RES/profile_fp8.txt" 2>&1 \
+            || { log "profile fp8 FAILED"; status=1; }
+        cp "$RES/profile_fp8.txt" "$OUT/profile_fp8.txt"
         pack ;;
     fp8b1) fp8_engine; bench llama8b_fp8_b1_128_512 "$F8" 120 --num_requests "$N_B1" \
             --isl 128 --osl 512 --concurrency 1 --warmup 1 ;;
