@@ -12,6 +12,10 @@ e4m3 weight [N, K] (column-major as ``weight.t()``) with one scale per output ch
 written into ``out`` (its ``out=`` form: nothing allocated per step, capturable in a CUDA
 graph). The bias is added in the same call for 16-bit outputs (torch refuses a bias with a
 float32 output: there it is a second, in-place add). K and N must be multiples of 16.
+``Fp8Ops.fp8_fast_accum`` passes ``use_fast_accum``: Hopper's fp8 MMAs then accumulate
+the whole K in their reduced-precision accumulator instead of promoting partial sums to
+float32 every few k-steps (faster; larger error at long K: scripts/fp8_gemm_sweep.py
+measures both).
 
 ``Fp8Ops`` is a mixin: the class using it provides ``device``, ``_lib(dtype)``,
 ``_launch(kernel, grid, block, args)``, ``_rms`` and the BF16 ``silu_and_mul`` (CudaBackend).
@@ -43,6 +47,7 @@ class Fp8Ops:
     _launch: Any
     _rms: Any
     silu_and_mul: Any
+    fp8_fast_accum: bool = False  # use_fast_accum of the FP8 GEMMs (module docstring)
 
     def _fp8_rows(self, out: Fp8Rows | None, t: int, k: int, op: str) -> Fp8Rows:
         """``out`` checked to hold [t, k] e4m3 codes and [t] float32 scales, or new rows."""
@@ -160,6 +165,7 @@ class Fp8Ops:
             scale_b=weight_scale.view(1, n),
             bias=fused_bias,
             out_dtype=dtype,
+            use_fast_accum=self.fp8_fast_accum,
             out=out.view(t, n),
         )
         if bias is not None and fused_bias is None:
