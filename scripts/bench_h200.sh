@@ -21,8 +21,9 @@
 # build, batch 1 128/512 and 128/128 offline; beside the bf16 rows b1 / 128), beam4 (issue 16:
 # an 8B engine built with --max_beam_width 4, 128/128 at --beam_width 4, N_BEAM requests,
 # default N_128; beside the greedy row 128), smolb1 (SmolLM2 shape batch 1 128/512), b1nopg
-# (batch 1 with --prefill_graph_max_tokens 0: eager prefill, beside b1), smolkK / 128kK /
-# b1kK (issue 17: the smol, 128 and b1 rows with --decode_steps_per_iteration K, e.g.
+# (batch 1 with --prefill_graph_max_tokens 0: eager prefill, beside b1), fp8128mbN (the FP8 +
+# FP8 KV 128/128 row on an engine built with --max_batch_size N, e.g. fp8128mb1024), smolkK /
+# 128kK / b1kK (issue 17: the smol, 128 and b1 rows with --decode_steps_per_iteration K, e.g.
 # smolk4, 128k8, b1k4: multi-step decoding), smolpw / 128pw / 2048pw (the smol, 128 and 2048
 # rows with --piecewise_graph_max_tokens 8192: piecewise CUDA graphs of prefill and mixed
 # steps), smolnopw / 128nopw / 2048nopw (the same rows with --piecewise_graph_max_tokens 0).
@@ -206,6 +207,10 @@ for r in $ROWS; do
             --concurrency 1 --warmup 1 --no_async_scheduling ;;
     nographs) bench llama8b_b1_nographs "$L8" 60 --num_requests 2 --isl 128 --osl 512 \
             --concurrency 1 --warmup 1 --no_cuda_graphs ;;
+    fp8128mb*) k=${r#fp8128mb}; e="$ENG/llama3-8b-fp8-mb$k"
+        [ -f "$e/manifest.json" ] || build llama3-8b "$e" --quantization fp8 --kv_cache_dtype fp8 \
+            --max_batch_size "$k"
+        bench "llama8b_fp8_128_128_mb$k" "$e" 200 --num_requests "$N_128" --isl 128 --osl 128 ;;
     smolk*) k=${r#smolk}; bench "smollm2_128_128_k$k" "$SM" 200 --num_requests "$N_SMOL" \
             --isl 128 --osl 128 --decode_steps_per_iteration "$k" ;;
     128k*) k=${r#128k}; bench "llama8b_128_128_k$k" "$L8" 200 --num_requests "$N_128" \
