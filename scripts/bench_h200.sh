@@ -30,7 +30,8 @@
 # int4128pw / int8128pw: the weight-only 128/128 rows with piecewise graphs (their prefill
 # and mixed steps run dequantize-then-cuBLAS eagerly otherwise: host-bound?).
 # SKIP_TESTS=1
-# skips step 2; PYTEST_ARGS
+# skips step 2; SKIP_BASE=1 skips the two bf16 builds of step 3 (for rows that build their own
+# engines: fp8*, int4*, int8*); PYTEST_ARGS
 # (absolute paths: Python runs outside the checkout) replaces its test files. LLMC_COMMIT names
 # the commit in env.txt and every result (the device tool's copy of the tree keeps a stale .git:
 # pass LLMC_COMMIT=$(git rev-parse --short=12 HEAD) from the calling machine).
@@ -102,8 +103,10 @@ bench() {  # name, engine, timeout, flags...
 
 L8=$ENG/llama3-8b
 SM=$ENG/smollm2
-build llama3-8b "$L8"
-build smollm2-135m-dummy "$SM"
+if [ "${SKIP_BASE:-0}" != "1" ]; then  # SKIP_BASE=1: only rows on engines they build themselves
+    build llama3-8b "$L8"
+    build smollm2-135m-dummy "$SM"
+fi
 
 profile_run() {
     log "profile (decode-heavy, --trace)"
