@@ -105,6 +105,10 @@ def _token_ids(
     items = (value,) if isinstance(value, int) and not isinstance(value, bool) else value
     if not isinstance(items, (list, tuple)) or len(items) > limit:
         raise _bad(owner, name, f"must be a list of at most {limit} token ids")
+    if set(map(type, items)) <= {int}:  # plain ints, the common case: checked at C speed
+        if items and ranged and (min(items) < 0 or max(items) > INT32_MAX):
+            raise _bad(owner, name, "must be non-negative integer token ids")
+        return list(items)
     ids = [_index(t) for t in items]
     if None in ids or (ranged and any(not 0 <= t <= INT32_MAX for t in ids)):  # type: ignore[operator]
         raise _bad(owner, name, "must be non-negative integer token ids")

@@ -49,6 +49,12 @@ _VERSION = operator.attrgetter("block_table_version")
 _OUT = operator.attrgetter("output_token_ids")
 _PARAMS = operator.attrgetter("sampling")
 _LAST = operator.itemgetter(-1)
+_COLUMN_DTYPES = {
+    **dict.fromkeys(smp.INT64_COLUMNS, np.int64),
+    **dict.fromkeys(smp.INT32_COLUMNS, np.int32),
+    **dict.fromkeys(smp.FLOAT_COLUMNS, np.float32),
+}
+"""The sampling columns' staged dtypes (``prepare``)."""
 
 
 @dataclass
@@ -274,6 +280,52 @@ class StepInputBuilder:
             cols[name] = floats[:, j]
         return (ids, p, slots, src, table), cols, cols_of.plain[cache_rows]
 
+    def _mixed(self, batch: ScheduledBatch, seqs: list[ScheduledSequence]) -> tuple[Any, ...]:
+        """The rows of a step with prompt chunks, checked: its one-token rows (first, in
+        batch order) through ``decode_step`` (vectorised over ``row_cache``), the chunks per
+        sequence. (order, ids, positions, slots [T] int64, cu_seqlens [b + 1] int64,
+        seq_lens [b] int64, tables [b, nb] int32, sampled (batch order), their logits rows,
+        their sampling columns, the number of one-token rows)."""
+        lim, tpb = self.limits, self.limits.tokens_per_block
+        if len(seqs) > lim.max_batch_size or batch.num_tokens > lim.max_num_tokens:
+            self._check(batch)  # raises the step's error
+        one = [s for s in seqs if s.num_new_tokens == 1]
+        chunks = [s for s in seqs if s.num_new_tokens != 1]
+        nd, order = len(one), one + chunks
+        if one:
+            rows, d_cols, _ = self.decode_step(ScheduledBatch(batch.step_id, tuple(one)))
+            d_ids, d_pos, d_slots, _, d_table = rows
+        else:
+            d_ids = d_pos = d_slots = np.zeros(0, dtype=np.int64)
+            d_table, d_cols = np.zeros((0, 1), dtype=np.int32), {}
+        self._check(ScheduledBatch(batch.step_id, tuple(chunks)))
+        c_ids, c_pos, c_slots = _flatten(chunks, tpb)
+        lens = np.fromiter(map(_NEW, chunks), dtype=np.int64, count=len(chunks))
+        c_cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+        self._check_vocab(c_ids, chunks, c_cu.tolist())
+        c_lens = np.fromiter(map(_START, chunks), dtype=np.int64, count=len(chunks)) + lens
+        cu = np.concatenate([np.arange(nd, dtype=np.int64), nd + c_cu])
+        seq_lens = np.concatenate([d_pos + 1, c_lens])
+        nblk = -(-seq_lens // tpb)
+        tables = np.full((len(order), int(nblk.max())), -1, dtype=np.int32)
+        tables[:nd, : d_table.shape[1]] = d_table
+        for i, s in enumerate(chunks):
+            blocks = s.seq.block_table[: int(nblk[nd + i])]
+            tables[nd + i, : len(blocks)] = blocks
+        where = {id(s): i for i, s in enumerate(order)}
+        sampled = [s for s in seqs if s.sample]
+        at = np.fromiter((where[id(s)] for s in sampled), dtype=np.int64, count=len(sampled))
+        is_one = at < nd
+        c_cols = smp.sampling_columns([s.seq for s in sampled if where[id(s)] >= nd])
+        cols: dict[str, np.ndarray] = {}
+        for name, dtype in _COLUMN_DTYPES.items():  # the staged dtypes
+            cols[name] = col = np.empty(len(sampled), dtype=dtype)
+            col[~is_one] = c_cols[name]
+            if nd:
+                col[is_one] = d_cols[name][at[is_one]]
+        flat = [np.concatenate(x) for x in ((d_ids, c_ids), (d_pos, c_pos), (d_slots, c_slots))]
+        return (order, *flat, cu, seq_lens, tables, sampled, cu[1:][at] - 1, cols, nd)
+
     def _check_vocab(self, flat_ids: np.ndarray, order: Any, cu: list[int]) -> None:
         if flat_ids.size and (flat_ids.min() < 0 or flat_ids.max() >= self.spec.vocab_size):
             rows = np.nonzero((flat_ids < 0) | (flat_ids >= self.spec.vocab_size))[0]
@@ -338,7 +390,6 @@ class StepInputBuilder:
         static workspace; ``src_rows`` as in ``decode_rows`` (async scheduling), ``span``
         as in ``decode_step`` (a multi-step window's decode-only batch)."""
         seqs = list(batch.sequences)
-        tpb = self.limits.tokens_per_block
         if src_rows is not None or span is not None or set(map(_NEW, seqs)) <= {1}:
             order = seqs
             rows, dcols, plain = self.decode_step(batch, src_rows, span)
@@ -359,29 +410,13 @@ class StepInputBuilder:
             # a row that samples nothing is a one-token chunk of a prompt: it may score one
             prompt = None if len(sampled) == b else plp.prompt_rows(order, range(b))
         else:
-            self._check(batch)
-            order = [s for s in seqs if s.num_new_tokens == 1]
-            order += [s for s in seqs if s.num_new_tokens != 1]
-            flat_ids, positions, slots = _flatten(order, tpb)
+            mixed = self._mixed(batch, seqs)
+            order, flat_ids, positions, slots, cu, seq_lens, tables = mixed[:7]
+            sampled, logits_rows, cols, num_decode = mixed[7:]
             src = None
-            cu, seq_lens, last_row = [0], [], {}
-            for s in order:
-                last_row[id(s)] = cu[-1] + s.num_new_tokens - 1
-                cu.append(cu[-1] + s.num_new_tokens)
-                seq_lens.append(s.start_position + s.num_new_tokens)
-            self._check_vocab(flat_ids, order, cu)
-            b = len(order)
-            nb = max(-(-n // tpb) for n in seq_lens)
-            tables = np.full((b, nb), -1, dtype=np.int32)
-            for i, s in enumerate(order):
-                blocks = s.seq.block_table[: -(-seq_lens[i] // tpb)]
-                tables[i, : len(blocks)] = blocks
-            sampled = [s for s in seqs if s.sample]
-            logits_rows = [last_row[id(s)] for s in sampled]
-            num_decode = sum(1 for s in order if s.num_new_tokens == 1)
-            max_query = max(s.num_new_tokens for s in order)
-            cols = smp.sampling_columns([s.seq for s in sampled])
-            prompt = plp.prompt_rows(order, cu)
+            b, nb = len(order), tables.shape[1]
+            max_query = max(map(_NEW, order))
+            prompt = plp.prompt_rows(order, cu.tolist())
         st = self.staging
         st.begin()
         st.add("input_ids", flat_ids, "int64")
