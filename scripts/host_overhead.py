@@ -103,7 +103,8 @@ class SimulatedDevice:
     def launch(self, batch: Any, src_rows: list[int] | None = None) -> _SimPending:
         t0 = time.perf_counter()
         pending = self.runner.launch(batch, src_rows)
-        prefill = any(s.num_new_tokens > 1 for s in batch.sequences)
+        # (a decode batch over slot rows: no objects to read; the runner made none either)
+        prefill = batch.rows is None and any(s.num_new_tokens > 1 for s in batch.sequences)
         host = self.launch_s[0] if prefill else self.launch_s[1]
         if host > 0:
             time.sleep(host)
