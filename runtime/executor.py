@@ -344,7 +344,9 @@ class Executor:
                     raise  # not a request of this step: nothing to isolate
                 with self._cv:
                     self._fail_request(fault)
-                cur.batch = dataclasses.replace(cur.batch, sequences=rows, rows=None)
+                cur.batch = dataclasses.replace(
+                    cur.batch, sequences=rows, rows=None, prefix_rows=None
+                )
 
     def _step(self) -> bool:
         cur = self._schedule_next()

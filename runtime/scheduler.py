@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
 import operator
 from typing import Any
 
@@ -302,14 +303,16 @@ class Scheduler(BranchScheduling, WindowScheduling, SlotScheduling, AheadSchedul
             rows = tuple(decode + prefill)
         elif not isinstance(decode, DecodeSlices):
             rows = tuple(decode)
+        whole = fast is not None and not prefill and len(decode) == len(fast.seqs)
         return ScheduledBatch(
             step_id=self._step - 1,
             sequences=rows,
             preempted_request_ids=tuple(preempted),
             block_copies=kv.take_copies(),
             branching=branching,
-            rows=fast
-            if fast is not None and not prefill and len(decode) == len(fast.seqs)
+            rows=fast if whole else None,
+            prefix_rows=fast
+            if not whole and fast is not None and len(fast.seqs) >= self.vector_rows
             else None,
         )
 
@@ -357,6 +360,12 @@ class Scheduler(BranchScheduling, WindowScheduling, SlotScheduling, AheadSchedul
         finished: list[Sequence] = []
         slots = self.slots
         tokens = iter(sampled_token_ids)
+        pre = batch.prefix_rows  # a step with prompt chunks: its decode prefix at once
+        if pre is not None and not branch_steps and self._prefix_current(seqs, pre):
+            k = len(pre.seqs)
+            finished = self._apply_rows(pre, sampled_token_ids[:k])
+            tokens = itertools.islice(tokens, k, None)
+            seqs = seqs[k:]
         tpb = self.kv.tokens_per_block
         reuse = self.kv.enable_block_reuse
         running = SequenceStatus.RUNNING

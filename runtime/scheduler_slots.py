@@ -31,6 +31,7 @@ from llmc.runtime.types import ScheduledBatch, ScheduledSequence, Sequence
 _tuple_new = tuple.__new__
 _SLOT = operator.attrgetter("slot")
 _OUT = operator.attrgetter("output_token_ids")
+_SEQ = operator.attrgetter("seq")
 
 
 def decode_slice(seq: Sequence, start: int) -> ScheduledSequence:
@@ -142,6 +143,22 @@ class SlotScheduling:
         b = len(batch.sequences)
         if rows is None or len(token_ids) != b or not rows.valid(b):
             return None  # no slot rows, or a row stopped running (or went stale) since
+        return self._apply_rows(rows, token_ids)
+
+    def _prefix_current(self, seqs: Any, rows: DecodeRows) -> bool:
+        """Whether ``rows`` (``ScheduledBatch.prefix_rows``) are the first rows of ``seqs``
+        and still ``valid``: every slot holds its sequence at the scheduled position."""
+        k = len(rows.seqs)
+        return (
+            len(seqs) >= k
+            and all(map(operator.is_, map(_SEQ, seqs[:k]), rows.seqs))
+            and rows.valid(k)
+        )
+
+    def _apply_rows(self, rows: DecodeRows, token_ids: Any) -> list[Sequence]:
+        """``update`` of valid decode rows over their slots with one token each (see
+        ``_update_rows``); the sequences it finished."""
+        b = len(rows.seqs)
         np = self.slots._np
         st = self.slots
         slots, seqs, before = rows.slots, rows.seqs, rows.start

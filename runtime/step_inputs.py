@@ -282,10 +282,11 @@ class StepInputBuilder:
 
     def _mixed(self, batch: ScheduledBatch, seqs: list[ScheduledSequence]) -> tuple[Any, ...]:
         """The rows of a step with prompt chunks, checked: its one-token rows (first, in
-        batch order) through ``decode_step`` (vectorised over ``row_cache``), the chunks per
-        sequence. (order, ids, positions, slots [T] int64, cu_seqlens [b + 1] int64,
-        seq_lens [b] int64, tables [b, nb] int32, sampled (batch order), their logits rows,
-        their sampling columns, the number of one-token rows)."""
+        batch order) through ``decode_step`` (over the slot arrays when they are the batch's
+        ``prefix_rows``, else over ``row_cache``), the chunks per sequence. (order, ids,
+        positions, slots [T] int64, cu_seqlens [b + 1] int64, seq_lens [b] int64, tables
+        [b, nb] int32, sampled (batch order), their logits rows, their sampling columns, the
+        number of one-token rows)."""
         lim, tpb = self.limits, self.limits.tokens_per_block
         if len(seqs) > lim.max_batch_size or batch.num_tokens > lim.max_num_tokens:
             self._check(batch)  # raises the step's error
@@ -293,7 +294,14 @@ class StepInputBuilder:
         chunks = [s for s in seqs if s.num_new_tokens != 1]
         nd, order = len(one), one + chunks
         if one:
-            rows, d_cols, _ = self.decode_step(ScheduledBatch(batch.step_id, tuple(one)))
+            pre = batch.prefix_rows  # the slot arrays' rows when they are all the one-token rows
+            aligned = (
+                pre is not None
+                and len(pre.seqs) == nd
+                and all(map(operator.is_, map(_SEQ, one), pre.seqs))
+            )
+            sub = ScheduledBatch(batch.step_id, tuple(one), rows=pre if aligned else None)
+            rows, d_cols, _ = self.decode_step(sub)
             d_ids, d_pos, d_slots, _, d_table = rows
         else:
             d_ids = d_pos = d_slots = np.zeros(0, dtype=np.int64)

@@ -314,6 +314,11 @@ class ScheduledBatch:
     """``slot_state.DecodeRows`` of ``sequences`` when the scheduler made every row a decode
     row over the slot arrays (None otherwise): the vectorised update, step inputs and
     records read them while ``DecodeRows.valid``. Whoever changes ``sequences`` drops it."""
+    prefix_rows: Any = field(default=None, compare=False, repr=False)
+    """``slot_state.DecodeRows`` of the first ``len(prefix_rows.seqs)`` of ``sequences``
+    when they are decode rows over the slot arrays and other rows follow them (a step with
+    prompt chunks; None otherwise): the update and the step inputs apply those rows at
+    once, the rest per row. Whoever changes ``sequences`` drops it."""
 
     @property
     def num_tokens(self) -> int:

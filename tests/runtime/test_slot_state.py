@@ -66,6 +66,15 @@ def mirrored(monkeypatch):
         monkeypatch.setattr(Scheduler, name, checked)
     calls.append(0)  # [1]: updates (of a step or a window) the vectorised paths applied
     calls.append(0)  # [2]: decode steps whose inputs came from the slot arrays
+    calls.append(0)  # [3]: steps with prompt chunks whose decode prefix the slots applied
+    prefix_current = Scheduler._prefix_current
+
+    def counted_prefix(self, seqs, rows):
+        out = prefix_current(self, seqs, rows)
+        calls[3] += out
+        return out
+
+    monkeypatch.setattr(Scheduler, "_prefix_current", counted_prefix)
     decode_step = StepInputBuilder.decode_step
 
     def both(self, batch, src_rows=None, span=None):
@@ -127,6 +136,7 @@ SCENARIOS = {
         SHARED_PREFIX_PROMPTS,
         {"steps": 4, "max_num_tokens": 10},
     ),
+    "chunked-prefix": lambda r: (greedy(), SHARED_PREFIX_PROMPTS, {"max_num_tokens": 10}),
     "preemption-K4": lambda r: (
         greedy((24, 20, 22, 18, 24, 20)),
         PROMPTS,
@@ -172,6 +182,7 @@ def test_slot_arrays_equal_the_objects_after_every_step(tiny, monkeypatch, mirro
     vector, ex = run(tiny, sp, prompts, vector=True, monkeypatch=monkeypatch, **kw)
     assert mirrored[1] > 0 or "samples" in name  # the vectorised update ran (no groups)
     assert mirrored[2] > 0 or "samples" in name  # decode steps read inputs from the slots
+    assert mirrored[3] > 0 or "chunked" not in name  # a decode prefix beside prompt chunks
     assert all(o.ok for o in vector), [o.error for o in vector]
     assert tokens(vector) == tokens(scalar)
     assert mirrored[0] > checks_scalar > len(ex.step_records)  # checked on every step
