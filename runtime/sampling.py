@@ -193,12 +193,20 @@ def penalty_tensors(
 
 
 def build_metadata(
-    columns: dict[str, torch.Tensor], seqs: Seq[Sequence], vocab_size: int, device: torch.device
+    columns: dict[str, torch.Tensor],
+    seqs: Seq[Sequence],
+    vocab_size: int,
+    device: torch.device,
+    all_plain: bool = False,
 ) -> SamplingMetadata:
-    """SamplingMetadata from device column tensors (``sampling_columns`` staged) + sequences."""
-    pen = penalty_tensors(seqs, vocab_size, device)
+    """SamplingMetadata from device column tensors (``sampling_columns`` staged) + sequences.
+    ``all_plain``: the caller knows every row's params are ``is_plain`` (no penalties, no
+    logprobs): their per-row checks are skipped."""
+    pen = None if all_plain else penalty_tensors(seqs, vocab_size, device)
     # best_of > n ranks samples by logprob: its rows need the token's own (0 alternatives)
-    requested = [s.sampling.logprobs or 0 for s in seqs if s.sampling.token_logprobs]
+    requested = (
+        [] if all_plain else [s.sampling.logprobs or 0 for s in seqs if s.sampling.token_logprobs]
+    )
     return SamplingMetadata(
         temperature=columns["temperature"],
         top_k=columns["top_k"],

@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import bisect
 import logging
+import operator
 from typing import Any
 
 from llmc.runtime.admission import kv_tokens_needed
 from llmc.runtime.branches import BranchStep, SequenceGroup
 from llmc.runtime.types import FinishReason, ScheduledSequence, Sequence, SequenceStatus
+
+_SLOT = operator.attrgetter("slot")
 
 logger = logging.getLogger("llmc.scheduler")
 
@@ -30,6 +33,7 @@ class BranchScheduling:
 
     _running: list[Sequence]
     _no_evict: bool
+    vector_rows: int
     _num_preemptions: int
     kv: Any
     slots: Any  # the scheduler's SlotState
@@ -123,7 +127,19 @@ class BranchScheduling:
         blocks as they reorder, never holding more than the promise."""
         total = 0
         seen: set[int] = set()
-        for s in self._running:
+        running = self._running
+        if len(running) >= self.vector_rows:  # the ungrouped rows over the slot arrays
+            st = self.slots
+            np = st._np
+            slots = np.fromiter(map(_SLOT, running), dtype=np.int64, count=len(running))
+            solo = ~st.grouped[slots]
+            need = st.prompt_len[slots] + st.max_new[slots] - 1  # kv_tokens_needed
+            life = -(-need // self.kv.tokens_per_block)  # blocks_for_tokens
+            total = int((life - st.blocks[slots])[solo].sum())
+            if bool(solo.all()):
+                return total
+            running = [running[i] for i in np.flatnonzero(~solo).tolist()]
+        for s in running:
             g = s.group
             life = self.kv.blocks_for_tokens(kv_tokens_needed(s))
             if g is None:

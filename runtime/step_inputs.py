@@ -286,13 +286,14 @@ class StepInputBuilder:
         ``prefix_rows``, else over ``row_cache``), the chunks per sequence. (order, ids,
         positions, slots [T] int64, cu_seqlens [b + 1] int64, seq_lens [b] int64, tables
         [b, nb] int32, sampled (batch order), their logits rows, their sampling columns, the
-        number of one-token rows)."""
+        number of one-token rows, whether every sampled row is ``is_plain``)."""
         lim, tpb = self.limits, self.limits.tokens_per_block
         if len(seqs) > lim.max_batch_size or batch.num_tokens > lim.max_num_tokens:
             self._check(batch)  # raises the step's error
         one = [s for s in seqs if s.num_new_tokens == 1]
         chunks = [s for s in seqs if s.num_new_tokens != 1]
         nd, order = len(one), one + chunks
+        d_plain = np.zeros(0, dtype=bool)
         if one:
             pre = batch.prefix_rows  # the slot arrays' rows when they are all the one-token rows
             aligned = (
@@ -301,7 +302,7 @@ class StepInputBuilder:
                 and all(map(operator.is_, map(_SEQ, one), pre.seqs))
             )
             sub = ScheduledBatch(batch.step_id, tuple(one), rows=pre if aligned else None)
-            rows, d_cols, _ = self.decode_step(sub)
+            rows, d_cols, d_plain = self.decode_step(sub)
             d_ids, d_pos, d_slots, _, d_table = rows
         else:
             d_ids = d_pos = d_slots = np.zeros(0, dtype=np.int64)
@@ -324,7 +325,9 @@ class StepInputBuilder:
         sampled = [s for s in seqs if s.sample]
         at = np.fromiter((where[id(s)] for s in sampled), dtype=np.int64, count=len(sampled))
         is_one = at < nd
-        c_cols = smp.sampling_columns([s.seq for s in sampled if where[id(s)] >= nd])
+        c_seqs = [s.seq for s in sampled if where[id(s)] >= nd]
+        c_cols = smp.sampling_columns(c_seqs)
+        all_plain = bool(d_plain[at[is_one]].all()) and all(s.sampling.is_plain for s in c_seqs)
         cols: dict[str, np.ndarray] = {}
         for name, dtype in _COLUMN_DTYPES.items():  # the staged dtypes
             cols[name] = col = np.empty(len(sampled), dtype=dtype)
@@ -332,7 +335,7 @@ class StepInputBuilder:
             if nd:
                 col[is_one] = d_cols[name][at[is_one]]
         flat = [np.concatenate(x) for x in ((d_ids, c_ids), (d_pos, c_pos), (d_slots, c_slots))]
-        return (order, *flat, cu, seq_lens, tables, sampled, cu[1:][at] - 1, cols, nd)
+        return (order, *flat, cu, seq_lens, tables, sampled, cu[1:][at] - 1, cols, nd, all_plain)
 
     def _check_vocab(self, flat_ids: np.ndarray, order: Any, cu: list[int]) -> None:
         if flat_ids.size and (flat_ids.min() < 0 or flat_ids.max() >= self.spec.vocab_size):
@@ -414,13 +417,14 @@ class StepInputBuilder:
                     f"step {batch.step_id}: async scheduling does not serve penalties or logprobs"
                 )
             cols = {name: col[flags] for name, col in dcols.items()}
+            all_plain = bool(plain[flags].all())
             num_decode, max_query = b, 1
             # a row that samples nothing is a one-token chunk of a prompt: it may score one
             prompt = None if len(sampled) == b else plp.prompt_rows(order, range(b))
         else:
             mixed = self._mixed(batch, seqs)
             order, flat_ids, positions, slots, cu, seq_lens, tables = mixed[:7]
-            sampled, logits_rows, cols, num_decode = mixed[7:]
+            sampled, logits_rows, cols, num_decode, all_plain = mixed[7:]
             src = None
             b, nb = len(order), tables.shape[1]
             max_query = max(map(_NEW, order))
@@ -452,7 +456,7 @@ class StepInputBuilder:
         meta = None
         if sampled:
             meta = smp.build_metadata(
-                dev, [s.seq for s in sampled], self.spec.vocab_size, self.device
+                dev, [s.seq for s in sampled], self.spec.vocab_size, self.device, all_plain
             )
         return StepInputs(
             num_tokens=len(flat_ids),

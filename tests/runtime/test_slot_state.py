@@ -60,6 +60,12 @@ def mirrored(monkeypatch):
             out = _original(self, *a, **kw)
             bad = self.check_slots()
             assert not bad, f"after {_name}: {bad[:5]}"
+            reserved = []  # the promised blocks over the slot arrays and per row agree
+            for rows in (1, 1 << 30):
+                self.vector_rows = rows
+                reserved.append(self._reserved_blocks())
+            del self.vector_rows
+            assert reserved[0] == reserved[1], f"after {_name}: reserved blocks {reserved}"
             calls[0] += 1
             return out
 
