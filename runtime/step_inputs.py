@@ -25,7 +25,7 @@ import itertools
 import operator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -55,6 +55,24 @@ _COLUMN_DTYPES = {
     **dict.fromkeys(smp.FLOAT_COLUMNS, np.float32),
 }
 """The sampling columns' staged dtypes (``prepare``)."""
+
+
+class MixedRows(NamedTuple):
+    """The rows of a step with prompt chunks (``StepInputBuilder._mixed``), in staging order:
+    its one-token rows first (batch order), then its chunks (batch order)."""
+
+    order: list[ScheduledSequence]
+    ids: np.ndarray  # [T] int64, and positions, slots likewise
+    positions: np.ndarray
+    slots: np.ndarray
+    cu: np.ndarray  # [b + 1] int64: each row's first flat token
+    seq_lens: np.ndarray  # [b] int64
+    tables: np.ndarray  # [b, nb] int32, -1 beyond a row's blocks
+    sampled: list[ScheduledSequence]  # the rows that sample, in batch order
+    logits_rows: np.ndarray  # their last flat token each
+    cols: dict[str, np.ndarray]  # their sampling columns, in the staged dtypes
+    num_one: int  # one-token rows (the attention's decode rows)
+    all_plain: bool  # every sampled row ``is_plain``
 
 
 @dataclass
@@ -280,13 +298,10 @@ class StepInputBuilder:
             cols[name] = floats[:, j]
         return (ids, p, slots, src, table), cols, cols_of.plain[cache_rows]
 
-    def _mixed(self, batch: ScheduledBatch, seqs: list[ScheduledSequence]) -> tuple[Any, ...]:
-        """The rows of a step with prompt chunks, checked: its one-token rows (first, in
-        batch order) through ``decode_step`` (over the slot arrays when they are the batch's
-        ``prefix_rows``, else over ``row_cache``), the chunks per sequence. (order, ids,
-        positions, slots [T] int64, cu_seqlens [b + 1] int64, seq_lens [b] int64, tables
-        [b, nb] int32, sampled (batch order), their logits rows, their sampling columns, the
-        number of one-token rows, whether every sampled row is ``is_plain``)."""
+    def _mixed(self, batch: ScheduledBatch, seqs: list[ScheduledSequence]) -> MixedRows:
+        """The rows of a step with prompt chunks, checked: its one-token rows through
+        ``decode_step`` (over the slot arrays when they are the batch's ``prefix_rows``,
+        else over ``row_cache``), the chunks per sequence."""
         lim, tpb = self.limits, self.limits.tokens_per_block
         if len(seqs) > lim.max_batch_size or batch.num_tokens > lim.max_num_tokens:
             self._check(batch)  # raises the step's error
@@ -335,7 +350,9 @@ class StepInputBuilder:
             if nd:
                 col[is_one] = d_cols[name][at[is_one]]
         flat = [np.concatenate(x) for x in ((d_ids, c_ids), (d_pos, c_pos), (d_slots, c_slots))]
-        return (order, *flat, cu, seq_lens, tables, sampled, cu[1:][at] - 1, cols, nd, all_plain)
+        return MixedRows(
+            order, *flat, cu, seq_lens, tables, sampled, cu[1:][at] - 1, cols, nd, all_plain
+        )
 
     def _check_vocab(self, flat_ids: np.ndarray, order: Any, cu: list[int]) -> None:
         if flat_ids.size and (flat_ids.min() < 0 or flat_ids.max() >= self.spec.vocab_size):
@@ -422,9 +439,10 @@ class StepInputBuilder:
             # a row that samples nothing is a one-token chunk of a prompt: it may score one
             prompt = None if len(sampled) == b else plp.prompt_rows(order, range(b))
         else:
-            mixed = self._mixed(batch, seqs)
-            order, flat_ids, positions, slots, cu, seq_lens, tables = mixed[:7]
-            sampled, logits_rows, cols, num_decode, all_plain = mixed[7:]
+            m = self._mixed(batch, seqs)
+            order, flat_ids, positions, slots, cu = m.order, m.ids, m.positions, m.slots, m.cu
+            seq_lens, tables, sampled, logits_rows = m.seq_lens, m.tables, m.sampled, m.logits_rows
+            cols, num_decode, all_plain = m.cols, m.num_one, m.all_plain
             src = None
             b, nb = len(order), tables.shape[1]
             max_query = max(map(_NEW, order))
