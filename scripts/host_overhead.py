@@ -32,6 +32,15 @@ step, steps executed in order on one simulated stream) and prints TTFT and ITL w
 scheduling off and on (a multi-step window takes K decode times of the simulated device):
 
     .venv/bin/python scripts/host_overhead.py --latency --isl 128 --osl 64
+
+``--throughput`` runs the offline case on the same simulated device (``--requests`` queued at
+once, ``--batch`` the max batch) and prints the run's output tok/s, the device's busy share
+and the idle gaps between steps by the kinds of the two steps ("mixed": prompt chunks in
+the step; "ahead": scheduled ahead); ``--prefill_ms 0 --decode_ms 0`` gives the host-bound
+rate (the 135M shape's row, docs/PERFORMANCE.md):
+
+    .venv/bin/python scripts/host_overhead.py --throughput --batch 1024 --requests 4096 \
+        --isl 128 --osl 128 --prefill_ms 5 --decode_ms 3
 """
 
 from __future__ import annotations
@@ -99,12 +108,14 @@ class SimulatedDevice:
         self.prefill_s, self.decode_s, self.launch_s = prefill_s, decode_s, launch_s
         self._free_at = 0.0
         self.launches: list[tuple[float, float]] = []  # (launch time, end) per step
+        self.kinds: list[str] = []  # per step: "mixed" (prompt chunks) or "decode", " ahead"
 
     def launch(self, batch: Any, src_rows: list[int] | None = None) -> _SimPending:
         t0 = time.perf_counter()
         pending = self.runner.launch(batch, src_rows)
         # (a decode batch over slot rows: no objects to read; the runner made none either)
         prefill = batch.rows is None and any(s.num_new_tokens > 1 for s in batch.sequences)
+        self.kinds.append(("mixed" if prefill else "decode") + (" ahead" if src_rows else ""))
         host = self.launch_s[0] if prefill else self.launch_s[1]
         if host > 0:
             time.sleep(host)
@@ -329,6 +340,47 @@ def latency(args: argparse.Namespace) -> None:
         )
 
 
+def throughput(args: argparse.Namespace) -> None:
+    """``--throughput``: the offline run of ``--requests`` requests (all queued at once) on a
+    SimulatedDevice, async scheduling off and on: its wall time, output tok/s, the simulated
+    device's busy share and its idle gaps by the kinds of the steps around them."""
+    for asy in (False, True):
+        args.async_scheduling = asy
+
+        def wrap(r: Any) -> SimulatedDevice:
+            return SimulatedDevice(
+                r,
+                args.prefill_ms / 1e3,
+                args.decode_ms / 1e3,
+                (args.launch_ms[0] / 1e3, args.launch_ms[1] / 1e3),
+                blocking_launch=args.blocking_launch,
+            )
+
+        ex = build(args, wrap)
+        t0 = time.perf_counter()
+        closed_loop_latency(ex, args.requests, args.isl, args.osl, args.requests, args.vary_osl)
+        wall = time.perf_counter() - t0
+        d = ex.runner
+        busy, gaps, free = 0.0, {}, 0.0  # the device's busy time; idle gaps by step kinds
+        for i, (t, end) in enumerate(d.launches):
+            start = max(t, free)
+            busy += end - start
+            if i and start > free:
+                key = f"{d.kinds[i - 1]} -> {d.kinds[i]}"
+                gaps.setdefault(key, []).append(start - free)
+            free = end
+        print(
+            f"async {asy!s:5}: {wall:.3f} s, {args.requests * args.osl / wall:,.0f} output "
+            f"tok/s, {len(d.launches)} steps ({d.kinds.count('mixed')} mixed), device busy "
+            f"{busy / wall:.1%}"
+        )
+        for key, v in sorted(gaps.items(), key=lambda kv: -sum(kv[1])):
+            print(
+                f"  idle before {key:24s} {len(v):4d} gaps, {sum(v):.3f} s, "
+                f"mean {statistics.mean(v) * 1e3:.2f} ms"
+            )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=128)
@@ -356,6 +408,12 @@ def main() -> None:
     )
     ap.add_argument("--full_batch", action="store_true", help="only steps of --batch rows")
     ap.add_argument("--latency", action="store_true", help="TTFT/ITL on a simulated device")
+    ap.add_argument(
+        "--throughput",
+        action="store_true",
+        help="the offline run of --requests on a simulated device: tok/s, device busy share, "
+        "idle gaps by step kinds",
+    )
     ap.add_argument("--requests", type=int, default=5)
     ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--prefill_ms", type=float, default=8.0)
@@ -369,6 +427,9 @@ def main() -> None:
     torch.set_num_threads(1)
     if args.latency:
         latency(args)
+        return
+    if args.throughput:
+        throughput(args)
         return
     res = run(args)
     print(
