@@ -314,21 +314,26 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     return out
 
 
+def simulated(args: argparse.Namespace, async_scheduling: bool) -> Executor:
+    """The Executor of the measurement over a SimulatedDevice of ``args``' step times."""
+    args.async_scheduling = async_scheduling
+
+    def wrap(r: Any) -> SimulatedDevice:
+        return SimulatedDevice(
+            r,
+            args.prefill_ms / 1e3,
+            args.decode_ms / 1e3,
+            (args.launch_ms[0] / 1e3, args.launch_ms[1] / 1e3),
+            blocking_launch=args.blocking_launch,
+        )
+
+    return build(args, wrap)
+
+
 def latency(args: argparse.Namespace) -> None:
     """TTFT / ITL (ms, median) of a closed loop on a SimulatedDevice, async off and on."""
     for asy in (False, True):
-        args.async_scheduling = asy
-
-        def wrap(r: Any) -> SimulatedDevice:
-            return SimulatedDevice(
-                r,
-                args.prefill_ms / 1e3,
-                args.decode_ms / 1e3,
-                (args.launch_ms[0] / 1e3, args.launch_ms[1] / 1e3),
-                blocking_launch=args.blocking_launch,
-            )
-
-        ex = build(args, wrap)
+        ex = simulated(args, asy)
         ttft, itl = closed_loop_latency(
             ex, args.requests, args.isl, args.osl, args.concurrency, args.vary_osl
         )
@@ -345,18 +350,7 @@ def throughput(args: argparse.Namespace) -> None:
     SimulatedDevice, async scheduling off and on: its wall time, output tok/s, the simulated
     device's busy share and its idle gaps by the kinds of the steps around them."""
     for asy in (False, True):
-        args.async_scheduling = asy
-
-        def wrap(r: Any) -> SimulatedDevice:
-            return SimulatedDevice(
-                r,
-                args.prefill_ms / 1e3,
-                args.decode_ms / 1e3,
-                (args.launch_ms[0] / 1e3, args.launch_ms[1] / 1e3),
-                blocking_launch=args.blocking_launch,
-            )
-
-        ex = build(args, wrap)
+        ex = simulated(args, asy)
         t0 = time.perf_counter()
         closed_loop_latency(ex, args.requests, args.isl, args.osl, args.requests, args.vary_osl)
         wall = time.perf_counter() - t0
@@ -372,7 +366,8 @@ def throughput(args: argparse.Namespace) -> None:
         print(
             f"async {asy!s:5}: {wall:.3f} s, {args.requests * args.osl / wall:,.0f} output "
             f"tok/s, {len(d.launches)} steps ({d.kinds.count('mixed')} mixed), device busy "
-            f"{busy / wall:.1%}"
+            f"{busy / wall:.1%}; idle before the first step {d.launches[0][0] - t0:.3f} s "
+            f"(the requests' intake), after the last {t0 + wall - free:.3f} s"
         )
         for key, v in sorted(gaps.items(), key=lambda kv: -sum(kv[1])):
             print(
