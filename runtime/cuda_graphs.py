@@ -92,21 +92,15 @@ def gc_paused() -> Iterator[None]:
 def stage_columns(st: Staging, big: int, b: int, cols: dict[str, Any]) -> None:
     """Stage the sampling columns of ``b`` rows, padded to ``big`` rows with each column's
     neutral value (``_PAD_COLUMN``), in SamplingMetadata's section order."""
-    for names, dt in (
-        (smp.INT64_COLUMNS, "int64"),
-        (smp.INT32_COLUMNS, "int32"),
-        (smp.FLOAT_COLUMNS, "float32"),
-    ):
-        for name in names:
-            view = st.reserve(name, big, dt)
-            view[:b] = cols[name]
-            view[b:] = _PAD_COLUMN[name]
+    for name, dt in smp.COLUMN_DTYPES.items():
+        view = st.reserve(name, big, dt)
+        view[:b] = cols[name]
+        view[b:] = _PAD_COLUMN[name]
 
 
 def sampling_metadata(dev: dict[str, torch.Tensor]) -> SamplingMetadata:
     """The SamplingMetadata over staged column sections (``stage_columns``)."""
-    names = (*smp.INT64_COLUMNS, *smp.INT32_COLUMNS, *smp.FLOAT_COLUMNS)
-    return SamplingMetadata(**{n: dev[n] for n in names})
+    return SamplingMetadata(**{n: dev[n] for n in smp.COLUMN_DTYPES})
 
 
 def smallest_bucket(buckets: tuple[int, ...], n: int) -> int | None:

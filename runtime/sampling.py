@@ -52,6 +52,12 @@ FLOAT_COLUMNS = (
     "presence_penalty",
     "frequency_penalty",
 )
+COLUMN_DTYPES = {
+    **dict.fromkeys(INT64_COLUMNS, "int64"),
+    **dict.fromkeys(INT32_COLUMNS, "int32"),
+    **dict.fromkeys(FLOAT_COLUMNS, "float32"),
+}
+"""Each sampling column's staged dtype, in SamplingMetadata's section order."""
 
 
 def _to_int64(x: int) -> int:
@@ -234,10 +240,10 @@ def metadata_for(
     rare steps that fork or rescore rows (``llmc.runtime.beam_search``); ``branches`` as in
     ``sampling_columns``."""
     cols = sampling_columns(seqs, branches=branches)
-    dtypes = {n: torch.int64 for n in INT64_COLUMNS}
-    dtypes.update({n: torch.int32 for n in INT32_COLUMNS})
-    dtypes.update({n: torch.float32 for n in FLOAT_COLUMNS})
-    tensors = {n: torch.tensor(v, dtype=dtypes[n], device=device) for n, v in cols.items()}
+    tensors = {
+        n: torch.tensor(v, dtype=getattr(torch, COLUMN_DTYPES[n]), device=device)
+        for n, v in cols.items()
+    }
     return build_metadata(tensors, seqs, vocab_size, torch.device(device))
 
 

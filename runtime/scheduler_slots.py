@@ -31,7 +31,6 @@ from llmc.runtime.types import ScheduledBatch, ScheduledSequence, Sequence
 _tuple_new = tuple.__new__
 _SLOT = operator.attrgetter("slot")
 _OUT = operator.attrgetter("output_token_ids")
-_SEQ = operator.attrgetter("seq")
 
 
 def decode_slice(seq: Sequence, start: int) -> ScheduledSequence:
@@ -146,14 +145,11 @@ class SlotScheduling:
         return self._apply_rows(rows, token_ids)
 
     def _prefix_current(self, seqs: Any, rows: DecodeRows) -> bool:
-        """Whether ``rows`` (``ScheduledBatch.prefix_rows``) are the first rows of ``seqs``
-        and still ``valid``: every slot holds its sequence at the scheduled position."""
+        """Whether ``rows`` (``ScheduledBatch.prefix_rows``: the first rows of ``seqs`` by its
+        contract, as ``rows`` are all of them) are still ``valid``: every slot holds its
+        sequence at the scheduled position."""
         k = len(rows.seqs)
-        return (
-            len(seqs) >= k
-            and all(map(operator.is_, map(_SEQ, seqs[:k]), rows.seqs))
-            and rows.valid(k)
-        )
+        return len(seqs) >= k and rows.valid(k)
 
     def _apply_rows(self, rows: DecodeRows, token_ids: Any) -> list[Sequence]:
         """``update`` of valid decode rows over their slots with one token each (see

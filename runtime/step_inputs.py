@@ -49,12 +49,6 @@ _VERSION = operator.attrgetter("block_table_version")
 _OUT = operator.attrgetter("output_token_ids")
 _PARAMS = operator.attrgetter("sampling")
 _LAST = operator.itemgetter(-1)
-_COLUMN_DTYPES = {
-    **dict.fromkeys(smp.INT64_COLUMNS, np.int64),
-    **dict.fromkeys(smp.INT32_COLUMNS, np.int32),
-    **dict.fromkeys(smp.FLOAT_COLUMNS, np.float32),
-}
-"""The sampling columns' staged dtypes (``prepare``)."""
 
 
 class MixedRows(NamedTuple):
@@ -310,13 +304,10 @@ class StepInputBuilder:
         nd, order = len(one), one + chunks
         d_plain = np.zeros(0, dtype=bool)
         if one:
-            pre = batch.prefix_rows  # the slot arrays' rows when they are all the one-token rows
-            aligned = (
-                pre is not None
-                and len(pre.seqs) == nd
-                and all(map(operator.is_, map(_SEQ, one), pre.seqs))
-            )
-            sub = ScheduledBatch(batch.step_id, tuple(one), rows=pre if aligned else None)
+            # the prefix rows lead the batch, so they are all its one-token rows when as many
+            pre = batch.prefix_rows
+            whole = pre is not None and len(pre.seqs) == nd
+            sub = ScheduledBatch(batch.step_id, tuple(one), rows=pre if whole else None)
             rows, d_cols, d_plain = self.decode_step(sub)
             d_ids, d_pos, d_slots, _, d_table = rows
         else:
@@ -340,11 +331,11 @@ class StepInputBuilder:
         sampled = [s for s in seqs if s.sample]
         at = np.fromiter((where[id(s)] for s in sampled), dtype=np.int64, count=len(sampled))
         is_one = at < nd
-        c_seqs = [s.seq for s in sampled if where[id(s)] >= nd]
+        c_seqs = [s.seq for s in itertools.compress(sampled, (~is_one).tolist())]
         c_cols = smp.sampling_columns(c_seqs)
         all_plain = bool(d_plain[at[is_one]].all()) and all(s.sampling.is_plain for s in c_seqs)
         cols: dict[str, np.ndarray] = {}
-        for name, dtype in _COLUMN_DTYPES.items():  # the staged dtypes
+        for name, dtype in smp.COLUMN_DTYPES.items():
             cols[name] = col = np.empty(len(sampled), dtype=dtype)
             col[~is_one] = c_cols[name]
             if nd:
@@ -458,12 +449,8 @@ class StepInputBuilder:
         st.add("cu_seqlens_q", cu, "int32")
         st.add("seq_lens", seq_lens, "int32")
         st.add("block_tables", tables.reshape(-1), "int32")
-        for name in smp.INT64_COLUMNS:
-            st.add(name, cols[name], "int64")
-        for name in smp.INT32_COLUMNS:
-            st.add(name, cols[name], "int32")
-        for name in smp.FLOAT_COLUMNS:
-            st.add(name, cols[name], "float32")
+        for name, dt in smp.COLUMN_DTYPES.items():
+            st.add(name, cols[name], dt)
         if prompt is not None:  # last: the sections before keep the CUDA graphs' layout
             st.add("prompt_rows", prompt.rows, "int64")
             st.add("prompt_targets", prompt.targets, "int64")
