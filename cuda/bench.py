@@ -33,6 +33,7 @@ from llmc.cuda.bench_wo import wo_gemm_rows, wo_rows
 
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16
+E4M3 = torch.float8_e4m3fn
 
 
 def time_ms(fn: Callable[[], Any], repeats: int = 20, warmup: int = 3) -> float:
@@ -204,16 +205,25 @@ def _result(ceil: dict[str, float], rows: list[dict[str, Any]]) -> dict[str, Any
 # spent ~48 % of their GPU time in attention in the pass-4 profile)
 DECODE_SHORT_CASES = (
     *((32, 8, 128, 8192, b, lo, hi) for b, lo, hi in
-      ((128, 128, 256), (256, 128, 256), (32, 128, 256), (1, 256, 256))),
+      ((512, 128, 256), (256, 128, 256), (128, 128, 256), (32, 128, 256), (1, 256, 256),
+       (192, 2048, 2176))),
     (9, 3, 64, 2048, 1024, 128, 256),
     (9, 3, 64, 2048, 512, 128, 256),
 )  # fmt: skip
+# (kernel, forced (splits, min keys) plans) per cache dtype: "split" = the split kernel
+# (auto plan first), "warps" = decode_warp.cuh (auto = WARP_MIN_KEYS keys per chunk)
+DECODE_SHORT_PLANS = {
+    "bf16": (("split", (None, (1, None), (2, 1), (4, 64), (8, 32))),
+             ("warps", (None, (None, 256), (None, 1024)))),
+    "fp8": (("split", (None, (1, None))), ("warps", (None, (None, 256), (None, 1024)))),
+}  # fmt: skip
 
 
 def decode_short(be: Any, rows: list, mem_row: Callable) -> None:
     """Decode attention at the end-to-end shapes (``DECODE_SHORT_CASES``): short contexts,
-    the engine's max_seq_len at capture (as CUDA graphs see it); ``auto`` beside forced
-    split plans (splits, min keys). Timed as CUDA-graph replays (as the runner runs decode
+    the engine's max_seq_len at capture (as CUDA graphs see it), a bf16 and an e4m3 cache;
+    the split kernel and the warp kernel (``DECODE_SHORT_PLANS``), ``auto`` beside forced
+    plans (splits, min keys). Timed as CUDA-graph replays (as the runner runs decode
     steps)."""
     from llmc.cuda.backend import AttentionMetadata
 
@@ -226,10 +236,10 @@ def decode_short(be: Any, rows: list, mem_row: Callable) -> None:
         lens = torch.randint(lo, hi + 1, (batch,), generator=g)
         nbs = [math.ceil(int(n) / bs) for n in lens]
         total = sum(nbs)
-        # pad the pool so that KV is >= 64 MB (L2 does not serve repeats)
-        pool = max(total, (64 << 20) // (2 * bs * nkv * hd * 2) + 1)
-        kc = torch.randn(pool, bs, nkv, hd, device=DEV).to(BF16)
-        vc = torch.randn_like(kc, dtype=torch.float32).to(BF16)
+        # pad the pool so that KV is >= 64 MB in e4m3 (L2 does not serve repeats)
+        pool = max(total, (128 << 20) // (2 * bs * nkv * hd * 2) + 1)
+        kc16 = torch.randn(pool, bs, nkv, hd, device=DEV).to(BF16)
+        vc16 = torch.randn_like(kc16, dtype=torch.float32).to(BF16)
         perm = torch.randperm(pool)[:total].to(torch.int32)
         tables = torch.full((batch, max_seq // bs), -1, dtype=torch.int32)
         k = 0
@@ -248,27 +258,46 @@ def decode_short(be: Any, rows: list, mem_row: Callable) -> None:
         )
         q = torch.randn(batch, nq, hd, device=DEV).to(BF16)
         ao = torch.empty(batch, nq * hd, device=DEV, dtype=BF16)
-        kv_bytes = int(lens.sum()) * nkv * hd * 2 * 2 + 2 * q.nbytes
         cluster = be.cluster_decode_ok(batch, nkv)  # small batch: the cluster kernel
-        for plan in (None, (1, None), (2, 1), (4, 64), (8, 32)):
-            if plan is not None and cluster:
-                continue  # split plans are for paged_attention_kernel only
-            be.force_splits, be.force_min_keys = plan if plan else (None, None)
-            ms = graph_ms(
-                lambda q=q, kc=kc, vc=vc, meta=meta, ao=ao: be.attention(q, kc, vc, meta, out=ao)
-            )
-            if plan is None and cluster:
-                label = f"auto: cluster kernel, min_keys={be.min_split_keys(batch, nkv)}"
-            elif plan is None:
-                s, mk = be.num_splits(batch, nkv, max_seq), be.min_split_keys(batch, nkv)
-                label = f"auto: splits<={s}, min_keys={mk}"
-            else:
-                label = f"splits<={plan[0]}, min_keys={plan[1] or '-'}"
-            shape = f"{batch}x[{lo},{hi}] {nq}/{nkv}x{hd} bf16"
-            mem_row(f"decode_short({label})", shape, kv_bytes, ms, None)
-            rows[-1]["us"] = ms * 1000
+        for cache, (kc, vc, scales) in {
+            "bf16": (kc16, vc16, (1.0, 1.0)),
+            "fp8": (kc16.to(E4M3), vc16.to(E4M3), (0.05, 0.05)),
+        }.items():
+            kv_bytes = int(lens.sum()) * nkv * hd * 2 * kc.element_size() + 2 * q.nbytes
+            for kernel, plans in DECODE_SHORT_PLANS[cache]:
+                if cluster and kernel == "warps":
+                    continue  # the cluster kernel serves small batches
+                be.decode_kernel = kernel
+                for plan in plans:
+                    if plan is not None and cluster:
+                        continue  # split plans are for paged_attention_kernel only
+                    be.force_splits, be.force_min_keys = plan if plan else (None, None)
+                    ms = graph_ms(
+                        lambda q=q, kc=kc, vc=vc, m=meta, s=scales, o=ao: be.attention(
+                            q, kc, vc, m, *s, out=o
+                        )
+                    )
+                    label = _short_label(be, kernel, plan, cluster, batch, nkv, max_seq)
+                    shape = f"{batch}x[{lo},{hi}] {nq}/{nkv}x{hd} {cache} KV"
+                    mem_row(f"decode_short({label})", shape, kv_bytes, ms, None)
+                    rows[-1]["us"] = ms * 1000
+        be.decode_kernel = "auto"
     be.force_splits = be.force_min_keys = None
     be.max_num_seqs = max_num_seqs
+
+
+def _short_label(
+    be: Any, kernel: str, plan: tuple | None, cluster: bool, batch: int, nkv: int, max_seq: int
+) -> str:
+    """decode_short's row label: the kernel and its plan."""
+    if plan is None and cluster:
+        return f"auto: cluster kernel, min_keys={be.min_split_keys(batch, nkv)}"
+    if kernel == "warps":
+        return f"warps, min_keys={(plan or (None, None))[1] or 'auto'}"
+    if plan is None:
+        s, mk = be.num_splits(batch, nkv, max_seq), be.min_split_keys(batch, nkv)
+        return f"split auto: splits<={s}, min_keys={mk}"
+    return f"split: splits<={plan[0]}, min_keys={plan[1] or '-'}"
 
 
 def _cycle(fns: list[Callable[[], Any]]) -> Callable[[], Any]:

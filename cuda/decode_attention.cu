@@ -64,8 +64,32 @@ __device__ __forceinline__ float load_cg(const float* p) {
 }
 #endif
 
+// Output element idx = g * HD + d of token t (row tl of the partials) for kv head kvh from
+// its nsplit partials (acc, max, sum), written by other CTAs or warps of this launch; row
+// (tl * NQ + h) * nsplit_max + split of part_acc (HD floats) and part_ml (2 floats).
+__device__ __forceinline__ void merge_splits(const float* __restrict__ part_acc,
+                                             const float* __restrict__ part_ml, int tl, int t,
+                                             int kvh, int nsplit, int nsplit_max, int idx,
+                                             scalar_t* __restrict__ out, float v_scale) {
+    const int g = idx / HD, d = idx % HD;
+    const int h = kvh * G + g;
+    const long long pbase = ((long long)tl * NQ + h) * nsplit_max;
+    float M = LLMC_NEG_INF;
+    for (int i = 0; i < nsplit; ++i) M = fmaxf(M, load_cg(part_ml + (pbase + i) * 2));
+    float L = 0.f, A = 0.f;
+    if (M != LLMC_NEG_INF) {
+        for (int i = 0; i < nsplit; ++i) {
+            const float f = exp2f(load_cg(part_ml + (pbase + i) * 2) - M);
+            L += load_cg(part_ml + (pbase + i) * 2 + 1) * f;
+            A += load_cg(part_acc + (pbase + i) * HD + d) * f;
+        }
+    }
+    out[((long long)t * NQ + h) * HD + d] = from_float(L > 0.f ? A / L * v_scale : 0.f);
+}
+
 #include "decode_cta.cuh"
 #include "decode_mma.cuh"
+#include "decode_warp.cuh"
 
 // The split kernel's pass over its keys: tensor cores where decode_mma.cuh has a kernel for
 // the config (2 CTAs per SM: ~190 registers), the CUDA-core pass otherwise (4 per SM).
@@ -184,22 +208,8 @@ __device__ __forceinline__ void paged_attention(
     __syncthreads();
     if (!sm_last) return;
     __threadfence();
-    for (int idx = threadIdx.x; idx < G * HD; idx += blockDim.x) {
-        const int g = idx / HD, d = idx % HD;
-        const int h = kvh * G + g;
-        const long long pbase = ((long long)tl * NQ + h) * nsplit_max;
-        float M = LLMC_NEG_INF;
-        for (int i = 0; i < nsplit; ++i) M = fmaxf(M, load_cg(part_ml + (pbase + i) * 2));
-        float L = 0.f, A = 0.f;
-        if (M != LLMC_NEG_INF) {
-            for (int i = 0; i < nsplit; ++i) {
-                const float f = exp2f(load_cg(part_ml + (pbase + i) * 2) - M);
-                L += load_cg(part_ml + (pbase + i) * 2 + 1) * f;
-                A += load_cg(part_acc + (pbase + i) * HD + d) * f;
-            }
-        }
-        out[((long long)t * NQ + h) * HD + d] = from_float(L > 0.f ? A / L * v_scale : 0.f);
-    }
+    for (int idx = threadIdx.x; idx < G * HD; idx += blockDim.x)
+        merge_splits(part_acc, part_ml, tl, t, kvh, nsplit, nsplit_max, idx, out, v_scale);
 }
 
 #define PAGED_ATTENTION_ARGS(cache_t)                                                        \

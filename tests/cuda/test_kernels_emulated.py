@@ -285,6 +285,60 @@ def test_decode_attention(emu, dt, fp8, splits, min_keys, bs):
     assert int(counters.abs().sum()) == 0
 
 
+# decode_warp.cuh's kernels exist where decode_mma.cuh's pass does (KernelConfig.mma_decode)
+WARPS_KERNELS = {"paged_attention_warps_kernel": 17, "paged_attention_warps_fp8_kernel": 17}
+
+
+@pytest.fixture(scope="module")
+def emu_warps(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("kernel_emu_warps")
+    out = {}
+    for dt, cfg in (("bfloat16", CFG["bfloat16"]), ("float16", CFG["float16"]), ("g8", CFG_G8)):
+        kernels = {k: n for k, n in WARPS_KERNELS.items() if cfg.mma_decode("fp8" in k)}
+        prog = EmulatedFamily("decode_attention", cfg, kernels, tmp)
+        out.update({(dt, name): prog[name] for name in kernels})
+    return out
+
+
+@pytest.mark.parametrize("dt,fp8", [("bfloat16", False), ("bfloat16", True), ("float16", False),
+                                    ("g8", False), ("g8", True)])  # fmt: skip
+@pytest.mark.parametrize(
+    "nsplit,min_keys,bs,ctas,block",
+    [(1, 512, 16, 2, 128), (4, 16, 16, 1, 64), (3, 7, 24, 3, 32), (8, 40, 16, 64, 128)],
+)
+def test_decode_attention_warps(emu_warps, dt, fp8, nsplit, min_keys, bs, ctas, block):
+    """decode_warp.cuh: one warp per (sequence, kv head, chunk), a persistent grid smaller
+    or larger than the units; single-chunk rows written from registers, chunked rows merged
+    by the last warp (counters back to zero); a padding row (seq_len 0) written as zeros."""
+    cfg = CFG_G8 if dt == "g8" else CFG[dt]
+    hd, nq, nkv, dtype = cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads, TORCH[cfg.dtype]
+    g = torch.Generator().manual_seed(nsplit * 100 + bs + fp8)
+    lens = [1, 17, 70, 130, 33]
+    meta, nblocks, t = paged_batch(lens, [], bs, generator=g)
+    ks, vs = (0.05, 0.02) if fp8 else (1.0, 1.0)
+    cache_dt = E4M3 if fp8 else dtype
+    kc = (torch.randn(nblocks, bs, nkv, hd, generator=g) / ks).to(cache_dt)
+    vc = (torch.randn(nblocks, bs, nkv, hd, generator=g) / vs).to(cache_dt)
+    q = (2 * torch.randn(t, nq, hd, generator=g)).to(dtype)
+    out = torch.full((t, nq * hd), math.nan, dtype=dtype)
+    part_acc, part_ml = torch.empty(t * nq * nsplit * hd), torch.empty(t * nq * nsplit * 2)
+    counters = torch.zeros(t * nkv, dtype=torch.int32)
+    bs_shift = bs.bit_length() - 1 if bs & (bs - 1) == 0 else -1
+    seq_lens = meta.seq_lens.clone()
+    seq_lens[-1] = 0  # graph padding
+    tables = meta.block_tables
+    name = "paged_attention_warps_fp8_kernel" if fp8 else "paged_attention_warps_kernel"
+    emu_warps[dt, name](
+        (ctas,), block, q, kc, vc, tables, tables.shape[1], bs, seq_lens, t, out, part_acc,
+        part_ml, np.float32(LOG2E / math.sqrt(hd) * ks), min_keys, bs_shift, counters,
+        np.float32(vs), nsplit,
+    )  # fmt: skip
+    want = ref.paged_attention(q, kc, vc, meta, ks, vs)
+    assert rel_err(out[:-1], want[:-1]) < 1e-2
+    assert torch.equal(out[-1], torch.zeros_like(out[-1]))
+    assert int(counters.abs().sum()) == 0
+
+
 @pytest.mark.parametrize("dt", ["bfloat16", "float16"])
 @pytest.mark.parametrize("fp8", [False, True])
 def test_prefill_attention(emu, dt, fp8):
