@@ -18,10 +18,22 @@
 // skips the chunks its sequence does not have.  A sequence of one chunk writes its output
 // from registers; chunks write partials and the warp that arrives last (counters[seq, kv
 // head], zero between launches) merges them (merge_splits).  Decode rows only (token i is
-// sequence i); seq_len <= 0 (graph padding) writes zeros.
+// sequence i); seq_len <= 0 (graph padding) writes zeros.  A warp skips the chunks its
+// sequences lack, and after its chunk-0 units reads the batch's largest chunk count
+// (max_chunks) and stops there, so a bound from the capture's max_seq_len costs ~nothing.
 #pragma once
 
 #if MMA_DECODE_16 || MMA_DECODE_FP8
+
+// The most chunks any of the n sequences has (every lane gets it; 1 .. nsplit_max).
+__device__ __forceinline__ int max_chunks(const int* __restrict__ seq_lens, int n, int min_keys,
+                                          int nsplit_max) {
+    int mx = 0;
+    for (int i = threadIdx.x & 31; i < n; i += 32) mx = max(mx, seq_lens[i]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    return max(1, min(nsplit_max, (mx + min_keys - 1) / max(1, min_keys)));
+}
 
 template <typename cache_t>
 __device__ __forceinline__ void paged_attention_warps(
@@ -34,13 +46,20 @@ __device__ __forceinline__ void paged_attention_warps(
     constexpr bool F16 = sizeof(cache_t) == 1 || LLMC_DTYPE == 1;
     const int lane = threadIdx.x & 31, g8 = lane >> 2, tq = lane & 3;
     const int per_cta = blockDim.x >> 5;
-    const long long warps = (long long)gridDim.x * per_cta;
+    const int warps = gridDim.x * per_cta;
     const int items = num_seqs * NKV;
-    const long long units = (long long)items * nsplit_max;
+    const int units = items * nsplit_max;  // <= max_num_seqs * 8 * NKV (the host's budget)
     const int h0 = 2 * tq, h1 = 2 * tq + 1;  // this lane's O^T columns (heads)
-    for (long long u = (long long)blockIdx.x * per_cta + (threadIdx.x >> 5); u < units;
-         u += warps) {
-        const int c = (int)(u / items), item = (int)(u - (long long)c * items);
+    // chunks past the first exist only where a sequence is long: once its chunk-0 units are
+    // done a warp learns the batch's most chunks and stops there (its units only grow)
+    int cmax = nsplit_max, known = 0;
+    for (int u = blockIdx.x * per_cta + (threadIdx.x >> 5); u < units; u += warps) {
+        const int c = u / items, item = u - c * items;
+        if (c > 0 && !known) {
+            cmax = max_chunks(seq_lens, num_seqs, min_keys, nsplit_max);
+            known = 1;
+        }
+        if (c >= cmax) break;  // warp-uniform
         const int t = item / NKV, kvh = item - t * NKV;
         const int kv_len = max(seq_lens[t], 0);
         const int nsplit = max(1, min(nsplit_max, (kv_len + min_keys - 1) / max(1, min_keys)));
