@@ -213,9 +213,8 @@ DECODE_SHORT_CASES = (
 # (kernel, forced (splits, min keys) plans) per cache dtype: "split" = the split kernel
 # (auto plan first), "warps" = decode_warp.cuh (auto = WARP_MIN_KEYS keys per chunk)
 DECODE_SHORT_PLANS = {
-    "bf16": (("split", (None, (1, None), (2, 1), (4, 64), (8, 32))),
-             ("warps", (None, (None, 256), (None, 1024)))),
-    "fp8": (("split", (None, (1, None))), ("warps", (None, (None, 256), (None, 1024)))),
+    "bf16": (("split", (None, (2, 1))), ("warps", (None, "_s3"))),
+    "fp8": (("split", (None,)), ("warps", (None, "_s4", "_s5"))),
 }  # fmt: skip
 
 
@@ -271,6 +270,9 @@ def decode_short(be: Any, rows: list, mem_row: Callable) -> None:
                 for plan in plans:
                     if plan is not None and cluster:
                         continue  # split plans are for paged_attention_kernel only
+                    be.warp_suffix = plan if isinstance(plan, str) else ""
+                    if isinstance(plan, str):
+                        plan = None
                     be.force_splits, be.force_min_keys = plan if plan else (None, None)
                     ms = graph_ms(
                         lambda q=q, kc=kc, vc=vc, m=meta, s=scales, o=ao: be.attention(
@@ -278,11 +280,13 @@ def decode_short(be: Any, rows: list, mem_row: Callable) -> None:
                         )
                     )
                     label = _short_label(be, kernel, plan, cluster, batch, nkv, max_seq)
+                    label += be.warp_suffix
                     shape = f"{batch}x[{lo},{hi}] {nq}/{nkv}x{hd} {cache} KV"
                     mem_row(f"decode_short({label})", shape, kv_bytes, ms, None)
                     rows[-1]["us"] = ms * 1000
         be.decode_kernel = "auto"
     be.force_splits = be.force_min_keys = None
+    be.warp_suffix = ""
     be.max_num_seqs = max_num_seqs
 
 

@@ -125,12 +125,12 @@ def decode_64x4096(be: Any, time_ms: Callable, mem_row: Callable) -> None:
             mem_row(name, f"{batch}x{ctx} 32/8x128", nbytes, ms, 0.85 if splits is None else None)
         be.force_splits = None
         be.decode_kernel = "warps"  # decode_warp.cuh, chunks of >= min_keys keys
-        for min_keys in (None, 256, 1024):
-            be.force_min_keys = min_keys
+        for sfx in ("", "_s3" if dtype == BF16 else "_s4"):
+            be.warp_suffix = sfx
             ms = time_ms(lambda kc=kc, vc=vc, s=scales: be.attention(q, kc, vc, meta, *s, out))
-            name = f"decode_attention {label} KV (warp kernel, min_keys={min_keys or 'auto'})"
+            name = f"decode_attention {label} KV (warp kernel{sfx})"
             mem_row(name, f"{batch}x{ctx} 32/8x128", nbytes, ms, None)
-        be.force_min_keys = None
+        be.warp_suffix = ""
         be.decode_kernel = "auto"
 
 

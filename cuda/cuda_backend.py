@@ -148,6 +148,7 @@ class CudaBackend(WoOps, GemvOps, GemvFp8Ops, Fp8Ops, SamplingOps):
         # where decode_mma.cuh's pass exists and the batch's (token, kv head) pairs fill the
         # SMs (where the split kernel would run unsplit); "split" / "warps" force one (also
         # LLMC_DECODE_KERNEL=split|warps in the environment, for A/B runs of whole engines)
+        self.warp_suffix = ""  # bench: "_s3" (bf16) / "_s4", "_s5" (fp8): deeper streams
         self.decode_kernel = os.environ.get(DECODE_KERNEL_ENV, "").strip() or "auto"
         if self.decode_kernel not in ("auto", "split", "warps"):
             raise UnsupportedError(
@@ -482,9 +483,8 @@ class CudaBackend(WoOps, GemvOps, GemvFp8Ops, Fp8Ops, SamplingOps):
     ) -> None:  # fmt: skip
         """decode_warp.cuh: one warp per (sequence, kv head, chunk of >= min_keys keys);
         a persistent grid of as many CTAs as are resident (or as the units need)."""
-        k = lib.get(
-            "decode_attention", "paged_attention_warps" + ("_fp8_kernel" if fp8 else "_kernel")
-        )
+        name = "paged_attention_warps" + self.warp_suffix + ("_fp8_kernel" if fp8 else "_kernel")
+        k = lib.get("decode_attention", name)
         min_keys = max(1, self.force_min_keys or WARP_MIN_KEYS)
         budget = (self.max_num_seqs * SPLIT_ROWS_PER_SEQ) // nd
         nsplit = max(1, min(MAX_SPLITS, budget, -(-max(1, meta.max_seq_len) // min_keys)))

@@ -207,14 +207,13 @@ __host__ __device__ constexpr int mma_stages() {
 
 // Warp `warp` of NWARPS: online softmax over the tiles warp, warp + NWARPS, ... of
 // [kbeg, kend) into (m, l, o).
-template <bool POW2, int NWARPS, typename cache_t, bool F16>
+template <bool POW2, int NWARPS, typename cache_t, bool F16, int S = mma_stages<cache_t>()>
 __device__ __forceinline__ void mma_keys(const cache_t* __restrict__ k_cache,
                                          const cache_t* __restrict__ v_cache,
                                          const int* __restrict__ bt, int block_size,
                                          int bs_shift, int kvh, int kbeg, int kend, int warp,
                                          const unsigned (&qa)[HD / 16][2], float& m, float& l,
                                          float (&o)[HD / 16][4]) {
-    constexpr int S = mma_stages<cache_t>();
     constexpr int step = 16 * NWARPS;  // keys between a warp's consecutive tiles
     MmaTile<cache_t> buf[S];
     int base = kbeg + 16 * warp;
@@ -261,7 +260,7 @@ __device__ __forceinline__ void mma_load_q(const scalar_t* __restrict__ q, int t
 // Warp `warp` of NWARPS over its tiles of [kbeg, kend): the row max m of this lane's head
 // (lane / 4), the row sum l (summed over the lane's quad), and the unnormalised O^T
 // fragments o (see the header's layout).
-template <int NWARPS, typename cache_t, bool F16>
+template <int NWARPS, typename cache_t, bool F16, int S = mma_stages<cache_t>()>
 __device__ __forceinline__ void mma_pass(const unsigned (&qa)[HD / 16][2],
                                          const cache_t* __restrict__ k_cache,
                                          const cache_t* __restrict__ v_cache,
@@ -273,11 +272,11 @@ __device__ __forceinline__ void mma_pass(const unsigned (&qa)[HD / 16][2],
 #pragma unroll
     for (int mt = 0; mt < HD / 16; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.f;
     if (bs_shift >= 0)
-        mma_keys<true, NWARPS, cache_t, F16>(k_cache, v_cache, bt, block_size, bs_shift, kvh,
-                                             kbeg, kend, warp, qa, m, l, o);
+        mma_keys<true, NWARPS, cache_t, F16, S>(k_cache, v_cache, bt, block_size, bs_shift,
+                                                kvh, kbeg, kend, warp, qa, m, l, o);
     else
-        mma_keys<false, NWARPS, cache_t, F16>(k_cache, v_cache, bt, block_size, bs_shift, kvh,
-                                              kbeg, kend, warp, qa, m, l, o);
+        mma_keys<false, NWARPS, cache_t, F16, S>(k_cache, v_cache, bt, block_size, bs_shift,
+                                                 kvh, kbeg, kend, warp, qa, m, l, o);
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
 }
