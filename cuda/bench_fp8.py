@@ -117,15 +117,20 @@ def decode_64x4096(be: Any, time_ms: Callable, mem_row: Callable) -> None:
         nbytes = kc.nbytes + vc.nbytes + 2 * q.nbytes
         label = "bf16" if dtype == BF16 else "fp8"
         be.decode_kernel = "split"
-        for splits in (None, 1, 2, 4, 8):
+        for splits, be.warp_suffix in (
+            (None, ""),
+            (1, ""),
+            (2, ""),
+            (None, "_ik" * (dtype != BF16)),
+        ):
             be.force_splits = splits
             ms = time_ms(lambda kc=kc, vc=vc, s=scales: be.attention(q, kc, vc, meta, *s, out))
             plan = f"{auto} auto" if splits is None else str(splits)
-            name = f"decode_attention {label} KV (split kernel, splits={plan})"
+            name = f"decode_attention {label} KV (split kernel{be.warp_suffix}, splits={plan})"
             mem_row(name, f"{batch}x{ctx} 32/8x128", nbytes, ms, 0.85 if splits is None else None)
         be.force_splits = None
         be.decode_kernel = "warps"  # decode_warp.cuh, chunks of >= min_keys keys
-        for sfx in ("", "_s3" if dtype == BF16 else "_s4"):
+        for sfx in ("", "_s3") if dtype == BF16 else ("", "_s4", "_ik", "_s4ik"):
             be.warp_suffix = sfx
             ms = time_ms(lambda kc=kc, vc=vc, s=scales: be.attention(q, kc, vc, meta, *s, out))
             name = f"decode_attention {label} KV (warp kernel{sfx})"

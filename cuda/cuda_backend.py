@@ -425,7 +425,12 @@ class CudaBackend(WoOps, GemvOps, GemvFp8Ops, Fp8Ops, SamplingOps):
         scale = np.float32(LOG2E / math.sqrt(hd) * (k_scale if fp8 else 1.0))
         vs = np.float32(v_scale if fp8 else 1.0)
         sfx = "_fp8_kernel" if fp8 else "_kernel"
-        paged = lib.get("decode_attention", "paged_attention" + sfx)
+        paged = lib.get(
+            "decode_attention",
+            "paged_attention"
+            + (self.warp_suffix if nd and not self._warp_decode(lib, fp8, nd, nkv) else "")
+            + sfx,
+        )
         common = (_p(q), _p(k_cache), _p(v_cache), _p(meta.block_tables), _i(mbps), _i(bs))
         bs_shift = bs.bit_length() - 1 if bs & (bs - 1) == 0 else -1
         if nd > 0 and self.cluster_decode_ok(nd, nkv):

@@ -99,7 +99,7 @@ __host__ __device__ constexpr bool use_mma() {
 }
 #define SPLIT_CTAS_PER_SM(mma) ((mma) ? 2 : 4)
 
-template <int NWARPS, typename cache_t>
+template <int NWARPS, typename cache_t, bool KINT = false>
 __device__ __forceinline__ void attend_cta_split(
     const scalar_t* __restrict__ q, const cache_t* __restrict__ k_cache,
     const cache_t* __restrict__ v_cache, const int* __restrict__ bt, int block_size,
@@ -107,7 +107,7 @@ __device__ __forceinline__ void attend_cta_split(
     float (&sm_ml)[NWARPS][G][2], float (&sm_acc)[NWARPS][G][HD]) {
 #if MMA_DECODE_16 || MMA_DECODE_FP8
     if constexpr (use_mma<cache_t>()) {
-        attend_cta_mma<NWARPS, cache_t>(q, k_cache, v_cache, bt, block_size, bs_shift, t, kvh,
+        attend_cta_mma<NWARPS, cache_t, KINT>(q, k_cache, v_cache, bt, block_size, bs_shift, t, kvh,
                                         scale_log2, kbeg, kend, sm_ml, sm_acc);
     } else {
         attend_cta_simt<NWARPS, cache_t>(q, k_cache, v_cache, bt, block_size, bs_shift, t, kvh,
@@ -144,7 +144,7 @@ __device__ __forceinline__ void combine_warp_states(const float (&sm_ml)[NWARPS]
 // ceil(kv_len / min_keys) splits (at least 1, at most gridDim.z); bs_shift: log2 of
 // block_size, or -1.  counters: NKV ints per token, zero before the launch and after it.
 // v_scale: the output factor of an fp8 V cache (1 otherwise).
-template <typename cache_t>
+template <typename cache_t, bool KINT = false>
 __device__ __forceinline__ void paged_attention(
     const scalar_t* __restrict__ q, const cache_t* __restrict__ k_cache,
     const cache_t* __restrict__ v_cache, const int* __restrict__ block_tables,
@@ -175,7 +175,7 @@ __device__ __forceinline__ void paged_attention(
     __shared__ float sm_ml[NW][G][2];
     __shared__ float sm_acc[NW][G][HD];
     __shared__ int sm_last;
-    attend_cta_split<NW, cache_t>(q, k_cache, v_cache, bt, block_size, bs_shift, t, kvh, scale_log2,
+    attend_cta_split<NW, cache_t, KINT>(q, k_cache, v_cache, bt, block_size, bs_shift, t, kvh, scale_log2,
                             kbeg, kend, sm_ml, sm_acc);
     __syncthreads();
     for (int idx = threadIdx.x; idx < G * HD; idx += blockDim.x) {
@@ -231,6 +231,14 @@ paged_attention_kernel(PAGED_ATTENTION_ARGS(scalar_t)) {
 extern "C" __global__ void __launch_bounds__(NW * 32, SPLIT_CTAS_PER_SM(MMA_DECODE_FP8))
 paged_attention_fp8_kernel(PAGED_ATTENTION_ARGS(fp8_t)) {
     PAGED_ATTENTION_CALL(fp8_t);
+}
+// (bench: K converted on the integer pipe)
+extern "C" __global__ void __launch_bounds__(NW * 32, SPLIT_CTAS_PER_SM(MMA_DECODE_FP8))
+paged_attention_ik_fp8_kernel(PAGED_ATTENTION_ARGS(fp8_t)) {
+    paged_attention<fp8_t, true>(q, k_cache, v_cache, block_tables, max_blocks_per_seq,
+                                 block_size, seq_lens, cu_seqlens_q, num_seqs, token_begin,
+                                 decode_mode, out, part_acc, part_ml, scale_log2, min_keys,
+                                 bs_shift, counters, v_scale);
 }
 
 // ---------------------------------------------------------------------------------------

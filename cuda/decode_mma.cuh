@@ -124,7 +124,9 @@ __device__ __forceinline__ void mma_load_tile(MmaTile<cache_t>& tl,
 }
 
 // Online softmax + P.V of one tile for this lane's rows (heads) / columns (heads 2t, 2t+1).
-template <typename cache_t, bool F16>
+// KINT (e4m3 cache): K's codes become fp16 on the integer pipe as values / 256
+// (fp8x4_to_half2x2_div256), the scores are scaled back by 256 (exact).
+template <typename cache_t, bool F16, bool KINT = false>
 __device__ __forceinline__ void mma_tile(const MmaTile<cache_t>& tl, const unsigned (&qa)[HD / 16][2],
                                          int base, int kend, float& m, float& l,
                                          float (&o)[HD / 16][4]) {
@@ -138,7 +140,9 @@ __device__ __forceinline__ void mma_tile(const MmaTile<cache_t>& tl, const unsig
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
             unsigned b0, b1;
-            if constexpr (FP8) {
+            if constexpr (FP8 && KINT) {
+                fp8x4_to_half2x2_div256(tl.k[nt][ks], b0, b1);
+            } else if constexpr (FP8) {
                 fp8x4_to_half2x2(tl.k[nt][ks], b0, b1);
             } else {
                 b0 = tl.k[nt][2 * ks];
@@ -146,6 +150,10 @@ __device__ __forceinline__ void mma_tile(const MmaTile<cache_t>& tl, const unsig
             }
             mma_16816<F16>(s[nt], qa[ks][0], 0u, qa[ks][1], 0u, b0, b1);
         }
+    }
+    if constexpr (FP8 && KINT) {
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) s[nt][0] *= 256.f, s[nt][1] *= 256.f;
     }
     // row g (head g): s[nt][0], s[nt][1] are keys base + 8 nt + 2t, + 1
     float mx = LLMC_NEG_INF;
@@ -207,7 +215,8 @@ __host__ __device__ constexpr int mma_stages() {
 
 // Warp `warp` of NWARPS: online softmax over the tiles warp, warp + NWARPS, ... of
 // [kbeg, kend) into (m, l, o).
-template <bool POW2, int NWARPS, typename cache_t, bool F16, int S = mma_stages<cache_t>()>
+template <bool POW2, int NWARPS, typename cache_t, bool F16, int S = mma_stages<cache_t>(),
+          bool KINT = false>
 __device__ __forceinline__ void mma_keys(const cache_t* __restrict__ k_cache,
                                          const cache_t* __restrict__ v_cache,
                                          const int* __restrict__ bt, int block_size,
@@ -225,7 +234,7 @@ __device__ __forceinline__ void mma_keys(const cache_t* __restrict__ k_cache,
 #pragma unroll
         for (int st = 0; st < S; ++st) {
             if (base < kend) {  // warp-uniform
-                mma_tile<cache_t, F16>(buf[st], qa, base, kend, m, l, o);
+                mma_tile<cache_t, F16, KINT>(buf[st], qa, base, kend, m, l, o);
                 mma_load_tile<POW2>(buf[st], k_cache, v_cache, bt, block_size, bs_shift, kvh,
                                     base + S * step, kend);
             }
@@ -260,7 +269,8 @@ __device__ __forceinline__ void mma_load_q(const scalar_t* __restrict__ q, int t
 // Warp `warp` of NWARPS over its tiles of [kbeg, kend): the row max m of this lane's head
 // (lane / 4), the row sum l (summed over the lane's quad), and the unnormalised O^T
 // fragments o (see the header's layout).
-template <int NWARPS, typename cache_t, bool F16, int S = mma_stages<cache_t>()>
+template <int NWARPS, typename cache_t, bool F16, int S = mma_stages<cache_t>(),
+          bool KINT = false>
 __device__ __forceinline__ void mma_pass(const unsigned (&qa)[HD / 16][2],
                                          const cache_t* __restrict__ k_cache,
                                          const cache_t* __restrict__ v_cache,
@@ -272,16 +282,16 @@ __device__ __forceinline__ void mma_pass(const unsigned (&qa)[HD / 16][2],
 #pragma unroll
     for (int mt = 0; mt < HD / 16; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.f;
     if (bs_shift >= 0)
-        mma_keys<true, NWARPS, cache_t, F16, S>(k_cache, v_cache, bt, block_size, bs_shift,
+        mma_keys<true, NWARPS, cache_t, F16, S, KINT>(k_cache, v_cache, bt, block_size, bs_shift,
                                                 kvh, kbeg, kend, warp, qa, m, l, o);
     else
-        mma_keys<false, NWARPS, cache_t, F16, S>(k_cache, v_cache, bt, block_size, bs_shift,
+        mma_keys<false, NWARPS, cache_t, F16, S, KINT>(k_cache, v_cache, bt, block_size, bs_shift,
                                                  kvh, kbeg, kend, warp, qa, m, l, o);
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
 }
 
-template <int NWARPS, typename cache_t>
+template <int NWARPS, typename cache_t, bool KINT = false>
 __device__ __forceinline__ void attend_cta_mma(
     const scalar_t* __restrict__ q, const cache_t* __restrict__ k_cache,
     const cache_t* __restrict__ v_cache, const int* __restrict__ bt, int block_size,
@@ -293,7 +303,7 @@ __device__ __forceinline__ void attend_cta_mma(
     unsigned qa[HD / 16][2];
     mma_load_q<F16>(q, t, kvh, scale_log2, qa);
     float m, l, o[HD / 16][4];
-    mma_pass<NWARPS, cache_t, F16>(qa, k_cache, v_cache, bt, block_size, bs_shift, kvh, kbeg,
+    mma_pass<NWARPS, cache_t, F16, mma_stages<cache_t>(), KINT>(qa, k_cache, v_cache, bt, block_size, bs_shift, kvh, kbeg,
                                    kend, warp, m, l, o);
     if (tq == 0 && g8 < G) {
         sm_ml[warp][g8][0] = m;

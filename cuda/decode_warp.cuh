@@ -35,7 +35,7 @@ __device__ __forceinline__ int max_chunks(const int* __restrict__ seq_lens, int 
     return max(1, min(nsplit_max, (mx + min_keys - 1) / max(1, min_keys)));
 }
 
-template <typename cache_t, int S>
+template <typename cache_t, int S, bool KINT = false>
 __device__ __forceinline__ void paged_attention_warps(
     const scalar_t* __restrict__ q, const cache_t* __restrict__ k_cache,
     const cache_t* __restrict__ v_cache, const int* __restrict__ block_tables,
@@ -70,7 +70,7 @@ __device__ __forceinline__ void paged_attention_warps(
         unsigned qa[HD / 16][2];
         mma_load_q<F16>(q, t, kvh, scale_log2, qa);
         float m, l, o[HD / 16][4];
-        mma_pass<1, cache_t, F16, S>(qa, k_cache, v_cache,
+        mma_pass<1, cache_t, F16, S, KINT>(qa, k_cache, v_cache,
                                   block_tables + (long long)t * max_blocks_per_seq, block_size,
                                   bs_shift, kvh, kbeg, kend, 0, m, l, o);
         // (max, sum) of head g live in the lanes of quad g: heads h0, h1 in lanes 8tq, 8tq + 4
@@ -135,8 +135,8 @@ __device__ __forceinline__ void paged_attention_warps(
         scalar_t *__restrict__ out, float *__restrict__ part_acc, float *__restrict__ part_ml,  \
         float scale_log2, int min_keys, int bs_shift, int *__restrict__ counters,              \
         float v_scale, int nsplit_max
-#define PAGED_WARPS_CALL(cache_t, S)                                                        \
-    paged_attention_warps<cache_t, S>(q, k_cache, v_cache, block_tables, max_blocks_per_seq,    \
+#define PAGED_WARPS_CALL(cache_t, S, KINT)                                                  \
+    paged_attention_warps<cache_t, S, KINT>(q, k_cache, v_cache, block_tables, max_blocks_per_seq,    \
                                    block_size, seq_lens, num_seqs, out, part_acc, part_ml,   \
                                    scale_log2, min_keys, bs_shift, counters, v_scale,        \
                                    nsplit_max)
@@ -146,25 +146,33 @@ __device__ __forceinline__ void paged_attention_warps(
 #if MMA_DECODE_16
 extern "C" __global__ void __launch_bounds__(128, 2)
 paged_attention_warps_kernel(PAGED_WARPS_ARGS(scalar_t)) {
-    PAGED_WARPS_CALL(scalar_t, 2);
+    PAGED_WARPS_CALL(scalar_t, 2, false);
 }
 extern "C" __global__ void __launch_bounds__(128, 2)
 paged_attention_warps_s3_kernel(PAGED_WARPS_ARGS(scalar_t)) {
-    PAGED_WARPS_CALL(scalar_t, 3);
+    PAGED_WARPS_CALL(scalar_t, 3, false);
 }
 #endif
 #if MMA_DECODE_FP8
 extern "C" __global__ void __launch_bounds__(128, 2)
 paged_attention_warps_fp8_kernel(PAGED_WARPS_ARGS(fp8_t)) {
-    PAGED_WARPS_CALL(fp8_t, 3);
+    PAGED_WARPS_CALL(fp8_t, 3, false);
 }
 extern "C" __global__ void __launch_bounds__(128, 2)
 paged_attention_warps_s4_fp8_kernel(PAGED_WARPS_ARGS(fp8_t)) {
-    PAGED_WARPS_CALL(fp8_t, 4);
+    PAGED_WARPS_CALL(fp8_t, 4, false);
 }
 extern "C" __global__ void __launch_bounds__(128, 2)
 paged_attention_warps_s5_fp8_kernel(PAGED_WARPS_ARGS(fp8_t)) {
-    PAGED_WARPS_CALL(fp8_t, 5);
+    PAGED_WARPS_CALL(fp8_t, 5, false);
+}
+extern "C" __global__ void __launch_bounds__(128, 2)
+paged_attention_warps_ik_fp8_kernel(PAGED_WARPS_ARGS(fp8_t)) {
+    PAGED_WARPS_CALL(fp8_t, 3, true);
+}
+extern "C" __global__ void __launch_bounds__(128, 2)
+paged_attention_warps_s4ik_fp8_kernel(PAGED_WARPS_ARGS(fp8_t)) {
+    PAGED_WARPS_CALL(fp8_t, 4, true);
 }
 #endif
 

@@ -53,6 +53,7 @@ KERNELS = [
     ("rope_kv", "rope_kv_fp8_kernel", 13),
     ("decode_attention", "paged_attention_kernel", 19),
     ("decode_attention", "paged_attention_fp8_kernel", 19),
+    ("decode_attention", "paged_attention_ik_fp8_kernel", 19),
     ("prefill_attention", "prefill_attention_kernel", 12),
     ("prefill_attention", "prefill_attention_fp8_kernel", 12),
 ]
@@ -253,7 +254,7 @@ def test_rope_kv_fp8_write_bit_exact(emu, dt, scales, smooth):
 
 
 @pytest.mark.parametrize("dt", [*CFG, "g8"])
-@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("fp8", [False, True, "ik"])
 @pytest.mark.parametrize("splits,min_keys,bs", [(1, 1, 16), (4, 16, 16), (3, 7, 24)])
 def test_decode_attention(emu, dt, fp8, splits, min_keys, bs):
     """The split kernel (tensor-core pass for 16-bit dtypes with hd % 16 == 0, CUDA-core
@@ -261,7 +262,7 @@ def test_decode_attention(emu, dt, fp8, splits, min_keys, bs):
     arrival counters back to zero."""
     cfg = CFG_G8 if dt == "g8" else CFG[dt]
     hd, nq, nkv, dtype = cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads, TORCH[cfg.dtype]
-    g = torch.Generator().manual_seed(splits * 10 + bs + fp8)
+    g = torch.Generator().manual_seed(splits * 10 + bs + bool(fp8))
     meta, nblocks, t = paged_batch([1, 17, 70, 130], [], bs, generator=g)
     ks, vs = (0.05, 0.02) if fp8 else (1.0, 1.0)
     cache_dt = E4M3 if fp8 else dtype
@@ -274,7 +275,9 @@ def test_decode_attention(emu, dt, fp8, splits, min_keys, bs):
     counters = torch.zeros(t * nkv, dtype=torch.int32)
     bs_shift = bs.bit_length() - 1 if bs & (bs - 1) == 0 else -1
     tables = meta.block_tables
-    name = "paged_attention_fp8_kernel" if fp8 else "paged_attention_kernel"
+    name = {False: "paged_attention_kernel", True: "paged_attention_fp8_kernel"}.get(
+        fp8, "paged_attention_ik_fp8_kernel"
+    )
     emu[dt, name](
         (t, nkv, splits), 128, q, kc, vc, tables, tables.shape[1], bs, meta.seq_lens,
         meta.cu_seqlens_q, len(meta.seq_lens), 0, 1, out, part_acc, part_ml,
@@ -286,7 +289,10 @@ def test_decode_attention(emu, dt, fp8, splits, min_keys, bs):
 
 
 # decode_warp.cuh's kernels exist where decode_mma.cuh's pass does (KernelConfig.mma_decode)
-WARPS_KERNELS = {"paged_attention_warps_kernel": 17, "paged_attention_warps_fp8_kernel": 17}
+WARPS_KERNELS = {
+    f"paged_attention_warps{v}_kernel": 17 for v in ("", "_s3", "_fp8", "_s4_fp8", "_ik_fp8",
+                                                    "_s4ik_fp8")
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -300,8 +306,9 @@ def emu_warps(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("dt,fp8", [("bfloat16", False), ("bfloat16", True), ("float16", False),
-                                    ("g8", False), ("g8", True)])  # fmt: skip
+@pytest.mark.parametrize("dt,fp8", [("bfloat16", ""), ("bfloat16", "_fp8"), ("float16", ""),
+                                    ("g8", ""), ("g8", "_fp8"), ("g8", "_s3"), ("g8", "_s4_fp8"),
+                                    ("g8", "_ik_fp8"), ("bfloat16", "_s4ik_fp8")])  # fmt: skip
 @pytest.mark.parametrize(
     "nsplit,min_keys,bs,ctas,block",
     [(1, 512, 16, 2, 128), (4, 16, 16, 1, 64), (3, 7, 24, 3, 32), (8, 40, 16, 64, 128)],
@@ -312,9 +319,10 @@ def test_decode_attention_warps(emu_warps, dt, fp8, nsplit, min_keys, bs, ctas, 
     by the last warp (counters back to zero); a padding row (seq_len 0) written as zeros."""
     cfg = CFG_G8 if dt == "g8" else CFG[dt]
     hd, nq, nkv, dtype = cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads, TORCH[cfg.dtype]
-    g = torch.Generator().manual_seed(nsplit * 100 + bs + fp8)
+    g = torch.Generator().manual_seed(nsplit * 100 + bs + len(fp8))
     lens = [1, 17, 70, 130, 33]
     meta, nblocks, t = paged_batch(lens, [], bs, generator=g)
+    variant, fp8 = fp8, fp8.endswith("fp8")
     ks, vs = (0.05, 0.02) if fp8 else (1.0, 1.0)
     cache_dt = E4M3 if fp8 else dtype
     kc = (torch.randn(nblocks, bs, nkv, hd, generator=g) / ks).to(cache_dt)
@@ -327,7 +335,7 @@ def test_decode_attention_warps(emu_warps, dt, fp8, nsplit, min_keys, bs, ctas, 
     seq_lens = meta.seq_lens.clone()
     seq_lens[-1] = 0  # graph padding
     tables = meta.block_tables
-    name = "paged_attention_warps_fp8_kernel" if fp8 else "paged_attention_warps_kernel"
+    name = f"paged_attention_warps{variant}_kernel"
     emu_warps[dt, name](
         (ctas,), block, q, kc, vc, tables, tables.shape[1], bs, seq_lens, t, out, part_acc,
         part_ml, np.float32(LOG2E / math.sqrt(hd) * ks), min_keys, bs_shift, counters,
