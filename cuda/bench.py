@@ -213,8 +213,8 @@ DECODE_SHORT_CASES = (
 # (kernel, forced (splits, min keys) plans) per cache dtype: "split" = the split kernel
 # (auto plan first), "warps" = decode_warp.cuh (auto = WARP_MIN_KEYS keys per chunk)
 DECODE_SHORT_PLANS = {
-    "bf16": (("split", (None, (2, 1))), ("warps", (None, "_s3"))),
-    "fp8": (("split", (None, "_ik")), ("warps", (None, "_s4", "_s5", "_ik", "_s4ik"))),
+    "bf16": (("split", (None, (2, 1), "_o4")), ("warps", (None, "_s3"))),
+    "fp8": (("split", (None, "_ik", "_o4")), ("warps", (None, "_s4", "_s5", "_ik", "_s4ik"))),
 }  # fmt: skip
 
 

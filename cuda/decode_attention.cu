@@ -232,6 +232,15 @@ extern "C" __global__ void __launch_bounds__(NW * 32, SPLIT_CTAS_PER_SM(MMA_DECO
 paged_attention_fp8_kernel(PAGED_ATTENTION_ARGS(fp8_t)) {
     PAGED_ATTENTION_CALL(fp8_t);
 }
+// (bench: 4 resident CTAs per SM: <= 128 registers)
+extern "C" __global__ void __launch_bounds__(NW * 32, 4)
+paged_attention_o4_kernel(PAGED_ATTENTION_ARGS(scalar_t)) {
+    PAGED_ATTENTION_CALL(scalar_t);
+}
+extern "C" __global__ void __launch_bounds__(NW * 32, 4)
+paged_attention_o4_fp8_kernel(PAGED_ATTENTION_ARGS(fp8_t)) {
+    PAGED_ATTENTION_CALL(fp8_t);
+}
 // (bench: K converted on the integer pipe)
 extern "C" __global__ void __launch_bounds__(NW * 32, SPLIT_CTAS_PER_SM(MMA_DECODE_FP8))
 paged_attention_ik_fp8_kernel(PAGED_ATTENTION_ARGS(fp8_t)) {
