@@ -210,19 +210,15 @@ DECODE_SHORT_CASES = (
     (9, 3, 64, 2048, 1024, 128, 256),
     (9, 3, 64, 2048, 512, 128, 256),
 )  # fmt: skip
-# (kernel, forced (splits, min keys) plans) per cache dtype: "split" = the split kernel
-# (auto plan first), "warps" = decode_warp.cuh (auto = WARP_MIN_KEYS keys per chunk)
-DECODE_SHORT_PLANS = {
-    "bf16": (("split", (None, (2, 1), "_o4")), ("warps", (None, "_s3"))),
-    "fp8": (("split", (None, "_ik", "_o4")), ("warps", (None, "_s4", "_s5", "_ik", "_s4ik"))),
-}  # fmt: skip
+# forced (splits, min keys) plans beside the auto one, per cache dtype
+DECODE_SHORT_PLANS = {"bf16": ((1, None), (2, 1), (4, 64), (8, 32)), "fp8": ((1, None),)}
 
 
 def decode_short(be: Any, rows: list, mem_row: Callable) -> None:
-    """Decode attention at the end-to-end shapes (``DECODE_SHORT_CASES``): short contexts,
-    the engine's max_seq_len at capture (as CUDA graphs see it), a bf16 and an e4m3 cache;
-    the split kernel and the warp kernel (``DECODE_SHORT_PLANS``), ``auto`` beside forced
-    plans (splits, min keys). Timed as CUDA-graph replays (as the runner runs decode
+    """Decode attention at the end-to-end shapes (``DECODE_SHORT_CASES``): short contexts
+    (and the 2048/128 row's), the engine's max_seq_len at capture (as CUDA graphs see it), a
+    bf16 and an e4m3 cache; ``auto`` beside forced split plans (splits, min keys,
+    ``DECODE_SHORT_PLANS``). Timed as CUDA-graph replays (as the runner runs decode
     steps)."""
     from llmc.cuda.backend import AttentionMetadata
 
@@ -258,50 +254,33 @@ def decode_short(be: Any, rows: list, mem_row: Callable) -> None:
         q = torch.randn(batch, nq, hd, device=DEV).to(BF16)
         ao = torch.empty(batch, nq * hd, device=DEV, dtype=BF16)
         cluster = be.cluster_decode_ok(batch, nkv)  # small batch: the cluster kernel
-        for cache, (kc, vc, scales) in {
+        caches = {
             "bf16": (kc16, vc16, (1.0, 1.0)),
-            "fp8": (kc16.to(E4M3), vc16.to(E4M3), (0.05, 0.05)),
-        }.items():
+            "fp8": (kc16.to(E4M3), vc16.to(E4M3), (0.05,) * 2),
+        }
+        for cache, (kc, vc, scales) in caches.items():
             kv_bytes = int(lens.sum()) * nkv * hd * 2 * kc.element_size() + 2 * q.nbytes
-            for kernel, plans in DECODE_SHORT_PLANS[cache]:
-                if cluster and kernel == "warps":
-                    continue  # the cluster kernel serves small batches
-                be.decode_kernel = kernel
-                for plan in plans:
-                    if plan is not None and cluster:
-                        continue  # split plans are for paged_attention_kernel only
-                    be.warp_suffix = plan if isinstance(plan, str) else ""
-                    if isinstance(plan, str):
-                        plan = None
-                    be.force_splits, be.force_min_keys = plan if plan else (None, None)
-                    ms = graph_ms(
-                        lambda q=q, kc=kc, vc=vc, m=meta, s=scales, o=ao: be.attention(
-                            q, kc, vc, m, *s, out=o
-                        )
+            for plan in (None, *DECODE_SHORT_PLANS[cache]):
+                if plan is not None and cluster:
+                    continue  # split plans are for paged_attention_kernel only
+                be.force_splits, be.force_min_keys = plan if plan else (None, None)
+                ms = graph_ms(
+                    lambda q=q, kc=kc, vc=vc, m=meta, s=scales, o=ao: be.attention(
+                        q, kc, vc, m, *s, out=o
                     )
-                    label = _short_label(be, kernel, plan, cluster, batch, nkv, max_seq)
-                    label += be.warp_suffix
-                    shape = f"{batch}x[{lo},{hi}] {nq}/{nkv}x{hd} {cache} KV"
-                    mem_row(f"decode_short({label})", shape, kv_bytes, ms, None)
-                    rows[-1]["us"] = ms * 1000
-        be.decode_kernel = "auto"
+                )
+                if plan is None and cluster:
+                    label = f"auto: cluster kernel, min_keys={be.min_split_keys(batch, nkv)}"
+                elif plan is None:
+                    ns, mk = be.num_splits(batch, nkv, max_seq), be.min_split_keys(batch, nkv)
+                    label = f"auto: splits<={ns}, min_keys={mk}"
+                else:
+                    label = f"splits<={plan[0]}, min_keys={plan[1] or '-'}"
+                shape = f"{batch}x[{lo},{hi}] {nq}/{nkv}x{hd} {cache} KV"
+                mem_row(f"decode_short({label})", shape, kv_bytes, ms, None)
+                rows[-1]["us"] = ms * 1000
     be.force_splits = be.force_min_keys = None
-    be.warp_suffix = ""
     be.max_num_seqs = max_num_seqs
-
-
-def _short_label(
-    be: Any, kernel: str, plan: tuple | None, cluster: bool, batch: int, nkv: int, max_seq: int
-) -> str:
-    """decode_short's row label: the kernel and its plan."""
-    if plan is None and cluster:
-        return f"auto: cluster kernel, min_keys={be.min_split_keys(batch, nkv)}"
-    if kernel == "warps":
-        return f"warps, min_keys={(plan or (None, None))[1] or 'auto'}"
-    if plan is None:
-        s, mk = be.num_splits(batch, nkv, max_seq), be.min_split_keys(batch, nkv)
-        return f"split auto: splits<={s}, min_keys={mk}"
-    return f"split: splits<={plan[0]}, min_keys={plan[1] or '-'}"
 
 
 def _cycle(fns: list[Callable[[], Any]]) -> Callable[[], Any]:

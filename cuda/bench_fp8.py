@@ -116,27 +116,13 @@ def decode_64x4096(be: Any, time_ms: Callable, mem_row: Callable) -> None:
         vc = torch.randn_like(kc, dtype=torch.float32).to(dtype)
         nbytes = kc.nbytes + vc.nbytes + 2 * q.nbytes
         label = "bf16" if dtype == BF16 else "fp8"
-        be.decode_kernel = "split"
-        for splits, be.warp_suffix in (
-            (None, ""),
-            (1, ""),
-            (2, ""),
-            (None, "_ik" * (dtype != BF16)),
-        ):
+        for splits in (None, 1, 2, 4, 8):
             be.force_splits = splits
             ms = time_ms(lambda kc=kc, vc=vc, s=scales: be.attention(q, kc, vc, meta, *s, out))
             plan = f"{auto} auto" if splits is None else str(splits)
-            name = f"decode_attention {label} KV (split kernel{be.warp_suffix}, splits={plan})"
+            name = f"decode_attention {label} KV (splits={plan})"
             mem_row(name, f"{batch}x{ctx} 32/8x128", nbytes, ms, 0.85 if splits is None else None)
         be.force_splits = None
-        be.decode_kernel = "warps"  # decode_warp.cuh, chunks of >= min_keys keys
-        for sfx in ("", "_s3") if dtype == BF16 else ("", "_s4", "_ik", "_s4ik"):
-            be.warp_suffix = sfx
-            ms = time_ms(lambda kc=kc, vc=vc, s=scales: be.attention(q, kc, vc, meta, *s, out))
-            name = f"decode_attention {label} KV (warp kernel{sfx})"
-            mem_row(name, f"{batch}x{ctx} 32/8x128", nbytes, ms, None)
-        be.warp_suffix = ""
-        be.decode_kernel = "auto"
 
 
 def _gemms(be: Any, time_ms: Callable, flops_row: Callable) -> None:

@@ -37,7 +37,6 @@ vector paths (unaligned views raise), q/k/v of one dtype, cos/sin float32.
 from __future__ import annotations
 
 import math
-import os
 from typing import Any
 
 import numpy as np
@@ -66,8 +65,6 @@ MAX_SPLITS = 32
 SPLIT_ROWS_PER_SEQ = 8  # partials budget: max_num_seqs * 8 (token, split) rows
 CTAS_PER_SM = 4  # most resident split-kernel CTAs per SM (CUDA-core pass: (128, 4) bounds)
 CLUSTER_SPLITS = 8  # paged_attention_cluster_kernel: CTAs per (token, kv head) (CSPLIT)
-WARP_MIN_KEYS = 512  # paged_attention_warps*: fewest keys per chunk of a sequence
-DECODE_KERNEL_ENV = "LLMC_DECODE_KERNEL"
 
 
 def _kv_cache(
@@ -144,16 +141,6 @@ class CudaBackend(WoOps, GemvOps, GemvFp8Ops, Fp8Ops, SamplingOps):
         self.cluster_decode = torch.cuda.get_device_capability(self.device)[0] >= 9
         self.force_splits: int | None = None  # benchmark override of num_splits
         self.force_min_keys: int | None = None  # benchmark override of min_split_keys
-        # decode rows of large batches: "auto" runs decode_warp.cuh's warp-per-unit kernel
-        # where decode_mma.cuh's pass exists and the batch's (token, kv head) pairs fill the
-        # SMs (where the split kernel would run unsplit); "split" / "warps" force one (also
-        # LLMC_DECODE_KERNEL=split|warps in the environment, for A/B runs of whole engines)
-        self.warp_suffix = ""  # bench: "_s3" (bf16) / "_s4", "_s5" (fp8): deeper streams
-        self.decode_kernel = os.environ.get(DECODE_KERNEL_ENV, "").strip() or "auto"
-        if self.decode_kernel not in ("auto", "split", "warps"):
-            raise UnsupportedError(
-                f"{DECODE_KERNEL_ENV}={self.decode_kernel!r}: choose auto, split or warps"
-            )
         # prefill rows on prefill_attention_sm90.cu (sm_90; False or LLMC_SM90_PREFILL=0:
         # prefill_attention.cu; see llmc.cuda.prefill_sm90_ops)
         self.sm90_prefill = enabled_by_default(torch.cuda.get_device_capability(self.device))
@@ -425,12 +412,7 @@ class CudaBackend(WoOps, GemvOps, GemvFp8Ops, Fp8Ops, SamplingOps):
         scale = np.float32(LOG2E / math.sqrt(hd) * (k_scale if fp8 else 1.0))
         vs = np.float32(v_scale if fp8 else 1.0)
         sfx = "_fp8_kernel" if fp8 else "_kernel"
-        paged = lib.get(
-            "decode_attention",
-            "paged_attention"
-            + (self.warp_suffix if nd and not self._warp_decode(lib, fp8, nd, nkv) else "")
-            + sfx,
-        )
+        paged = lib.get("decode_attention", "paged_attention" + sfx)
         common = (_p(q), _p(k_cache), _p(v_cache), _p(meta.block_tables), _i(mbps), _i(bs))
         bs_shift = bs.bit_length() - 1 if bs & (bs - 1) == 0 else -1
         if nd > 0 and self.cluster_decode_ok(nd, nkv):
@@ -442,8 +424,6 @@ class CudaBackend(WoOps, GemvOps, GemvFp8Ops, Fp8Ops, SamplingOps):
             )  # fmt: skip
             threads = 32 * lib.cfg.cluster_warps  # its block: CNW warps (KernelConfig)
             self._launch(k, (nd, nkv, CLUSTER_SPLITS), (threads,), args)
-        elif nd > 0 and self._warp_decode(lib, fp8, nd, nkv):
-            self._launch_warps(lib, fp8, common, meta, nd, nkv, out, scale, bs_shift, vs)
         elif nd > 0:
             splits = self.num_splits(nd, nkv, meta.max_seq_len, self._ctas_per_sm(paged))
             args = common + (
@@ -475,32 +455,6 @@ class CudaBackend(WoOps, GemvOps, GemvFp8Ops, Fp8Ops, SamplingOps):
                 )  # fmt: skip
                 self._launch(paged, (t - nd, nkv, 1), (128,), args)
         return out
-
-    def _warp_decode(self, lib: KernelLibrary, fp8: bool, nd: int, nkv: int) -> bool:
-        """Whether nd decode rows run ``paged_attention_warps*`` (``decode_kernel``)."""
-        if self.decode_kernel == "split" or not lib.cfg.mma_decode(fp8):
-            return False
-        return self.decode_kernel == "warps" or nd * nkv >= self._sm_count
-
-    def _launch_warps(
-        self, lib: KernelLibrary, fp8: bool, common: tuple, meta: AttentionMetadata, nd: int,
-        nkv: int, out: torch.Tensor, scale: Any, bs_shift: int, vs: Any,
-    ) -> None:  # fmt: skip
-        """decode_warp.cuh: one warp per (sequence, kv head, chunk of >= min_keys keys);
-        a persistent grid of as many CTAs as are resident (or as the units need)."""
-        name = "paged_attention_warps" + self.warp_suffix + ("_fp8_kernel" if fp8 else "_kernel")
-        k = lib.get("decode_attention", name)
-        min_keys = max(1, self.force_min_keys or WARP_MIN_KEYS)
-        budget = (self.max_num_seqs * SPLIT_ROWS_PER_SEQ) // nd
-        nsplit = max(1, min(MAX_SPLITS, budget, -(-max(1, meta.max_seq_len) // min_keys)))
-        if self.force_splits:
-            nsplit = max(1, min(self.force_splits, MAX_SPLITS, budget))
-        ctas = min(self._ctas_per_sm(k) * self._sm_count, -(-nd * nkv * nsplit // 4))
-        args = common + (
-            _p(meta.seq_lens), _i(nd), _p(out), _p(self._part_acc), _p(self._part_ml), scale,
-            _i(min_keys), _i(bs_shift), _p(self._counters), vs, _i(nsplit),
-        )  # fmt: skip
-        self._launch(k, (ctas,), (128,), args)
 
     def silu_and_mul(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         _need(x, "x")

@@ -64,42 +64,23 @@ __device__ __forceinline__ float load_cg(const float* p) {
 }
 #endif
 
-// Output element idx = g * HD + d of token t (row tl of the partials) for kv head kvh from
-// its nsplit partials (acc, max, sum), written by other CTAs or warps of this launch; row
-// (tl * NQ + h) * nsplit_max + split of part_acc (HD floats) and part_ml (2 floats).
-__device__ __forceinline__ void merge_splits(const float* __restrict__ part_acc,
-                                             const float* __restrict__ part_ml, int tl, int t,
-                                             int kvh, int nsplit, int nsplit_max, int idx,
-                                             scalar_t* __restrict__ out, float v_scale) {
-    const int g = idx / HD, d = idx % HD;
-    const int h = kvh * G + g;
-    const long long pbase = ((long long)tl * NQ + h) * nsplit_max;
-    float M = LLMC_NEG_INF;
-    for (int i = 0; i < nsplit; ++i) M = fmaxf(M, load_cg(part_ml + (pbase + i) * 2));
-    float L = 0.f, A = 0.f;
-    if (M != LLMC_NEG_INF) {
-        for (int i = 0; i < nsplit; ++i) {
-            const float f = exp2f(load_cg(part_ml + (pbase + i) * 2) - M);
-            L += load_cg(part_ml + (pbase + i) * 2 + 1) * f;
-            A += load_cg(part_acc + (pbase + i) * HD + d) * f;
-        }
-    }
-    out[((long long)t * NQ + h) * HD + d] = from_float(L > 0.f ? A / L * v_scale : 0.f);
-}
-
 #include "decode_cta.cuh"
 #include "decode_mma.cuh"
-#include "decode_warp.cuh"
 
 // The split kernel's pass over its keys: tensor cores where decode_mma.cuh has a kernel for
-// the config (2 CTAs per SM: ~190 registers), the CUDA-core pass otherwise (4 per SM).
+// the config, the CUDA-core pass otherwise (4 CTAs per SM).  Tensor cores at head_dim 128
+// take ~190-224 registers (2 CTAs per SM); at head_dim <= 64 the pass fits 128 registers
+// without spilling, and 4 CTAs per SM (3 at the 130 registers ptxas picks when bounded to 2)
+// read the 135M shape's 1,024 x [128, 256]-key decode batch at 82.7 % of copy instead of
+// 66.6 % (bf16 KV; 512 rows: 75.0 against 63.4 %; H100, `python -m llmc.cuda.bench --only
+// decode`, 2026-12-07); at 128 the bound spills (44.9 against 83.1 %).
 template <typename cache_t>
 __host__ __device__ constexpr bool use_mma() {
     return sizeof(cache_t) == 1 ? MMA_DECODE_FP8 : MMA_DECODE_16;
 }
-#define SPLIT_CTAS_PER_SM(mma) ((mma) ? 2 : 4)
+#define SPLIT_CTAS_PER_SM(mma) ((mma) && HD > 64 ? 2 : 4)
 
-template <int NWARPS, typename cache_t, bool KINT = false>
+template <int NWARPS, typename cache_t>
 __device__ __forceinline__ void attend_cta_split(
     const scalar_t* __restrict__ q, const cache_t* __restrict__ k_cache,
     const cache_t* __restrict__ v_cache, const int* __restrict__ bt, int block_size,
@@ -107,7 +88,7 @@ __device__ __forceinline__ void attend_cta_split(
     float (&sm_ml)[NWARPS][G][2], float (&sm_acc)[NWARPS][G][HD]) {
 #if MMA_DECODE_16 || MMA_DECODE_FP8
     if constexpr (use_mma<cache_t>()) {
-        attend_cta_mma<NWARPS, cache_t, KINT>(q, k_cache, v_cache, bt, block_size, bs_shift, t, kvh,
+        attend_cta_mma<NWARPS, cache_t>(q, k_cache, v_cache, bt, block_size, bs_shift, t, kvh,
                                         scale_log2, kbeg, kend, sm_ml, sm_acc);
     } else {
         attend_cta_simt<NWARPS, cache_t>(q, k_cache, v_cache, bt, block_size, bs_shift, t, kvh,
@@ -144,7 +125,7 @@ __device__ __forceinline__ void combine_warp_states(const float (&sm_ml)[NWARPS]
 // ceil(kv_len / min_keys) splits (at least 1, at most gridDim.z); bs_shift: log2 of
 // block_size, or -1.  counters: NKV ints per token, zero before the launch and after it.
 // v_scale: the output factor of an fp8 V cache (1 otherwise).
-template <typename cache_t, bool KINT = false>
+template <typename cache_t>
 __device__ __forceinline__ void paged_attention(
     const scalar_t* __restrict__ q, const cache_t* __restrict__ k_cache,
     const cache_t* __restrict__ v_cache, const int* __restrict__ block_tables,
@@ -175,7 +156,7 @@ __device__ __forceinline__ void paged_attention(
     __shared__ float sm_ml[NW][G][2];
     __shared__ float sm_acc[NW][G][HD];
     __shared__ int sm_last;
-    attend_cta_split<NW, cache_t, KINT>(q, k_cache, v_cache, bt, block_size, bs_shift, t, kvh, scale_log2,
+    attend_cta_split<NW, cache_t>(q, k_cache, v_cache, bt, block_size, bs_shift, t, kvh, scale_log2,
                             kbeg, kend, sm_ml, sm_acc);
     __syncthreads();
     for (int idx = threadIdx.x; idx < G * HD; idx += blockDim.x) {
@@ -208,8 +189,22 @@ __device__ __forceinline__ void paged_attention(
     __syncthreads();
     if (!sm_last) return;
     __threadfence();
-    for (int idx = threadIdx.x; idx < G * HD; idx += blockDim.x)
-        merge_splits(part_acc, part_ml, tl, t, kvh, nsplit, nsplit_max, idx, out, v_scale);
+    for (int idx = threadIdx.x; idx < G * HD; idx += blockDim.x) {
+        const int g = idx / HD, d = idx % HD;
+        const int h = kvh * G + g;
+        const long long pbase = ((long long)tl * NQ + h) * nsplit_max;
+        float M = LLMC_NEG_INF;
+        for (int i = 0; i < nsplit; ++i) M = fmaxf(M, load_cg(part_ml + (pbase + i) * 2));
+        float L = 0.f, A = 0.f;
+        if (M != LLMC_NEG_INF) {
+            for (int i = 0; i < nsplit; ++i) {
+                const float f = exp2f(load_cg(part_ml + (pbase + i) * 2) - M);
+                L += load_cg(part_ml + (pbase + i) * 2 + 1) * f;
+                A += load_cg(part_acc + (pbase + i) * HD + d) * f;
+            }
+        }
+        out[((long long)t * NQ + h) * HD + d] = from_float(L > 0.f ? A / L * v_scale : 0.f);
+    }
 }
 
 #define PAGED_ATTENTION_ARGS(cache_t)                                                        \
@@ -231,23 +226,6 @@ paged_attention_kernel(PAGED_ATTENTION_ARGS(scalar_t)) {
 extern "C" __global__ void __launch_bounds__(NW * 32, SPLIT_CTAS_PER_SM(MMA_DECODE_FP8))
 paged_attention_fp8_kernel(PAGED_ATTENTION_ARGS(fp8_t)) {
     PAGED_ATTENTION_CALL(fp8_t);
-}
-// (bench: 4 resident CTAs per SM: <= 128 registers)
-extern "C" __global__ void __launch_bounds__(NW * 32, 4)
-paged_attention_o4_kernel(PAGED_ATTENTION_ARGS(scalar_t)) {
-    PAGED_ATTENTION_CALL(scalar_t);
-}
-extern "C" __global__ void __launch_bounds__(NW * 32, 4)
-paged_attention_o4_fp8_kernel(PAGED_ATTENTION_ARGS(fp8_t)) {
-    PAGED_ATTENTION_CALL(fp8_t);
-}
-// (bench: K converted on the integer pipe)
-extern "C" __global__ void __launch_bounds__(NW * 32, SPLIT_CTAS_PER_SM(MMA_DECODE_FP8))
-paged_attention_ik_fp8_kernel(PAGED_ATTENTION_ARGS(fp8_t)) {
-    paged_attention<fp8_t, true>(q, k_cache, v_cache, block_tables, max_blocks_per_seq,
-                                 block_size, seq_lens, cu_seqlens_q, num_seqs, token_begin,
-                                 decode_mode, out, part_acc, part_ml, scale_log2, min_keys,
-                                 bs_shift, counters, v_scale);
 }
 
 // ---------------------------------------------------------------------------------------

@@ -124,9 +124,7 @@ __device__ __forceinline__ void mma_load_tile(MmaTile<cache_t>& tl,
 }
 
 // Online softmax + P.V of one tile for this lane's rows (heads) / columns (heads 2t, 2t+1).
-// KINT (e4m3 cache): K's codes become fp16 on the integer pipe as values / 256
-// (fp8x4_to_half2x2_div256), the scores are scaled back by 256 (exact).
-template <typename cache_t, bool F16, bool KINT = false>
+template <typename cache_t, bool F16>
 __device__ __forceinline__ void mma_tile(const MmaTile<cache_t>& tl, const unsigned (&qa)[HD / 16][2],
                                          int base, int kend, float& m, float& l,
                                          float (&o)[HD / 16][4]) {
@@ -140,9 +138,7 @@ __device__ __forceinline__ void mma_tile(const MmaTile<cache_t>& tl, const unsig
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
             unsigned b0, b1;
-            if constexpr (FP8 && KINT) {
-                fp8x4_to_half2x2_div256(tl.k[nt][ks], b0, b1);
-            } else if constexpr (FP8) {
+            if constexpr (FP8) {
                 fp8x4_to_half2x2(tl.k[nt][ks], b0, b1);
             } else {
                 b0 = tl.k[nt][2 * ks];
@@ -150,10 +146,6 @@ __device__ __forceinline__ void mma_tile(const MmaTile<cache_t>& tl, const unsig
             }
             mma_16816<F16>(s[nt], qa[ks][0], 0u, qa[ks][1], 0u, b0, b1);
         }
-    }
-    if constexpr (FP8 && KINT) {
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt) s[nt][0] *= 256.f, s[nt][1] *= 256.f;
     }
     // row g (head g): s[nt][0], s[nt][1] are keys base + 8 nt + 2t, + 1
     float mx = LLMC_NEG_INF;
@@ -213,17 +205,16 @@ __host__ __device__ constexpr int mma_stages() {
     return sizeof(cache_t) == 1 ? 3 : 2;
 }
 
-// Warp `warp` of NWARPS: online softmax over the tiles warp, warp + NWARPS, ... of
-// [kbeg, kend) into (m, l, o).
-template <bool POW2, int NWARPS, typename cache_t, bool F16, int S = mma_stages<cache_t>(),
-          bool KINT = false>
+template <bool POW2, int NWARPS, typename cache_t, bool F16>
 __device__ __forceinline__ void mma_keys(const cache_t* __restrict__ k_cache,
                                          const cache_t* __restrict__ v_cache,
                                          const int* __restrict__ bt, int block_size,
-                                         int bs_shift, int kvh, int kbeg, int kend, int warp,
+                                         int bs_shift, int kvh, int kbeg, int kend,
                                          const unsigned (&qa)[HD / 16][2], float& m, float& l,
                                          float (&o)[HD / 16][4]) {
+    constexpr int S = mma_stages<cache_t>();
     constexpr int step = 16 * NWARPS;  // keys between a warp's consecutive tiles
+    const int warp = threadIdx.x >> 5;
     MmaTile<cache_t> buf[S];
     int base = kbeg + 16 * warp;
 #pragma unroll
@@ -234,7 +225,7 @@ __device__ __forceinline__ void mma_keys(const cache_t* __restrict__ k_cache,
 #pragma unroll
         for (int st = 0; st < S; ++st) {
             if (base < kend) {  // warp-uniform
-                mma_tile<cache_t, F16, KINT>(buf[st], qa, base, kend, m, l, o);
+                mma_tile<cache_t, F16>(buf[st], qa, base, kend, m, l, o);
                 mma_load_tile<POW2>(buf[st], k_cache, v_cache, bt, block_size, bs_shift, kvh,
                                     base + S * step, kend);
             }
@@ -243,55 +234,7 @@ __device__ __forceinline__ void mma_keys(const cache_t* __restrict__ k_cache,
     }
 }
 
-// A fragments of token t's Q for kv head kvh (scaled by scale_log2): row g (head g; zero
-// rows past G), dims t HD/4 + 4 ks + {0,1}, {2,3}.
-template <bool F16>
-__device__ __forceinline__ void mma_load_q(const scalar_t* __restrict__ q, int t, int kvh,
-                                           float scale_log2, unsigned (&qa)[HD / 16][2]) {
-    const int lane = threadIdx.x & 31, g8 = lane >> 2, tq = lane & 3;
-    constexpr int n = HD / 4, dv = vec_width_for(n);
-    float f[n];
-    if (g8 < G) {
-        const scalar_t* qr = q + ((long long)t * NQ + kvh * G + g8) * HD + tq * n;
-#pragma unroll
-        for (int d = 0; d < n; d += dv) load_vec<dv>(qr + d, f + d);
-    } else {
-#pragma unroll
-        for (int d = 0; d < n; ++d) f[d] = 0.f;
-    }
-#pragma unroll
-    for (int ks = 0; ks < HD / 16; ++ks) {
-        qa[ks][0] = pack_op<F16>(f[4 * ks] * scale_log2, f[4 * ks + 1] * scale_log2);
-        qa[ks][1] = pack_op<F16>(f[4 * ks + 2] * scale_log2, f[4 * ks + 3] * scale_log2);
-    }
-}
-
-// Warp `warp` of NWARPS over its tiles of [kbeg, kend): the row max m of this lane's head
-// (lane / 4), the row sum l (summed over the lane's quad), and the unnormalised O^T
-// fragments o (see the header's layout).
-template <int NWARPS, typename cache_t, bool F16, int S = mma_stages<cache_t>(),
-          bool KINT = false>
-__device__ __forceinline__ void mma_pass(const unsigned (&qa)[HD / 16][2],
-                                         const cache_t* __restrict__ k_cache,
-                                         const cache_t* __restrict__ v_cache,
-                                         const int* __restrict__ bt, int block_size,
-                                         int bs_shift, int kvh, int kbeg, int kend, int warp,
-                                         float& m, float& l, float (&o)[HD / 16][4]) {
-    m = LLMC_NEG_INF;
-    l = 0.f;
-#pragma unroll
-    for (int mt = 0; mt < HD / 16; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.f;
-    if (bs_shift >= 0)
-        mma_keys<true, NWARPS, cache_t, F16, S, KINT>(k_cache, v_cache, bt, block_size, bs_shift,
-                                                kvh, kbeg, kend, warp, qa, m, l, o);
-    else
-        mma_keys<false, NWARPS, cache_t, F16, S, KINT>(k_cache, v_cache, bt, block_size, bs_shift,
-                                                 kvh, kbeg, kend, warp, qa, m, l, o);
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-}
-
-template <int NWARPS, typename cache_t, bool KINT = false>
+template <int NWARPS, typename cache_t>
 __device__ __forceinline__ void attend_cta_mma(
     const scalar_t* __restrict__ q, const cache_t* __restrict__ k_cache,
     const cache_t* __restrict__ v_cache, const int* __restrict__ bt, int block_size,
@@ -300,11 +243,36 @@ __device__ __forceinline__ void attend_cta_mma(
     constexpr bool F16 = sizeof(cache_t) == 1 || LLMC_DTYPE == 1;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g8 = lane >> 2, tq = lane & 3;
+    // A fragments of Q: row g (head g; zero rows past G), dims t HD/4 + 4 ks + {0,1}, {2,3}
     unsigned qa[HD / 16][2];
-    mma_load_q<F16>(q, t, kvh, scale_log2, qa);
-    float m, l, o[HD / 16][4];
-    mma_pass<NWARPS, cache_t, F16, mma_stages<cache_t>(), KINT>(qa, k_cache, v_cache, bt, block_size, bs_shift, kvh, kbeg,
-                                   kend, warp, m, l, o);
+    {
+        constexpr int n = HD / 4, dv = vec_width_for(n);
+        float f[n];
+        if (g8 < G) {
+            const scalar_t* qr = q + ((long long)t * NQ + kvh * G + g8) * HD + tq * n;
+#pragma unroll
+            for (int d = 0; d < n; d += dv) load_vec<dv>(qr + d, f + d);
+        } else {
+#pragma unroll
+            for (int d = 0; d < n; ++d) f[d] = 0.f;
+        }
+#pragma unroll
+        for (int ks = 0; ks < HD / 16; ++ks) {
+            qa[ks][0] = pack_op<F16>(f[4 * ks] * scale_log2, f[4 * ks + 1] * scale_log2);
+            qa[ks][1] = pack_op<F16>(f[4 * ks + 2] * scale_log2, f[4 * ks + 3] * scale_log2);
+        }
+    }
+    float m = LLMC_NEG_INF, l = 0.f, o[HD / 16][4];
+#pragma unroll
+    for (int mt = 0; mt < HD / 16; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.f;
+    if (bs_shift >= 0)
+        mma_keys<true, NWARPS, cache_t, F16>(k_cache, v_cache, bt, block_size, bs_shift, kvh,
+                                             kbeg, kend, qa, m, l, o);
+    else
+        mma_keys<false, NWARPS, cache_t, F16>(k_cache, v_cache, bt, block_size, bs_shift, kvh,
+                                              kbeg, kend, qa, m, l, o);
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
     if (tq == 0 && g8 < G) {
         sm_ml[warp][g8][0] = m;
         sm_ml[warp][g8][1] = l;

@@ -165,15 +165,6 @@ __device__ __forceinline__ void fp8x4_to_half2x2(unsigned w, unsigned& lo, unsig
 #endif
 }
 
-// Four codes -> two fp16x2 words (lo: bytes 0, 1; hi: 2, 3) of the values / 256, exact, on
-// the integer pipe alone (byte permutes and logic ops, beside the conversion pipe's cvt):
-// e4m3 bits s.eeee.mmm -> fp16 bits s.0eeee.mmm0000000 (normals and subnormals alike).
-__device__ __forceinline__ void fp8x4_to_half2x2_div256(unsigned w, unsigned& lo, unsigned& hi) {
-    const unsigned a = __byte_perm(w, 0u, 0x1404), b = __byte_perm(w, 0u, 0x3424);
-    lo = ((a >> 1) & 0x3fff3fffu) | (a & 0x80008000u);
-    hi = ((b >> 1) & 0x3fff3fffu) | (b & 0x80008000u);
-}
-
 // Four codes -> their four float values (exact).
 __device__ __forceinline__ void fp8x4_to_float(unsigned w, float* f) {
     unsigned lo, hi;

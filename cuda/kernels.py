@@ -114,16 +114,6 @@ class KernelConfig:
                 return warps
         return 1
 
-    def mma_decode(self, fp8_cache: bool) -> bool:
-        """Whether decode_mma.cuh's tensor-core pass (and so decode_warp.cuh's
-        ``paged_attention_warps*`` kernels) exists for this config on a 16-bit or an e4m3
-        cache: the MMA_DECODE_16 / MMA_DECODE_FP8 conditions (16-bit activations, head_dim
-        a multiple of 16 (e4m3: 32) and <= 128, at most 8 query heads per kv head)."""
-        g, hd = self.num_q_heads // self.num_kv_heads, self.head_dim
-        return (
-            self.dtype != "float32" and hd % (32 if fp8_cache else 16) == 0 and hd <= 128 and g <= 8
-        )
-
     @property
     def sm90_prefill(self) -> bool:
         """Whether prefill_attention_sm90.cu has kernels for this config (16-bit, hd 64/128)."""

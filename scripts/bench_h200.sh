@@ -29,9 +29,6 @@
 # steps), smolnopw / 128nopw / 2048nopw (the same rows with --piecewise_graph_max_tokens 0).
 # int4128pw / int8128pw: the weight-only 128/128 rows with piecewise graphs (their prefill
 # and mixed steps run dequantize-then-cuBLAS eagerly otherwise: host-bound?).
-# Any row with the suffix -split (fp8128-split, smol-split, ...) runs with
-# LLMC_DECODE_KERNEL=split (the split decode-attention kernel instead of decode_warp.cuh's
-# warp kernel for large batches) and its result is named with _split.
 # SKIP_TESTS=1
 # skips step 2; SKIP_BASE=1 skips the two bf16 builds of step 3 (for rows that build their own
 # engines: fp8*, int4*, int8*); PYTEST_ARGS
@@ -96,7 +93,7 @@ pack() {  # summary table + every result so far into $OUT (a killed call still r
     tar czf "$OUT/results.tgz" --exclude=trace_decode.json -C "$(dirname "$RES")" results
 }
 bench() {  # name, engine, timeout, flags...
-    local name=$1${SFX:-} eng=$2 to=$3; shift 3
+    local name=$1 eng=$2 to=$3; shift 3
     log "bench $name: $*"
     timeout "$to" $LLMC bench --engine_dir "$eng" --json "$RES/$name.json" "$@" \
         > "$RES/$name.txt" 2>&1 || { log "bench $name FAILED (rc $?)"; tail -5 "$RES/$name.txt"; status=1; }
@@ -130,10 +127,6 @@ wo_engine() {  # dir, quantization: built on first use (dummy weights quantized 
 }
 ROWS=${ROWS:-b1 128 sampled peer smol profile 2048 long nographs fp8b1 fp8128 fp82048 fp8long}
 for r in $ROWS; do
-    # ROW-split: the row with LLMC_DECODE_KERNEL=split (decode rows on the split kernel,
-    # not decode_warp.cuh's), named ..._split: the A/B of the decode attention kernels
-    unset LLMC_DECODE_KERNEL; SFX=
-    case $r in *-split) r=${r%-split}; export LLMC_DECODE_KERNEL=split; SFX=_split ;; esac
     case $r in
     b1) bench llama8b_b1_128_512 "$L8" 120 --num_requests "$N_B1" --isl 128 --osl 512 \
             --concurrency 1 --warmup 1 ;;

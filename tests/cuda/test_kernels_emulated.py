@@ -53,7 +53,6 @@ KERNELS = [
     ("rope_kv", "rope_kv_fp8_kernel", 13),
     ("decode_attention", "paged_attention_kernel", 19),
     ("decode_attention", "paged_attention_fp8_kernel", 19),
-    ("decode_attention", "paged_attention_ik_fp8_kernel", 19),
     ("prefill_attention", "prefill_attention_kernel", 12),
     ("prefill_attention", "prefill_attention_fp8_kernel", 12),
 ]
@@ -254,7 +253,7 @@ def test_rope_kv_fp8_write_bit_exact(emu, dt, scales, smooth):
 
 
 @pytest.mark.parametrize("dt", [*CFG, "g8"])
-@pytest.mark.parametrize("fp8", [False, True, "ik"])
+@pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("splits,min_keys,bs", [(1, 1, 16), (4, 16, 16), (3, 7, 24)])
 def test_decode_attention(emu, dt, fp8, splits, min_keys, bs):
     """The split kernel (tensor-core pass for 16-bit dtypes with hd % 16 == 0, CUDA-core
@@ -262,7 +261,7 @@ def test_decode_attention(emu, dt, fp8, splits, min_keys, bs):
     arrival counters back to zero."""
     cfg = CFG_G8 if dt == "g8" else CFG[dt]
     hd, nq, nkv, dtype = cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads, TORCH[cfg.dtype]
-    g = torch.Generator().manual_seed(splits * 10 + bs + bool(fp8))
+    g = torch.Generator().manual_seed(splits * 10 + bs + fp8)
     meta, nblocks, t = paged_batch([1, 17, 70, 130], [], bs, generator=g)
     ks, vs = (0.05, 0.02) if fp8 else (1.0, 1.0)
     cache_dt = E4M3 if fp8 else dtype
@@ -275,9 +274,7 @@ def test_decode_attention(emu, dt, fp8, splits, min_keys, bs):
     counters = torch.zeros(t * nkv, dtype=torch.int32)
     bs_shift = bs.bit_length() - 1 if bs & (bs - 1) == 0 else -1
     tables = meta.block_tables
-    name = {False: "paged_attention_kernel", True: "paged_attention_fp8_kernel"}.get(
-        fp8, "paged_attention_ik_fp8_kernel"
-    )
+    name = "paged_attention_fp8_kernel" if fp8 else "paged_attention_kernel"
     emu[dt, name](
         (t, nkv, splits), 128, q, kc, vc, tables, tables.shape[1], bs, meta.seq_lens,
         meta.cu_seqlens_q, len(meta.seq_lens), 0, 1, out, part_acc, part_ml,
@@ -285,65 +282,6 @@ def test_decode_attention(emu, dt, fp8, splits, min_keys, bs):
     )  # fmt: skip
     want = ref.paged_attention(q, kc, vc, meta, ks, vs)
     assert rel_err(out, want) < (1e-5 if dtype == torch.float32 else 1e-2)
-    assert int(counters.abs().sum()) == 0
-
-
-# decode_warp.cuh's kernels exist where decode_mma.cuh's pass does (KernelConfig.mma_decode)
-WARPS_KERNELS = {
-    f"paged_attention_warps{v}_kernel": 17 for v in ("", "_s3", "_fp8", "_s4_fp8", "_ik_fp8",
-                                                    "_s4ik_fp8")
-}  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def emu_warps(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("kernel_emu_warps")
-    out = {}
-    for dt, cfg in (("bfloat16", CFG["bfloat16"]), ("float16", CFG["float16"]), ("g8", CFG_G8)):
-        kernels = {k: n for k, n in WARPS_KERNELS.items() if cfg.mma_decode("fp8" in k)}
-        prog = EmulatedFamily("decode_attention", cfg, kernels, tmp)
-        out.update({(dt, name): prog[name] for name in kernels})
-    return out
-
-
-@pytest.mark.parametrize("dt,fp8", [("bfloat16", ""), ("bfloat16", "_fp8"), ("float16", ""),
-                                    ("g8", ""), ("g8", "_fp8"), ("g8", "_s3"), ("g8", "_s4_fp8"),
-                                    ("g8", "_ik_fp8"), ("bfloat16", "_s4ik_fp8")])  # fmt: skip
-@pytest.mark.parametrize(
-    "nsplit,min_keys,bs,ctas,block",
-    [(1, 512, 16, 2, 128), (4, 16, 16, 1, 64), (3, 7, 24, 3, 32), (8, 40, 16, 64, 128)],
-)
-def test_decode_attention_warps(emu_warps, dt, fp8, nsplit, min_keys, bs, ctas, block):
-    """decode_warp.cuh: one warp per (sequence, kv head, chunk), a persistent grid smaller
-    or larger than the units; single-chunk rows written from registers, chunked rows merged
-    by the last warp (counters back to zero); a padding row (seq_len 0) written as zeros."""
-    cfg = CFG_G8 if dt == "g8" else CFG[dt]
-    hd, nq, nkv, dtype = cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads, TORCH[cfg.dtype]
-    g = torch.Generator().manual_seed(nsplit * 100 + bs + len(fp8))
-    lens = [1, 17, 70, 130, 33]
-    meta, nblocks, t = paged_batch(lens, [], bs, generator=g)
-    variant, fp8 = fp8, fp8.endswith("fp8")
-    ks, vs = (0.05, 0.02) if fp8 else (1.0, 1.0)
-    cache_dt = E4M3 if fp8 else dtype
-    kc = (torch.randn(nblocks, bs, nkv, hd, generator=g) / ks).to(cache_dt)
-    vc = (torch.randn(nblocks, bs, nkv, hd, generator=g) / vs).to(cache_dt)
-    q = (2 * torch.randn(t, nq, hd, generator=g)).to(dtype)
-    out = torch.full((t, nq * hd), math.nan, dtype=dtype)
-    part_acc, part_ml = torch.empty(t * nq * nsplit * hd), torch.empty(t * nq * nsplit * 2)
-    counters = torch.zeros(t * nkv, dtype=torch.int32)
-    bs_shift = bs.bit_length() - 1 if bs & (bs - 1) == 0 else -1
-    seq_lens = meta.seq_lens.clone()
-    seq_lens[-1] = 0  # graph padding
-    tables = meta.block_tables
-    name = f"paged_attention_warps{variant}_kernel"
-    emu_warps[dt, name](
-        (ctas,), block, q, kc, vc, tables, tables.shape[1], bs, seq_lens, t, out, part_acc,
-        part_ml, np.float32(LOG2E / math.sqrt(hd) * ks), min_keys, bs_shift, counters,
-        np.float32(vs), nsplit,
-    )  # fmt: skip
-    want = ref.paged_attention(q, kc, vc, meta, ks, vs)
-    assert rel_err(out[:-1], want[:-1]) < 1e-2
-    assert torch.equal(out[-1], torch.zeros_like(out[-1]))
     assert int(counters.abs().sum()) == 0
 
 
