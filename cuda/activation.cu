@@ -49,10 +49,11 @@ extern "C" __global__ void silu_and_mul_kernel(const scalar_t* __restrict__ x,
 }
 
 // q [T, I] e4m3 codes, q_scale [T] float32 of silu(gate) * up.
-extern "C" __global__ void silu_and_mul_fp8_kernel(const scalar_t* __restrict__ x,
-                                                   fp8_t* __restrict__ q,
-                                                   float* __restrict__ q_scale, int T, int I,
-                                                   int vec_ok) {
+template <bool PACK>
+__device__ __forceinline__ void silu_and_mul_fp8(const scalar_t* __restrict__ x,
+                                                 fp8_t* __restrict__ q,
+                                                 float* __restrict__ q_scale, int T, int I,
+                                                 int vec_ok) {
     __shared__ float scratch[33];
     for (int t = blockIdx.x; t < T; t += gridDim.x) {
         const scalar_t* gate = x + (long long)t * 2 * I;
@@ -67,12 +68,28 @@ extern "C" __global__ void silu_and_mul_fp8_kernel(const scalar_t* __restrict__ 
 #pragma unroll
                 for (int e = 0; e < VEC; ++e) v[e] = to_float(from_float(silu_mul(v[e], u[e])));
             };
-            quantize_row<SILU_VPT, VEC>(vec, I / VEC, qrow, q_scale + t, scratch);
+            quantize_row<SILU_VPT, VEC, decltype(vec), PACK>(vec, I / VEC, qrow, q_scale + t,
+                                                             scratch);
         } else {
             const auto one = [&](int, int i, float* v) {
                 v[0] = to_float(from_float(silu_mul(to_float(gate[i]), to_float(up[i]))));
             };
-            quantize_row<SILU_VPT, 1>(one, I, qrow, q_scale + t, scratch);
+            quantize_row<SILU_VPT, 1, decltype(one), PACK>(one, I, qrow, q_scale + t, scratch);
         }
     }
+}
+
+// (512 threads at most: llmc.cuda.fp8_ops) two CTAs per SM: <= 64 registers, the values
+// cached packed
+extern "C" __global__ void __launch_bounds__(512, 2)
+silu_and_mul_fp8_kernel(const scalar_t* __restrict__ x, fp8_t* __restrict__ q,
+                        float* __restrict__ q_scale, int T, int I, int vec_ok) {
+    silu_and_mul_fp8<true>(x, q, q_scale, T, I, vec_ok);
+}
+// (bench: the kernel before, float cache, no bound: 89 registers, one 448-thread CTA per SM)
+extern "C" __global__ void silu_and_mul_fp8_v1_kernel(const scalar_t* __restrict__ x,
+                                                      fp8_t* __restrict__ q,
+                                                      float* __restrict__ q_scale, int T,
+                                                      int I, int vec_ok) {
+    silu_and_mul_fp8<false>(x, q, q_scale, T, I, vec_ok);
 }

@@ -111,18 +111,34 @@ __device__ __forceinline__ float fp8_row_inv(float local_amax, float* scratch, f
 // a compile-time index once unrolled, so a caller may read its own register cache) or -1
 // for the tail past VPT * blockDim items, which is computed twice (amax pass, store pass).
 // Codes to q (item i at q + i * N), the row scale to *scale.
-template <int VPT, int N, typename F>
+// With 16-bit activations and even N (PACK) the register cache holds the values as dtype
+// pairs (they are dtype values: x itself, or a kernel's output rounded to the dtype), half the
+// registers of floats.
+template <int VPT, int N, typename F, bool PACK = true>
 __device__ __forceinline__ void quantize_row(const F& value, int n, fp8_t* __restrict__ q,
                                              float* __restrict__ scale, float* scratch) {
-    float cache[VPT][N];
+#if LLMC_DTYPE != 0
+    constexpr bool PK = PACK && N % 2 == 0;
+#else
+    constexpr bool PK = false;
+#endif
+    float cache[PK ? 1 : VPT][N];
+    unsigned packed[PK ? VPT : 1][N / 2 + 1];
     float amax = 0.f;
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
         const int i = threadIdx.x + k * blockDim.x;
         if (i < n) {
-            value(k, i, cache[k]);
+            float* v = cache[PK ? 0 : k];
+            value(k, i, v);
 #pragma unroll
-            for (int e = 0; e < N; ++e) amax = fmaxf(amax, fabsf(cache[k][e]));
+            for (int e = 0; e < N; ++e) amax = fmaxf(amax, fabsf(v[e]));
+#if LLMC_DTYPE != 0
+            if constexpr (PK) {
+#pragma unroll
+                for (int e = 0; e < N / 2; ++e) packed[k][e] = pack2(v[2 * e], v[2 * e + 1]);
+            }
+#endif
         }
     }
     for (int i = threadIdx.x + VPT * blockDim.x; i < n; i += blockDim.x) {
@@ -136,7 +152,19 @@ __device__ __forceinline__ void quantize_row(const F& value, int n, fp8_t* __res
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
         const int i = threadIdx.x + k * blockDim.x;
-        if (i < n) store_fp8<N>(q + i * N, cache[k], inv);
+        if (i < n) {
+            float* v = cache[PK ? 0 : k];
+#if LLMC_DTYPE != 0
+            if constexpr (PK) {
+#pragma unroll
+                for (int e = 0; e < N / 2; ++e) {
+                    v[2 * e] = to_float((unsigned short)(packed[k][e] & 0xffffu));
+                    v[2 * e + 1] = to_float((unsigned short)(packed[k][e] >> 16));
+                }
+            }
+#endif
+            store_fp8<N>(q + i * N, v, inv);
+        }
     }
     for (int i = threadIdx.x + VPT * blockDim.x; i < n; i += blockDim.x) {
         float v[N];
