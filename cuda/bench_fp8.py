@@ -99,7 +99,7 @@ def rope_kv_rows(be: Any, time_ms: Callable, mem_row: Callable) -> None:
         nbytes = qkv.nbytes + qo.nbytes + 2 * t * nkv * hd * kc.element_size()
         ms = time_ms(
             lambda kc=kc, vc=vc, s=scales: be.rope_and_cache_write(
-                qkv, pos, cos, sin, kc, vc, slots, *s, qo
+                qkv, pos, cos, sin, kc, vc, slots, *s, out=qo
             )
         )
         label = "" if dtype == BF16 else " (fp8 cache)"
