@@ -16,7 +16,13 @@
 // The values are silu_and_mul_kernel's, bit for bit.  At I = 14336 (bf16) one row is
 // 1792 16-byte vectors of gate and as many of up: 448 threads x 4 in registers.
 // Launch: grid min(T, 65535), block ceil(I / VEC / SILU_VPT) (vec_ok) or ceil(I /
-// SILU_VPT), rounded up to a warp multiple, between 32 and 1024.
+// SILU_VPT), rounded up to a warp multiple, between 32 and 512.
+// History (H100, graph-timed, 14336-wide rows, bf16 -> e4m3; % of copy bandwidth):
+//   v1  float register cache, 89 registers: one 448-thread CTA per SM, so a row's loads,
+//       its amax reduction and its stores ran in turn with nothing beside them .. 52 / 54%
+//       (4,096 / 512 rows)
+//   v2  (this) the cache packed as dtype pairs (quantize_row), bounded to 2 CTAs per SM
+//       (58 registers) ............................................. 79.2 / 77.9% (2026-12-07)
 #include "common.cuh"
 #include "fp8.cuh"
 
@@ -48,12 +54,11 @@ extern "C" __global__ void silu_and_mul_kernel(const scalar_t* __restrict__ x,
     }
 }
 
-// q [T, I] e4m3 codes, q_scale [T] float32 of silu(gate) * up.
-template <bool PACK>
-__device__ __forceinline__ void silu_and_mul_fp8(const scalar_t* __restrict__ x,
-                                                 fp8_t* __restrict__ q,
-                                                 float* __restrict__ q_scale, int T, int I,
-                                                 int vec_ok) {
+// q [T, I] e4m3 codes, q_scale [T] float32 of silu(gate) * up.  (512 threads at most:
+// llmc.cuda.fp8_ops) two CTAs per SM: <= 64 registers (58 with quantize_row's packed cache).
+extern "C" __global__ void __launch_bounds__(512, 2)
+silu_and_mul_fp8_kernel(const scalar_t* __restrict__ x, fp8_t* __restrict__ q,
+                        float* __restrict__ q_scale, int T, int I, int vec_ok) {
     __shared__ float scratch[33];
     for (int t = blockIdx.x; t < T; t += gridDim.x) {
         const scalar_t* gate = x + (long long)t * 2 * I;
@@ -68,28 +73,12 @@ __device__ __forceinline__ void silu_and_mul_fp8(const scalar_t* __restrict__ x,
 #pragma unroll
                 for (int e = 0; e < VEC; ++e) v[e] = to_float(from_float(silu_mul(v[e], u[e])));
             };
-            quantize_row<SILU_VPT, VEC, decltype(vec), PACK>(vec, I / VEC, qrow, q_scale + t,
-                                                             scratch);
+            quantize_row<SILU_VPT, VEC>(vec, I / VEC, qrow, q_scale + t, scratch);
         } else {
             const auto one = [&](int, int i, float* v) {
                 v[0] = to_float(from_float(silu_mul(to_float(gate[i]), to_float(up[i]))));
             };
-            quantize_row<SILU_VPT, 1, decltype(one), PACK>(one, I, qrow, q_scale + t, scratch);
+            quantize_row<SILU_VPT, 1>(one, I, qrow, q_scale + t, scratch);
         }
     }
-}
-
-// (512 threads at most: llmc.cuda.fp8_ops) two CTAs per SM: <= 64 registers, the values
-// cached packed
-extern "C" __global__ void __launch_bounds__(512, 2)
-silu_and_mul_fp8_kernel(const scalar_t* __restrict__ x, fp8_t* __restrict__ q,
-                        float* __restrict__ q_scale, int T, int I, int vec_ok) {
-    silu_and_mul_fp8<true>(x, q, q_scale, T, I, vec_ok);
-}
-// (bench: the kernel before, float cache, no bound: 89 registers, one 448-thread CTA per SM)
-extern "C" __global__ void silu_and_mul_fp8_v1_kernel(const scalar_t* __restrict__ x,
-                                                      fp8_t* __restrict__ q,
-                                                      float* __restrict__ q_scale, int T,
-                                                      int I, int vec_ok) {
-    silu_and_mul_fp8<false>(x, q, q_scale, T, I, vec_ok);
 }

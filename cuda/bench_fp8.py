@@ -48,17 +48,14 @@ def fp8_rows(
     ms = time_ms(lambda: be.quantize_fp8(x, rows))
     mem_row("quantize_fp8 (o_proj input)", shape, nbytes, ms, 0.8)
 
-    # 4,096 rows, and the FP8 128/128 row's ~500-row decode steps; beside the kernel before
-    # 2026-12-07 (v1: a float register cache, 89 registers, one CTA per SM)
-    i, v1 = 14336, "silu_and_mul_fp8_v1_kernel"
+    # 4,096 rows, and the FP8 128/128 row's ~500-row decode steps
+    i = 14336
     for t in (4096, 512):
         gu = torch.randn(t, 2 * i, device=DEV).to(BF16)
         act = Fp8Rows(torch.empty(t, i, dtype=E4M3, device=DEV), torch.empty(t, device=DEV))
         shape, nbytes = f"{t}x{2 * i} bf16->e4m3", gu.nbytes + act.q.nbytes
         ms = time_ms(lambda gu=gu, act=act: be.silu_and_mul_fp8(gu, act))
         mem_row("silu_and_mul_fp8", shape, nbytes, ms, 0.8)
-        ms = time_ms(lambda gu=gu, act=act: be._row_fp8("activation", v1, gu, act, i))
-        mem_row("silu_and_mul_fp8 (v1)", shape, nbytes, ms, None)
 
     if capability >= (8, 9):
         _gemms(be, time_ms, flops_row)

@@ -111,14 +111,14 @@ __device__ __forceinline__ float fp8_row_inv(float local_amax, float* scratch, f
 // a compile-time index once unrolled, so a caller may read its own register cache) or -1
 // for the tail past VPT * blockDim items, which is computed twice (amax pass, store pass).
 // Codes to q (item i at q + i * N), the row scale to *scale.
-// With 16-bit activations and even N (PACK) the register cache holds the values as dtype
-// pairs (they are dtype values: x itself, or a kernel's output rounded to the dtype), half the
+// With 16-bit activations and even N the register cache holds the values as dtype pairs
+// (they are dtype values: x itself, or a kernel's output rounded to the dtype): half the
 // registers of floats.
-template <int VPT, int N, typename F, bool PACK = true>
+template <int VPT, int N, typename F>
 __device__ __forceinline__ void quantize_row(const F& value, int n, fp8_t* __restrict__ q,
                                              float* __restrict__ scale, float* scratch) {
 #if LLMC_DTYPE != 0
-    constexpr bool PK = PACK && N % 2 == 0;
+    constexpr bool PK = N % 2 == 0;
 #else
     constexpr bool PK = false;
 #endif
