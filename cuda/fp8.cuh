@@ -119,11 +119,11 @@ __device__ __forceinline__ void quantize_row(const F& value, int n, fp8_t* __res
                                              float* __restrict__ scale, float* scratch) {
 #if LLMC_DTYPE != 0
     constexpr bool PK = N % 2 == 0;
+    unsigned packed[PK ? VPT : 1][N / 2 + 1];
 #else
     constexpr bool PK = false;
 #endif
     float cache[PK ? 1 : VPT][N];
-    unsigned packed[PK ? VPT : 1][N / 2 + 1];
     float amax = 0.f;
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {

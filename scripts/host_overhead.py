@@ -37,7 +37,9 @@ scheduling off and on (a multi-step window takes K decode times of the simulated
 once, ``--batch`` the max batch) and prints the run's output tok/s, the device's busy share
 and the idle gaps between steps by the kinds of the two steps ("mixed": prompt chunks in
 the step; "ahead": scheduled ahead); ``--prefill_ms 0 --decode_ms 0`` gives the host-bound
-rate (the 135M shape's row, docs/PERFORMANCE.md):
+rate (the 135M shape's row, docs/PERFORMANCE.md); the heap is frozen around the run as
+``llmc bench`` freezes it (``--no_freeze``: not), and the run's garbage collections are
+counted and timed by generation:
 
     .venv/bin/python scripts/host_overhead.py --throughput --batch 1024 --requests 4096 \
         --isl 128 --osl 128 --prefill_ms 5 --decode_ms 3
@@ -46,7 +48,9 @@ rate (the 135M shape's row, docs/PERFORMANCE.md):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
+import gc
 import pstats
 import statistics
 import time
@@ -59,6 +63,7 @@ from llmc.compiler.spec import ModelSpec
 from llmc.runtime.cuda_graphs import DecodeGraphs
 from llmc.runtime.decode_window import WindowState
 from llmc.runtime.executor import Executor
+from llmc.runtime.gc_heap import frozen_heap
 from llmc.runtime.kv_cache import KVCacheManager
 from llmc.runtime.model_runner import ModelRunner
 from llmc.runtime.responses import ExecutorParts
@@ -345,15 +350,38 @@ def latency(args: argparse.Namespace) -> None:
         )
 
 
+class _GcPauses:
+    """A ``gc.callbacks`` entry: the collections of each generation and their time."""
+
+    def __init__(self) -> None:
+        self.count, self.seconds, self._t0 = [0, 0, 0], [0.0, 0.0, 0.0], 0.0
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            g = info["generation"]
+            self.count[g] += 1
+            self.seconds[g] += time.perf_counter() - self._t0
+
+    def ms(self) -> list[float]:
+        return [round(s * 1e3, 1) for s in self.seconds]
+
+
 def throughput(args: argparse.Namespace) -> None:
     """``--throughput``: the offline run of ``--requests`` requests (all queued at once) on a
     SimulatedDevice, async scheduling off and on: its wall time, output tok/s, the simulated
     device's busy share and its idle gaps by the kinds of the steps around them."""
     for asy in (False, True):
         ex = simulated(args, asy)
+        pauses = _GcPauses()
+        gc.callbacks.append(pauses)
         t0 = time.perf_counter()
-        closed_loop_latency(ex, args.requests, args.isl, args.osl, args.requests, args.vary_osl)
+        # the heap frozen around the run as ``llmc bench`` does (llmc.runtime.gc_heap)
+        with contextlib.nullcontext() if args.no_freeze else frozen_heap():
+            closed_loop_latency(ex, args.requests, args.isl, args.osl, args.requests, args.vary_osl)
         wall = time.perf_counter() - t0
+        gc.callbacks.remove(pauses)
         d = ex.runner
         busy, gaps, free = 0.0, {}, 0.0  # the device's busy time; idle gaps by step kinds
         for i, (t, end) in enumerate(d.launches):
@@ -367,7 +395,9 @@ def throughput(args: argparse.Namespace) -> None:
             f"async {asy!s:5}: {wall:.3f} s, {args.requests * args.osl / wall:,.0f} output "
             f"tok/s, {len(d.launches)} steps ({d.kinds.count('mixed')} mixed), device busy "
             f"{busy / wall:.1%}; idle before the first step {d.launches[0][0] - t0:.3f} s "
-            f"(the requests' intake), after the last {t0 + wall - free:.3f} s"
+            f"(the requests' intake), after the last {t0 + wall - free:.3f} s; garbage "
+            f"collections by generation {pauses.count} taking {pauses.ms()} ms"
+            + (" (heap not frozen)" if args.no_freeze else "")
         )
         for key, v in sorted(gaps.items(), key=lambda kv: -sum(kv[1])):
             print(
@@ -410,6 +440,11 @@ def main() -> None:
         "idle gaps by step kinds",
     )
     ap.add_argument("--requests", type=int, default=5)
+    ap.add_argument(
+        "--no_freeze",
+        action="store_true",
+        help="--throughput: leave the heap unfrozen (llmc bench freezes it for its run)",
+    )
     ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--prefill_ms", type=float, default=8.0)
     ap.add_argument("--decode_ms", type=float, default=5.0)

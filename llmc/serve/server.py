@@ -25,6 +25,7 @@ from typing import Any
 
 import uvicorn
 
+from llmc.runtime.gc_heap import freeze_heap, unfreeze_heap
 from llmc.serve.app import ServerState, create_app
 from llmc.serve.config import ServeConfig
 from llmc.serve.engines import EnginePool
@@ -68,6 +69,7 @@ class _Server(uvicorn.Server):
             self.exit_code = int(getattr(e, "exit_code", 1))
             self.should_exit = True
         elif self.state.phase == "loading":
+            freeze_heap()  # the engines' objects, walked by no collection while serving
             self.state.phase = "ready"
             loop = type(asyncio.get_running_loop()).__module__.split(".")[0]
             proto = getattr(self.config, "http_protocol_class", None)
@@ -128,4 +130,5 @@ def serve(config: ServeConfig, say: Callable[[str], None] | None = None) -> int:
     finally:
         sys.setswitchinterval(previous)
         server.state.pool.shutdown()
+        unfreeze_heap()
     return server.exit_code

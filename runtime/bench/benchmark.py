@@ -36,6 +36,7 @@ from typing import Any
 from llmc.runtime.bench.metrics import Aggregates, aggregate, e2e, tpot, ttft
 from llmc.runtime.bench.served import Served
 from llmc.runtime.bench.workload import ArrivalSpec, BenchSampling, WorkloadRequest, arrival_offsets
+from llmc.runtime.gc_heap import frozen_heap
 from llmc.runtime.records import RequestRecord, StepRecord
 from llmc.runtime.types import Request
 
@@ -148,10 +149,11 @@ def run_workload(
 ) -> WorkloadRun:
     """Run warm-up requests (excluded), then the measured requests in ``arrival`` mode, each
     sampling as ``sampling`` says. ``measure`` (a profiling session) is entered around the
-    measured part only."""
+    measured part only; the process's heap is frozen around it (``llmc.runtime.gc_heap``:
+    no full garbage collection walks the engine's heap mid-run)."""
     if warmup:
         _run_closed(engine, warmup, len(warmup), None, sampling)
-    with measure if measure is not None else contextlib.nullcontext():
+    with frozen_heap(), measure if measure is not None else contextlib.nullcontext():
         first_step = len(engine.step_records)
         first_req = {r.request_id for r in engine.request_records}
         start = time.perf_counter()
