@@ -299,14 +299,19 @@ class StepInputBuilder:
         lim, tpb = self.limits, self.limits.tokens_per_block
         if len(seqs) > lim.max_batch_size or batch.num_tokens > lim.max_num_tokens:
             self._check(batch)  # raises the step's error
-        one = [s for s in seqs if s.num_new_tokens == 1]
-        chunks = [s for s in seqs if s.num_new_tokens != 1]
+        # the prefix rows (``prefix_rows``: decode rows, every one sampled) lead the batch:
+        # only the rows after them are looked at one by one
+        pre = batch.prefix_rows
+        k = len(pre.seqs) if pre is not None else 0
+        tail = seqs[k:]
+        one = seqs[:k]
+        one.extend(s for s in tail if s.num_new_tokens == 1)
+        chunks = [s for s in tail if s.num_new_tokens != 1]
         nd, order = len(one), one + chunks
         d_plain = np.zeros(0, dtype=bool)
         if one:
-            # the prefix rows lead the batch, so they are all its one-token rows when as many
-            pre = batch.prefix_rows
-            whole = pre is not None and len(pre.seqs) == nd
+            # the prefix's rows are all the one-token rows when as many
+            whole = pre is not None and k == nd
             sub = ScheduledBatch(batch.step_id, tuple(one), rows=pre if whole else None)
             rows, d_cols, d_plain = self.decode_step(sub)
             d_ids, d_pos, d_slots, _, d_table = rows
@@ -327,9 +332,14 @@ class StepInputBuilder:
         for i, s in enumerate(chunks):
             blocks = s.seq.block_table[: int(nblk[nd + i])]
             tables[nd + i, : len(blocks)] = blocks
-        where = {id(s): i for i, s in enumerate(order)}
-        sampled = [s for s in seqs if s.sample]
-        at = np.fromiter((where[id(s)] for s in sampled), dtype=np.int64, count=len(sampled))
+        # sampled rows, in batch order, and their rows in ``order``: the prefix's first
+        where = {id(s): i for i, s in enumerate(order[k:], k)}
+        t_sampled = [s for s in tail if s.sample]
+        sampled = seqs[:k] + t_sampled
+        at = np.concatenate([
+            np.arange(k, dtype=np.int64),
+            np.fromiter((where[id(s)] for s in t_sampled), dtype=np.int64, count=len(t_sampled)),
+        ])  # fmt: skip
         is_one = at < nd
         c_seqs = [s.seq for s in itertools.compress(sampled, (~is_one).tolist())]
         c_cols = smp.sampling_columns(c_seqs)
