@@ -76,6 +76,12 @@ class _Server(uvicorn.Server):
             http = getattr(proto, "__name__", "?").removesuffix("Protocol").lower()
             self.say(f"llmc serve: ready (event loop {loop}, HTTP {http})")
 
+    async def shutdown(self, sockets: Any = None) -> None:
+        try:
+            await super().shutdown(sockets=sockets)
+        finally:
+            unfreeze_heap()  # frozen at "ready" (_await_load)
+
     def handle_exit(self, sig: int, frame: Any) -> None:
         if self.should_exit or self._loop is None or self.state.phase != "ready":
             if self.state.phase == "draining" and sig == signal.SIGTERM:
@@ -130,5 +136,4 @@ def serve(config: ServeConfig, say: Callable[[str], None] | None = None) -> int:
     finally:
         sys.setswitchinterval(previous)
         server.state.pool.shutdown()
-        unfreeze_heap()
     return server.exit_code

@@ -4,6 +4,7 @@ answers 500 while the server keeps serving."""
 
 from __future__ import annotations
 
+import gc
 import json
 import threading
 import time
@@ -89,10 +90,12 @@ def inproc_server(serve_engine):
         assert time.monotonic() < deadline and thread.is_alive(), lines
         time.sleep(0.05)
     port = int(next(x for x in lines if "listening" in x).rsplit(":", 1)[1])
+    assert gc.get_freeze_count() > 0  # the heap frozen once ready (llmc.runtime.gc_heap)
     yield port
     server.should_exit = True
     thread.join(30)
     server.state.pool.shutdown()
+    assert gc.get_freeze_count() == 0  # and given back by the server's shutdown
 
 
 def test_a_failing_request_is_500_and_the_server_keeps_serving(inproc_server, monkeypatch):
