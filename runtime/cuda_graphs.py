@@ -38,11 +38,9 @@ capture for ``max_seq_len`` (the kernel divides each sequence's actual context a
 from __future__ import annotations
 
 import bisect
-import contextlib
-import gc
 import operator
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -52,6 +50,7 @@ from llmc.base.errors import ConfigError, EngineError
 from llmc.cuda.backend import AttentionMetadata, Backend, SamplingMetadata
 from llmc.runtime import sampling as smp
 from llmc.runtime.decode_window import WindowState
+from llmc.runtime.gc_heap import gc_paused
 from llmc.runtime.step_inputs import StepInputBuilder, StepInputs
 from llmc.runtime.types import ScheduledBatch
 from llmc.runtime.workspace import Staging
@@ -72,21 +71,6 @@ _PAD_COLUMN = {
     "presence_penalty": 0.0,
     "frequency_penalty": 0.0,
 }
-
-
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """Collect garbage now, and not again until the block ends (a graph capture): a
-    collection during capture can free an earlier runtime's pinned buffers or events
-    (cudaFreeHost / event calls are illegal while capturing and invalidate the capture)."""
-    gc.collect()
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def stage_columns(st: Staging, big: int, b: int, cols: dict[str, Any]) -> None:

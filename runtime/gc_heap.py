@@ -1,4 +1,8 @@
-"""The engine process's Python heap, frozen while a run is served (no torch).
+"""The engine process's garbage collector: paused for a CUDA-graph capture, the heap frozen
+while a run is served (no torch).
+
+``gc_paused``: collect now and not again until the block ends (a graph capture, in
+llmc.runtime.cuda_graphs / prefill_graphs / piecewise_graphs).
 
 Python's cyclic garbage collector walks every tracked object of the generations it collects,
 and a full (generation 2) collection in the middle of a run walks the whole heap of an
@@ -41,3 +45,18 @@ def frozen_heap() -> Iterator[None]:
         yield
     finally:
         unfreeze_heap()
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Collect garbage now, and not again until the block ends (a graph capture): a
+    collection during capture can free an earlier runtime's pinned buffers or events
+    (cudaFreeHost / event calls are illegal while capturing and invalidate the capture)."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()

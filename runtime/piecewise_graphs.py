@@ -41,7 +41,8 @@ import torch
 
 from llmc.base.errors import ConfigError
 from llmc.cuda.backend import AttentionMetadata
-from llmc.runtime.cuda_graphs import gc_paused, smallest_bucket
+from llmc.runtime.cuda_graphs import smallest_bucket
+from llmc.runtime.gc_heap import gc_paused
 from llmc.runtime.layers import DecoderLayers
 from llmc.runtime.step_inputs import StepInputBuilder, StepInputs
 

@@ -44,12 +44,12 @@ from llmc.runtime import sampling as smp
 from llmc.runtime.cuda_graphs import (
     Forward,
     Layout,
-    gc_paused,
     sampling_metadata,
     smallest_bucket,
     stage_columns,
     staged_layout,
 )
+from llmc.runtime.gc_heap import gc_paused
 from llmc.runtime.step_inputs import StepInputBuilder, StepInputs
 from llmc.runtime.types import ScheduledBatch
 
