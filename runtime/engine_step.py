@@ -92,12 +92,12 @@ def token_counts(batch: ScheduledBatch) -> tuple[int, int]:
     return total, decode
 
 
-def ahead_src_rows(prev: ScheduledBatch, ahead: ScheduledBatch) -> Seq[int]:
+def ahead_src_rows(prev: ScheduledBatch, ahead: ScheduledBatch) -> Seq[int] | None:
     """For each row of ``ahead`` (scheduled before ``prev``'s ids reached the host), the row
-    of ``prev``'s sampled ids that is its input token: ``range(n)`` when the rows are
-    ``prev``'s, in order (the common case: no list of ``n`` ints per step), else a list.
-    Every ``ahead`` sequence is sampled in ``prev`` (``Scheduler.schedule_ahead``
-    guarantees it)."""
+    of ``prev``'s sampled ids that is its input token, -1 for a row whose tokens the host
+    knows (a prompt chunk, an admission: ``Scheduler.schedule_ahead``); ``range(n)`` when
+    the rows are ``prev``'s, in order (the common case: no list of ``n`` ints per step),
+    None when no row reads ``prev``'s ids."""
     pr, ar = prev.rows, ahead.rows
     if pr is not None and ar is not None and len(pr.seqs) == len(prev.sequences):
         # both over slots (every row of prev sampled): match the rows by slot
@@ -111,29 +111,37 @@ def ahead_src_rows(prev: ScheduledBatch, ahead: ScheduledBatch) -> Seq[int]:
     if len(sampled) == len(rows) and all(map(ScheduledSequence.is_row_of, rows, sampled)):
         return range(len(rows))  # the common case: same sequences, same order
     index = {id(seq): i for i, seq in enumerate(sampled)}
-    return [index[id(ss.seq)] for ss in rows]
+    src = [index.get(id(ss.seq), -1) for ss in rows]
+    return src if max(src, default=-1) >= 0 else None
 
 
-def ahead_ok(batch: ScheduledBatch) -> bool:
+AHEAD_BUSY_ROWS = 64
+"""``ahead_ok``'s default ``busy_rows``: from this many rows a step's device time exceeds the
+host time of the launch ahead of its read, so the launch delays none of its ids."""
+
+
+def ahead_ok(batch: ScheduledBatch, busy_rows: int = AHEAD_BUSY_ROWS) -> bool:
     """Whether the step after ``batch`` may be launched before ``batch``'s ids are read.
 
     No when a row is not plain sampling (``SamplingParams.is_plain``: penalties count the
-    output tokens on the host, logprobs come back in their own copy), and no when the ids
-    of ``batch`` are latency-critical or free a batch slot: a request's first token (a
-    launch ahead of it could only delay it, by the launch's host time, or by a whole step
-    where the launch waits for the device) or a request's last token by length
-    (``Sequence.is_last_by_length``: a client that replaces a finished request, as a closed
-    loop does, would otherwise wait for the speculative step before its prompt is
-    scheduled)."""
+    output tokens on the host, logprobs come back in their own copy). In a batch of fewer
+    than ``busy_rows`` rows, also no when its ids are latency-critical or free a batch
+    slot: a request's first token (a launch ahead of it could only delay it, by the
+    launch's host time, or by a whole step where the launch waits for the device) or a
+    request's last token by length (``Sequence.is_last_by_length``: a client that replaces
+    a finished request, as a closed loop does, would otherwise wait for the speculative
+    step before its prompt is scheduled). A busier step hides the launch's host time, and
+    the step ahead admits waiting requests itself (``Scheduler.schedule_ahead``)."""
     if batch.window is not None:  # a window's rows stop on the device: the host decides
         return False
+    busy = len(batch.sequences) >= busy_rows
     rows = batch.rows
     if rows is not None and rows.current(len(batch.sequences)):  # decode rows over slots
         st, slots = rows.state, rows.slots
+        if busy or not bool(st.plain[slots].all()):
+            return bool(st.plain[slots].all())
         n_out = st.num_out[slots] + 1  # with this step's token
-        return bool(st.plain[slots].all()) and not bool(
-            ((n_out == 1) | types.last_by_length(n_out, st.max_new[slots])).any()
-        )
+        return not bool(((n_out == 1) | types.last_by_length(n_out, st.max_new[slots])).any())
     checked = None  # rows of one request share a params object: test it once per run
     for ss in batch.sequences:
         seq = ss.seq
@@ -142,7 +150,7 @@ def ahead_ok(batch: ScheduledBatch) -> bool:
             if not p.is_plain:
                 return False
             checked = p
-        if ss.sample:
+        if ss.sample and not busy:
             n_out = len(seq.output_token_ids) + 1  # with this step's token
             if n_out == 1 or seq.is_last_by_length(n_out):
                 return False

@@ -42,6 +42,7 @@ from llmc.base.errors import EngineError, LlmcError, RequestError
 from llmc.compiler.limits import check_positive_int
 from llmc.runtime.detokenizer import IncrementalDetokenizer
 from llmc.runtime.engine_step import (
+    AHEAD_BUSY_ROWS,
     InFlight,
     ahead_ok,
     ahead_src_rows,
@@ -86,15 +87,20 @@ class Executor:
         *,
         async_scheduling: bool | None = None,
         decode_steps_per_iteration: int | None = None,
+        ahead_busy_rows: int = AHEAD_BUSY_ROWS,
     ) -> None:
         """``decode_steps_per_iteration`` (None: the engine's, else 1): K of multi-step
-        decoding (``Scheduler.plan_window``); the runner must serve window batches."""
+        decoding (``Scheduler.plan_window``); the runner must serve window batches.
+        ``ahead_busy_rows``: async scheduling launches the next step ahead of a step of at
+        least this many rows even when its ids are first or last tokens (``ahead_ok``)."""
         self.engine = engine
         if async_scheduling is None:  # the runtime's choice (RuntimeConfig, CUDA only)
             async_scheduling = bool(getattr(engine, "async_scheduling", False))
         if decode_steps_per_iteration is None:
             decode_steps_per_iteration = int(getattr(engine, "decode_steps_per_iteration", 1))
         check_positive_int("decode_steps_per_iteration", decode_steps_per_iteration)
+        check_positive_int("ahead_busy_rows", ahead_busy_rows)
+        self.ahead_busy_rows = ahead_busy_rows
         self.decode_steps = decode_steps_per_iteration
         self.runner: Runner = engine.runner
         self.async_scheduling = async_scheduling and hasattr(self.runner, "launch")
@@ -317,12 +323,7 @@ class Executor:
             batch = self.scheduler.schedule()
             if self.decode_steps > 1:  # multi-step decoding, when the batch allows it
                 batch = self.scheduler.plan_window(batch, self.decode_steps)
-            # decode rows over slots (``batch.rows``) were all scheduled before: their
-            # prompts were computed in earlier steps
-            for ss in () if batch.rows is not None else batch.sequences:
-                rec = self._states[ss.seq.request_id].record
-                if rec.scheduled_time is None:
-                    rec.scheduled_time = t0
+            self._stamp_scheduled(batch, t0)
             if batch.is_empty:
                 raise RuntimeError(
                     f"step {batch.step_id}: the scheduler scheduled nothing although "
@@ -330,6 +331,19 @@ class Executor:
                 )
             used = self.scheduler.kv.num_used_blocks
         return InFlight(batch, None, t0, _now() - t0, used)
+
+    def _stamp_scheduled(self, batch: ScheduledBatch, t0: float) -> None:
+        """Stamp ``t0`` as the first-scheduled time of the batch's requests that have none.
+        Decode rows over slots (``rows``, ``prefix_rows``) were all scheduled before: their
+        prompts were computed in earlier steps."""
+        if batch.rows is not None:
+            return
+        pre = batch.prefix_rows
+        seqs = batch.sequences
+        for ss in seqs[len(pre.seqs) :] if pre is not None else seqs:
+            rec = self._states[ss.seq.request_id].record
+            if rec.scheduled_time is None:
+                rec.scheduled_time = t0
 
     def _launch(self, cur: InFlight, launch: Any) -> Any:
         """``launch(cur.batch)``. A RequestFault (one request's data broke the step's per-row
@@ -363,12 +377,14 @@ class Executor:
                 return False
             cur.pending = self._launch(cur, self.runner.launch)
         self._inflight = None
-        if ahead_ok(cur.batch):
+        if ahead_ok(cur.batch, self.ahead_busy_rows):
             t0 = _now()
             with self._cv:  # the next step, scheduled before cur's tokens are known
                 self._apply_cancels()
                 ahead = self.scheduler.schedule_ahead(cur.batch)
                 used = self.scheduler.kv.num_used_blocks
+                if ahead:
+                    self._stamp_scheduled(ahead, t0)
             if ahead:
                 src = ahead_src_rows(cur.batch, ahead)
                 t1 = _now()

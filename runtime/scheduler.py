@@ -242,9 +242,50 @@ class Scheduler(BranchScheduling, WindowScheduling, SlotScheduling, AheadSchedul
                 i += 1
 
         # 2. Waiting sequences, in queue order, until one does not fit.
+        if not preempted:
+            budget, admitted_branching = self._admit(budget, len(self._running), picked)
+            branching = branching or admitted_branching
+
+        self._step += 1
+        self._num_tokens += cfg.max_num_tokens - budget
+        self._peak_running = max(self._peak_running, len(self._running))
+        prefill: list[ScheduledSequence] = []
+        rows: Any = decode  # the slot prefix's rows stay unbuilt when nothing follows them
+        if picked:
+            decode = list(decode)
+            for s in picked:  # ScheduledSequence.is_decode, inlined
+                if s.num_new_tokens == 1 and s.start_position >= len(s.seq.prompt_token_ids):
+                    decode.append(s)
+                else:
+                    prefill.append(s)
+            rows = tuple(decode + prefill)
+        elif not isinstance(decode, DecodeSlices):
+            rows = tuple(decode)
+        whole = fast is not None and not prefill and len(decode) == len(fast.seqs)
+        return ScheduledBatch(
+            step_id=self._step - 1,
+            sequences=rows,
+            preempted_request_ids=tuple(preempted),
+            block_copies=kv.take_copies(),
+            branching=branching,
+            rows=fast if whole else None,
+            prefix_rows=fast
+            if not whole and fast is not None and len(fast.seqs) >= self.vector_rows
+            else None,
+        )
+
+    def _admit(
+        self, budget: int, rows: int, picked: list[ScheduledSequence], *, ahead: bool = False
+    ) -> tuple[int, bool]:
+        """Admit waiting sequences in queue order until one does not fit (the budget of
+        ``budget`` tokens, the batch's rows with ``rows`` taken by running sequences, the
+        blocks of the policy), appending their first chunks to ``picked``; returns (the
+        budget left, whether a chunk forks its request's samples). ``ahead``
+        (``schedule_ahead``): admission also stops at a request with several sequences."""
+        cfg, kv = self.limits, self.kv
+        branching = False
         reserved: int | None = None  # computed once, when a waiting sequence is looked at
-        rows = len(self._running)
-        while not preempted and budget > 0 and rows < cfg.max_batch_size:
+        while budget > 0 and rows < cfg.max_batch_size:
             seq = self._peek_waiting()
             if seq is None:
                 break
@@ -252,6 +293,8 @@ class Scheduler(BranchScheduling, WindowScheduling, SlotScheduling, AheadSchedul
                 reserved = self._reserved_blocks() if self._no_evict else 0
                 rows += self._unforked_rows()
             g = seq.group
+            if ahead and g is not None:
+                break
             width = g.width if g is not None and not g.forked else 1
             if rows + width > cfg.max_batch_size:
                 break
@@ -287,34 +330,7 @@ class Scheduler(BranchScheduling, WindowScheduling, SlotScheduling, AheadSchedul
                 branching = branching or (ss.sample and width > 1)
                 picked.append(ss)
                 budget -= n
-
-        self._step += 1
-        self._num_tokens += cfg.max_num_tokens - budget
-        self._peak_running = max(self._peak_running, len(self._running))
-        prefill: list[ScheduledSequence] = []
-        rows: Any = decode  # the slot prefix's rows stay unbuilt when nothing follows them
-        if picked:
-            decode = list(decode)
-            for s in picked:  # ScheduledSequence.is_decode, inlined
-                if s.num_new_tokens == 1 and s.start_position >= len(s.seq.prompt_token_ids):
-                    decode.append(s)
-                else:
-                    prefill.append(s)
-            rows = tuple(decode + prefill)
-        elif not isinstance(decode, DecodeSlices):
-            rows = tuple(decode)
-        whole = fast is not None and not prefill and len(decode) == len(fast.seqs)
-        return ScheduledBatch(
-            step_id=self._step - 1,
-            sequences=rows,
-            preempted_request_ids=tuple(preempted),
-            block_copies=kv.take_copies(),
-            branching=branching,
-            rows=fast if whole else None,
-            prefix_rows=fast
-            if not whole and fast is not None and len(fast.seqs) >= self.vector_rows
-            else None,
-        )
+        return budget, branching
 
     def _slice(self, seq: Sequence, n: int) -> ScheduledSequence:
         start = seq.num_computed_tokens

@@ -37,36 +37,45 @@ class AheadScheduling:
     _waiting: dict[Any, Sequence]
     _step: int
     _num_tokens: int
+    _peak_running: int
+    # and Scheduler's _admit
 
     def schedule_ahead(self, prev: ScheduledBatch) -> ScheduledBatch | None:
-        """The next decode step, scheduled while ``prev`` runs (async scheduling), or None.
+        """The next step, scheduled while ``prev`` runs (async scheduling), or None.
 
         ``prev`` has been scheduled but not yet ``update``d: its sampled tokens are unknown,
         and each of its sampled sequences gets its next token computed from that unknown
-        token (the runner takes it from the device). Returns None, and changes nothing, when
-        this step needs the host to know ``prev``'s outcome first: a running sequence that
-        ``prev`` does not sample (a prefill chunk is pending or the budget skipped it), a
-        waiting sequence that could be admitted (free batch slot), too few free blocks (no
-        preemption here), or nothing left to decode. A sequence whose ``prev`` token is its
+        token (the runner takes it from the device). A sequence whose ``prev`` token is its
         last by length (``Sequence.is_last_by_length``) is left out; one that then stops on
         EOS / a stop token / a stop string has its extra token discarded by ``update``
         (it is no longer running) and its blocks were already freed by ``finish``.
+
+        With no request waiting the step is those decode rows (``_ahead_over_slots`` /
+        ``_ahead_loop``) when every running sequence is one of them; otherwise it is
+        ``_ahead_mixed``'s: those rows first, then the next chunk of each running sequence
+        that ``prev`` does not sample (its tokens are known: a prompt cut by the budget),
+        then admissions of waiting sequences into the batch rows and blocks free now (the
+        rows ``prev`` ends by length count as free). Returns None, and changes nothing,
+        when there is no such step: a running sequence is not where ``prev`` leaves it or
+        belongs to a request with several sequences, its next write may copy a block, too
+        few blocks are free for the decode rows (no preemption here), or nothing is left.
         """
         running = self._running
-        if not running or (self._waiting and len(running) < self.limits.max_batch_size):
+        if not running and not self._waiting:
             return None
-        over_slots = self._ahead_over_slots(prev)  # the same rows, decided over the slots
-        if over_slots is not None:
-            picked, rows = over_slots
-        else:
-            picked = self._ahead_loop(prev)
-            rows = self._ahead_rows(picked)
-        if not picked:
-            return None
-        self._step += 1
-        self._num_tokens += len(picked)
-        seqs = picked if isinstance(picked, DecodeSlices) else tuple(picked)
-        return ScheduledBatch(step_id=self._step - 1, sequences=seqs, rows=rows)
+        if running and not self._waiting:
+            over_slots = self._ahead_over_slots(prev)  # the same rows, decided over the slots
+            if over_slots is not None:
+                picked, rows = over_slots
+            else:
+                picked = self._ahead_loop(prev)
+                rows = self._ahead_rows(picked)
+            if picked:
+                self._step += 1
+                self._num_tokens += len(picked)
+                seqs = picked if isinstance(picked, DecodeSlices) else tuple(picked)
+                return ScheduledBatch(step_id=self._step - 1, sequences=seqs, rows=rows)
+        return self._ahead_mixed(prev)
 
     def _ahead_loop(self, prev: ScheduledBatch) -> list[ScheduledSequence]:
         """``schedule_ahead``'s rows, one Python pass per row (their new blocks allocated);
@@ -159,6 +168,112 @@ class AheadScheduling:
         if rows is None:
             return decode_slices(seqs, start.tolist()), None
         return DecodeSlices(seqs, start), rows
+
+    def _ahead_mixed(self, prev: ScheduledBatch) -> ScheduledBatch | None:
+        """``schedule_ahead``'s step when it is not decode rows alone (see there): decided
+        over the slot arrays, with one Python pass over ``prev``'s rows that are not slot
+        rows, the running sequences ``prev`` does not sample and the admissions."""
+        if prev.branching or prev.window is not None:
+            return None
+        running = self._running
+        st = self.slots
+        np = st._np
+        n = len(running)
+        slots = np.fromiter(map(_SLOT, running), dtype=np.int64, count=n)
+        if n and (int(slots.min()) < 0 or bool((st.grouped[slots] | st.shares[slots]).any())):
+            return None
+        prev_n, prev_start = self._prev_rows_by_slot(prev)
+        computed = st.computed[slots]
+        n_prev = prev_n[slots]
+        if bool(((n_prev > 0) & (prev_start[slots] != computed)).any()):
+            return None  # a row is not where prev computes (stale)
+        start = computed + n_prev
+        num_out = st.num_out[slots]
+        left = st.prompt_len[slots] + num_out - start  # known tokens prev leaves uncomputed
+        fed = left == 0  # prev samples its next token: a decode row fed from the device
+        keep = fed & ~types.last_by_length(num_out + 1, st.max_new[slots])
+        leaving = int(fed.sum()) - int(keep.sum())
+        cfg, kv, tpb = self.limits, self.kv, self.kv.tokens_per_block
+        if bool(keep.all()):
+            d_seqs, d_slots, d_start = running[:], slots, start
+        else:
+            k = np.flatnonzero(keep)
+            d_seqs, d_slots, d_start = [running[i] for i in k.tolist()], slots[k], start[k]
+        budget = cfg.max_num_tokens - len(d_seqs)
+        if budget < 0:
+            return None
+        # the decode rows' blocks first: one new block where the row's token starts one
+        grow = np.flatnonzero(d_start >= st.blocks[d_slots] * tpb)
+        if len(grow) > kv.num_free_blocks:
+            return None
+        if not st.append_blocks(kv, d_seqs, d_slots, grow, d_start + 1):
+            for i in grow.tolist():
+                seq = d_seqs[i]
+                if not kv.append_slots(seq, int(d_start[i]) + 1 - seq.num_computed_tokens):
+                    raise RuntimeError(f"request {seq.request_id}: block count was wrong (bug)")
+                st.write_table(seq)
+        # then the next chunk of each running sequence prev does not sample, in queue order
+        decode: list[ScheduledSequence] = []
+        chunks: list[ScheduledSequence] = []
+        room = True
+        for i in np.flatnonzero(~fed).tolist():
+            if budget <= 0:
+                break
+            seq, a = running[i], int(start[i])
+            m = min(int(left[i]), budget)
+            if not kv.append_slots(seq, a + m - seq.num_computed_tokens):
+                room = False  # (no preemption ahead: the next synchronous step decides)
+                break
+            st.write_table(seq)
+            ss = ScheduledSequence(seq, a, m, m == int(left[i]))
+            (decode if m == 1 and a >= len(seq.prompt_token_ids) else chunks).append(ss)
+            budget -= m
+        admitted: list[ScheduledSequence] = []
+        if room:
+            budget, _ = self._admit(budget, n - leaving, admitted, ahead=True)
+        if not d_seqs and not decode and not chunks and not admitted:
+            return None
+        self._step += 1
+        self._num_tokens += cfg.max_num_tokens - budget
+        self._peak_running = max(self._peak_running, len(running))
+        pre = DecodeRows(d_seqs, d_slots, d_start, st) if len(d_seqs) >= self.vector_rows else None
+        step = self._step - 1
+        if not (decode or chunks or admitted):
+            if pre is None:
+                return ScheduledBatch(step, tuple(decode_slices(d_seqs, d_start.tolist())))
+            return ScheduledBatch(step, DecodeSlices(d_seqs, d_start), rows=pre)  # type: ignore[arg-type]
+        rows = decode_slices(d_seqs, d_start.tolist()) + decode
+        for ss in admitted:  # ScheduledSequence.is_decode (a re-admitted one may decode)
+            (rows if ss.is_decode else chunks).append(ss)
+        return ScheduledBatch(
+            step,
+            tuple(rows + chunks),
+            block_copies=kv.take_copies(),
+            prefix_rows=pre,
+        )
+
+    def _prev_rows_by_slot(self, prev: ScheduledBatch) -> tuple[Any, Any]:
+        """([capacity] new tokens, [capacity] start position) of each slot's row in
+        ``prev`` (0 and -1 where the slot's sequence has none): its slot rows at once, its
+        other rows one by one (those of sequences still running)."""
+        st = self.slots
+        np = st._np
+        n_new = np.zeros(st.capacity, dtype=np.int64)
+        start = np.full(st.capacity, -1, dtype=np.int64)
+        pr = prev.rows if prev.rows is not None else prev.prefix_rows
+        k = 0
+        if pr is not None and pr.current(len(pr.seqs)):
+            k = len(pr.seqs)
+            n_new[pr.slots] = 1
+            start[pr.slots] = pr.start
+        if k < len(prev.sequences):
+            running = types.SequenceStatus.RUNNING
+            for ss in prev.sequences[k:]:
+                seq = ss.seq
+                if seq.status is running and seq.slot >= 0:
+                    n_new[seq.slot] = ss.num_new_tokens
+                    start[seq.slot] = ss.start_position
+        return n_new, start
 
     def _ahead_rows(self, picked: list[ScheduledSequence]) -> DecodeRows | None:
         """The slot rows of a batch scheduled ahead (``schedule_ahead``: decode rows whose

@@ -49,6 +49,7 @@ _VERSION = operator.attrgetter("block_table_version")
 _OUT = operator.attrgetter("output_token_ids")
 _PARAMS = operator.attrgetter("sampling")
 _LAST = operator.itemgetter(-1)
+_NOT_PLAIN = "step {}: async scheduling does not serve penalties or logprobs"
 
 
 class MixedRows(NamedTuple):
@@ -67,6 +68,8 @@ class MixedRows(NamedTuple):
     cols: dict[str, np.ndarray]  # their sampling columns, in the staged dtypes
     num_one: int  # one-token rows (the attention's decode rows)
     all_plain: bool  # every sampled row ``is_plain``
+    src: np.ndarray | None  # [T] int64 with ``src_rows``: each token's source row, or -1
+    fed_plain: bool  # every row fed from the previous step's ids ``is_plain``
 
 
 @dataclass
@@ -183,9 +186,11 @@ class StepInputBuilder:
         """(token ids, positions, cache slots, source rows [b] int64, block tables [b, nb]
         int32) of a decode-only batch, in batch order, checked.
 
-        With ``src_rows`` (async scheduling) every row's token is the one the previous step
-        sampled into row ``src_rows[i]`` of its ``sampled_ids``: not known on the host yet,
-        so the row's position is the sequence's ``num_tokens`` and its staged id is 0."""
+        With ``src_rows`` (async scheduling) a row with ``src_rows[i] >= 0`` takes the token
+        the previous step sampled into row ``src_rows[i]`` of its ``sampled_ids``: not known
+        on the host yet, so the row's position is the sequence's ``num_tokens`` and its
+        staged id is 0; a row with -1 has its token on the host (``Scheduler.schedule_ahead``
+        scheduled it from known tokens)."""
         return self.decode_step(batch, src_rows)[0]
 
     def decode_step(
@@ -213,14 +218,23 @@ class StepInputBuilder:
             self._check(batch)
         ahead = src_rows is not None
         if isinstance(src_rows, range):  # (ahead_src_rows: the same rows, in order)
-            bad = len(src_rows) != b or (b and src_rows[0] < 0)
+            if len(src_rows) != b or (b and src_rows[0] < 0):
+                raise EngineError(f"step {batch.step_id}: src_rows must give a row per sequence")
+            src = np.arange(src_rows.start, src_rows.stop, src_rows.step, dtype=np.int64)
+        elif ahead:
+            src = np.asarray(src_rows, dtype=np.int64).reshape(-1)
+            if len(src) != b or (b and int(src.min()) < -1):
+                raise EngineError(
+                    f"step {batch.step_id}: src_rows must give a row >= -1 per sequence"
+                )
         else:
-            bad = ahead and (len(src_rows) != b or min(src_rows, default=0) < 0)
-        if bad:
-            raise EngineError(f"step {batch.step_id}: src_rows must give a row >= 0 per sequence")
+            src = np.full(b, -1, dtype=np.int64)
+        fed = src >= 0  # the rows whose token the previous step samples (on the device)
+        mixed = ahead and not bool(fed.all())  # some rows' tokens are on the host
         slot_rows = batch.rows  # decode rows over the scheduler's slot arrays
         if slot_rows is not None and (  # a row left (or went stale): the objects decide
             slot_rows.state.width < self.row_cache.width
+            or mixed
             or not (slot_rows.valid_ahead(b) if ahead else slot_rows.valid(b))
         ):
             slot_rows = None
@@ -249,7 +263,12 @@ class StepInputBuilder:
             nblk = (p + span - 1) // tpb + 1
         else:
             nblk = p // tpb + 1
-        rows_ok = (p == known) if ahead else (p >= 0) & (p < known)
+        if not ahead:
+            rows_ok = (p >= 0) & (p < known)
+        elif mixed:
+            rows_ok = np.where(fed, p == known, (p >= 0) & (p < known))
+        else:
+            rows_ok = p == known
         ok = bool((rows_ok & new_ok & (p < self.limits.max_seq_len) & (have >= nblk)).all())
         if not ok:
             if ahead:
@@ -259,7 +278,13 @@ class StepInputBuilder:
                 )
             self._check(batch)  # raises the precise error
             raise EngineError(f"step {batch.step_id}: a decode row has more than one new token")
-        if ahead:
+        if mixed:  # the host's tokens where it knows them, 0 where the device feeds them
+            ids = np.zeros(b, dtype=np.int64)
+            own = np.flatnonzero(~fed)
+            ids[own] = [seqs[i].token_at(int(p[i])) for i in own.tolist()]
+            if ids.min() < 0 or ids.max() >= self.spec.vocab_size:
+                self._check_vocab(ids, sched, list(range(b + 1)))
+        elif ahead:
             ids = np.zeros(b, dtype=np.int64)
         elif bool((p == known - 1).all() and (nout > 0).all()):
             if slot_rows is not None:
@@ -276,15 +301,9 @@ class StepInputBuilder:
         if bool((have > nblk).any()):
             table[np.arange(nb) >= nblk[:, None]] = -1
         slots = tables[rows, blk].astype(np.int64) * tpb + p % tpb  # (blk < nblk: unmasked)
-        if isinstance(src_rows, range):
-            src = np.arange(src_rows.start, src_rows.stop, src_rows.step, dtype=np.int64)
-        elif ahead:
-            src = np.asarray(src_rows, dtype=np.int64)
-        else:
-            src = np.full(b, -1, dtype=np.int64)
         cols = {
             "seeds": cols_of.seed[cache_rows],
-            "offsets": nout + 1 if ahead else nout,
+            "offsets": nout + fed,  # a fed row's offset counts the token in flight
             "top_k": cols_of.top_k[cache_rows],
         }
         floats = cols_of.floats[cache_rows]
@@ -292,10 +311,16 @@ class StepInputBuilder:
             cols[name] = floats[:, j]
         return (ids, p, slots, src, table), cols, cols_of.plain[cache_rows]
 
-    def _mixed(self, batch: ScheduledBatch, seqs: list[ScheduledSequence]) -> MixedRows:
+    def _mixed(
+        self,
+        batch: ScheduledBatch,
+        seqs: list[ScheduledSequence],
+        src_rows: Seq[int] | None = None,
+    ) -> MixedRows:
         """The rows of a step with prompt chunks, checked: its one-token rows through
         ``decode_step`` (over the slot arrays when they are the batch's ``prefix_rows``,
-        else over ``row_cache``), the chunks per sequence."""
+        else over ``row_cache``), the chunks per sequence. ``src_rows`` (async scheduling,
+        per row of ``seqs``) as in ``decode_rows``; a chunk's tokens are the host's (-1)."""
         lim, tpb = self.limits, self.limits.tokens_per_block
         if len(seqs) > lim.max_batch_size or batch.num_tokens > lim.max_num_tokens:
             self._check(batch)  # raises the step's error
@@ -305,15 +330,30 @@ class StepInputBuilder:
         k = len(pre.seqs) if pre is not None else 0
         tail = seqs[k:]
         one = seqs[:k]
-        one.extend(s for s in tail if s.num_new_tokens == 1)
+        one_at = list(range(k))  # (each one-token row's index in ``seqs``)
+        for i, s in enumerate(tail, k):
+            if s.num_new_tokens == 1:
+                one.append(s)
+                one_at.append(i)
         chunks = [s for s in tail if s.num_new_tokens != 1]
         nd, order = len(one), one + chunks
+        src_one = None
+        if src_rows is not None:
+            src_all = np.asarray(src_rows, dtype=np.int64).reshape(-1)
+            if len(src_all) != len(seqs):
+                raise EngineError(f"step {batch.step_id}: src_rows must give a row per sequence")
+            src_one = src_all[one_at]
+            if int(src_all.max(initial=-1)) >= 0 and bool((np.delete(src_all, one_at) >= 0).any()):
+                raise EngineError(
+                    f"step {batch.step_id}: a prompt chunk cannot take its token from the "
+                    "previous step's ids"
+                )
         d_plain = np.zeros(0, dtype=bool)
         if one:
             # the prefix's rows are all the one-token rows when as many
             whole = pre is not None and k == nd
             sub = ScheduledBatch(batch.step_id, tuple(one), rows=pre if whole else None)
-            rows, d_cols, d_plain = self.decode_step(sub)
+            rows, d_cols, d_plain = self.decode_step(sub, src_one)
             d_ids, d_pos, d_slots, _, d_table = rows
         else:
             d_ids = d_pos = d_slots = np.zeros(0, dtype=np.int64)
@@ -351,8 +391,23 @@ class StepInputBuilder:
             if nd:
                 col[is_one] = d_cols[name][at[is_one]]
         flat = [np.concatenate(x) for x in ((d_ids, c_ids), (d_pos, c_pos), (d_slots, c_slots))]
+        src = fed_plain = None
+        if src_one is not None:
+            src = np.concatenate([src_one, np.full(len(c_ids), -1, dtype=np.int64)])
+            fed_plain = bool(d_plain[src_one >= 0].all())
         return MixedRows(
-            order, *flat, cu, seq_lens, tables, sampled, cu[1:][at] - 1, cols, nd, all_plain
+            order,
+            *flat,
+            cu,
+            seq_lens,
+            tables,
+            sampled,
+            cu[1:][at] - 1,
+            cols,
+            nd,
+            all_plain,
+            src,
+            fed_plain is not False,
         )
 
     def _check_vocab(self, flat_ids: np.ndarray, order: Any, cu: list[int]) -> None:
@@ -419,7 +474,7 @@ class StepInputBuilder:
         static workspace; ``src_rows`` as in ``decode_rows`` (async scheduling), ``span``
         as in ``decode_step`` (a multi-step window's decode-only batch)."""
         seqs = list(batch.sequences)
-        if src_rows is not None or span is not None or set(map(_NEW, seqs)) <= {1}:
+        if span is not None or set(map(_NEW, seqs)) <= {1}:
             order = seqs
             rows, dcols, plain = self.decode_step(batch, src_rows, span)
             flat_ids, positions, slots, src, tables = rows
@@ -430,21 +485,20 @@ class StepInputBuilder:
             flags = np.fromiter(map(_SAMPLE, seqs), dtype=bool, count=b)
             sampled = list(itertools.compress(seqs, flags.tolist()))
             logits_rows = np.nonzero(flags)[0]
-            if src_rows is not None and not bool(plain[flags].all()):
-                raise EngineError(
-                    f"step {batch.step_id}: async scheduling does not serve penalties or logprobs"
-                )
+            if src_rows is not None and not bool(plain[flags & (src >= 0)].all()):
+                raise EngineError(_NOT_PLAIN.format(batch.step_id))
             cols = {name: col[flags] for name, col in dcols.items()}
             all_plain = bool(plain[flags].all())
             num_decode, max_query = b, 1
             # a row that samples nothing is a one-token chunk of a prompt: it may score one
             prompt = None if len(sampled) == b else plp.prompt_rows(order, range(b))
         else:
-            m = self._mixed(batch, seqs)
+            m = self._mixed(batch, seqs, src_rows)
             order, flat_ids, positions, slots, cu = m.order, m.ids, m.positions, m.slots, m.cu
             seq_lens, tables, sampled, logits_rows = m.seq_lens, m.tables, m.sampled, m.logits_rows
-            cols, num_decode, all_plain = m.cols, m.num_one, m.all_plain
-            src = None
+            cols, num_decode, all_plain, src = m.cols, m.num_one, m.all_plain, m.src
+            if not m.fed_plain:
+                raise EngineError(_NOT_PLAIN.format(batch.step_id))
             b, nb = len(order), tables.shape[1]
             max_query = max(map(_NEW, order))
             prompt = plp.prompt_rows(order, cu.tolist())

@@ -224,3 +224,87 @@ def test_ahead_src_rows_maps_each_ahead_row_to_its_input_row() -> None:
         1, (ScheduledSequence(a, 4, 1, True), ScheduledSequence(c, 3, 1, True))
     )
     assert ahead_src_rows(prev2, reordered) == [1, 0]
+
+
+# ---- steps ahead with prompt chunks and admissions (``Scheduler._ahead_mixed``) ----------
+MANY = PROMPTS + SHARED_PREFIX_PROMPTS + [[40 + j for j in range(9)], [77, 78]]
+"""14 prompts for 6 rows: requests are admitted while others decode."""
+
+AHEAD_MIXED = {
+    "greedy": lambda r: (greedy((9, 14, 5, 20, 12, 7) * 2 + (6, 11)), MANY, {}),
+    "graph-path": lambda r: (greedy((9, 14, 5, 20, 12, 7) * 2 + (6, 11)), MANY, {"graphs": True}),
+    "seeded": lambda r: (mixed_sampling() * 2 + greedy((6, 11)), MANY, {}),
+    "chunked": lambda r: (
+        greedy((9, 14, 5, 20, 12, 7) * 2 + (6, 11)),
+        MANY,
+        {"max_num_tokens": 10},
+    ),
+    "stop-ids": lambda r: (stop_id_params(r, 2) * 2 + greedy((6, 11)), MANY, {"graphs": True}),
+    "stop-strings": lambda r: (stop_string_params(r) * 2 + greedy((6, 11)), MANY, {}),
+    "model-eos": lambda r: (model_eos() * 2 + greedy((6, 11)), MANY, {}),
+    "preemption": lambda r: (
+        greedy((24, 20, 22, 18, 24, 20) * 2 + (6, 11)),
+        MANY,
+        {"num_blocks": 20, "scheduler_policy": "max_utilization"},
+    ),
+    "samples-and-penalties": lambda r: (
+        [
+            SamplingParams(max_new_tokens=7, n=2, temperature=0.8, seed=5, ignore_eos=True),
+            SamplingParams(max_new_tokens=9, ignore_eos=True, repetition_penalty=1.3),
+            *greedy((9, 14, 5, 20, 12, 7, 9, 14, 5, 20, 6, 11)),
+        ],
+        MANY,
+        {},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(AHEAD_MIXED))
+def test_steps_ahead_with_prompt_chunks_and_admissions_equal_sync(tiny, name):
+    """With ``ahead_busy_rows=1`` every plain step may have the next launched ahead of it,
+    first and last tokens included, and the step ahead carries prompt chunks and
+    admissions: tokens, text and finish reasons equal the synchronous loop's."""
+    ref, _ = run(tiny, greedy((24,) * 6), async_scheduling=False)
+    sp, prompts, kw = AHEAD_MIXED[name](ref)
+    sync, _ = run(tiny, sp, async_scheduling=False, prompts=prompts, **kw)
+    rt = make_runtime(tiny, **kw)
+    ex = Executor(rt, async_scheduling=True, ahead_busy_rows=1)
+    kinds = {"decode": 0, "chunks": 0, "admitted": 0}
+    schedule_ahead = rt.scheduler.schedule_ahead
+
+    def counted(prev):
+        waiting = rt.scheduler.num_waiting
+        got = schedule_ahead(prev)
+        if got is not None:
+            kinds["chunks" if got.num_tokens > len(got.sequences) else "decode"] += 1
+            kinds["admitted"] += waiting - rt.scheduler.num_waiting
+        return got
+
+    rt.scheduler.schedule_ahead = counted
+    asyn = ex.generate(prompts, sp)
+    rt.kv.check_invariants()
+    assert rt.kv.num_free_blocks == rt.kv.total_blocks and rt.scheduler.slots.num_used == 0
+    for a, b in zip(asyn, sync, strict=True):
+        assert a.ok and b.ok, (a.error, b.error)
+        assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
+        assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+    assert kinds["chunks"] > 0 and kinds["admitted"] > 0, kinds
+    assert ex.num_ahead_steps == sum(kinds[k] for k in ("decode", "chunks")), kinds
+    if name == "preemption":
+        assert sum(r.num_preempted for r in ex.step_records) > 0
+
+
+def test_a_busy_step_is_not_held_back_by_first_or_last_tokens():
+    """``ahead_ok``'s ``busy_rows``: below it first / last tokens keep the next step
+    synchronous; from it only a row's sampling kind does (penalties, logprobs)."""
+    from llmc.runtime.engine_step import ahead_ok
+    from llmc.runtime.types import ScheduledBatch, ScheduledSequence, Sequence
+
+    sp = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    first = [Sequence(i, [1, 2, 3], sp, 4, 0.0) for i in range(3)]
+    batch = ScheduledBatch(0, tuple(ScheduledSequence(s, 0, 3, True) for s in first))
+    assert not ahead_ok(batch) and not ahead_ok(batch, 4)
+    assert ahead_ok(batch, 3) and ahead_ok(batch, 1)
+    pen = Sequence(9, [1, 2, 3], SamplingParams(max_new_tokens=4, repetition_penalty=1.2), 4, 0.0)
+    busy = ScheduledBatch(0, (*batch.sequences, ScheduledSequence(pen, 0, 3, True)))
+    assert not ahead_ok(busy, 1)

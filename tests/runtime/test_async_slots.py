@@ -32,7 +32,7 @@ from llmc.runtime import cuda_graphs, engine_step, executor
 from llmc.runtime.executor import Executor
 from llmc.runtime.scheduler import Scheduler
 from llmc.runtime.step_inputs import StepInputBuilder
-from llmc.runtime.types import FinishReason, SamplingParams, Sequence
+from llmc.runtime.types import FinishReason, SamplingParams, ScheduledBatch, Sequence
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -73,10 +73,12 @@ def compared(monkeypatch):
         return dataclasses.replace(batch, rows=None)
 
     def both(fn, key):
-        def run(*batches):
-            got = fn(*batches)
+        def run(*args):
+            got = fn(*args)
+            batches = [a for a in args if isinstance(a, ScheduledBatch)]
             if any(b.rows is not None for b in batches):
-                assert got == fn(*map(objects, batches))
+                bare = [objects(a) if isinstance(a, ScheduledBatch) else a for a in args]
+                assert got == fn(*bare)
                 made[key] += 1
             return got
 

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from helpers import fakes
+from llmc.runtime import types
 from llmc.runtime.cuda_graphs import graph_eligible
 from llmc.runtime.decode_row_cache import DecodeRowCache
 from llmc.runtime.detokenizer import IncrementalDetokenizer
@@ -107,6 +108,8 @@ def test_max_new_tokens_is_the_whole_length_rule() -> None:
 
 def test_every_length_decision_asks_is_last_by_length(monkeypatch) -> None:
     monkeypatch.setattr(Sequence, "is_last_by_length", lambda self, n: n >= 2)
+    # (the slot arrays' paths ask the same rule of whole rows: ``types.last_by_length``)
+    monkeypatch.setattr(types, "last_by_length", lambda n, max_new: n >= 2)
     s = make_scheduler()
     a = Sequence(0, [5, 6, 7], SamplingParams(max_new_tokens=9, ignore_eos=True), 9, 0.0)
     b = Sequence(1, [5, 6, 8], SamplingParams(max_new_tokens=9, ignore_eos=True), 9, 0.0)

@@ -37,11 +37,12 @@ def ref_decode_rows(self, batch, src_rows=None):
     if b > self.limits.max_batch_size or b > self.limits.max_num_tokens:
         self._check(batch)
     ahead = src_rows is not None
+    srcs = list(src_rows) if ahead else [-1] * b  # -1: the row's token is on the host
     tok, pos, tables, ok = [], [], [], True
-    for s in seqs:
+    for s, r in zip(seqs, srcs, strict=True):
         seq, a = s.seq, s.start_position
         known = len(seq.prompt_token_ids) + len(seq.output_token_ids)
-        if ahead:
+        if r >= 0:
             ok &= a == known and s.num_new_tokens == 1
             tok.append(0)
         else:
@@ -55,14 +56,15 @@ def ref_decode_rows(self, batch, src_rows=None):
     have = np.fromiter((len(t) for t in tables), dtype=np.int64, count=b)
     ids = np.asarray(tok, dtype=np.int64)
     ok = ok and bool((p < self.limits.max_seq_len).all() and (have >= nblk).all())
-    ok = ok and not (b and (ids.min() < 0 or ids.max() >= self.spec.vocab_size))
-    if not ok:
-        if ahead:
+    vocab_ok = not (b and (ids.min() < 0 or ids.max() >= self.spec.vocab_size))
+    if not (ok and vocab_ok):
+        if ahead and not ok:
             raise RequestError(
                 f"step {batch.step_id}: an async-scheduled row is not the next token of its "
                 "sequence, lacks its block or exceeds max_seq_len"
             )
-        self._check(batch)
+        if not ahead:
+            self._check(batch)
         self._check_vocab(ids, batch.sequences, list(range(b + 1)))
     nb = int(nblk.max()) if b else 1
     table = np.full((b, nb), -1, dtype=np.int32)
@@ -73,14 +75,15 @@ def ref_decode_rows(self, batch, src_rows=None):
         count=int(nblk.sum()),
     )
     slots = table[np.arange(b), p // tpb].astype(np.int64) * tpb + p % tpb
-    src = np.asarray(src_rows if ahead else [-1] * b, dtype=np.int64)
+    src = np.asarray(srcs, dtype=np.int64)
     return ids, p, slots, src, table
 
 
 def ref_prepare_stage(self, batch, src_rows=None):
     seqs = list(batch.sequences)
     tpb = self.limits.tokens_per_block
-    if src_rows is not None or all(s.num_new_tokens == 1 for s in seqs):
+    fed = {id(s) for s, r in zip(seqs, src_rows or (), strict=False) if r >= 0}
+    if all(s.num_new_tokens == 1 for s in seqs):
         order = seqs
         flat_ids, positions, slots, src, tables = ref_decode_rows(self, batch, src_rows)
         b = len(order)
@@ -88,11 +91,21 @@ def ref_prepare_stage(self, batch, src_rows=None):
         seq_lens = positions + 1
         last_row = {id(s): i for i, s in enumerate(order)}
     else:
-        self._check(batch)
+        self._check(ScheduledBatch(batch.step_id, tuple(s for s in seqs if id(s) not in fed)))
         order = [s for s in seqs if s.num_new_tokens == 1]
         order += [s for s in seqs if s.num_new_tokens != 1]
-        flat_ids, positions, slots = _flatten(order, tpb)
+        flat_ids, positions, slots = _flatten([s for s in order if id(s) not in fed], tpb)
         src = None
+        if src_rows is not None:  # rows fed from the device lead ``order``: id 0, src row
+            k = sum(id(s) in fed for s in order)
+            assert all(id(s) in fed for s in order[:k])
+            head = ref_decode_rows(self, ScheduledBatch(batch.step_id, tuple(order[:k])),
+                                   [src_rows[seqs.index(s)] for s in order[:k]])  # fmt: skip
+            flat_ids, positions, slots = (
+                np.concatenate([h, x])
+                for h, x in zip(head[:3], (flat_ids, positions, slots), strict=True)
+            )
+            src = np.concatenate([head[3], np.full(len(flat_ids) - k, -1, dtype=np.int64)])
         cu, seq_lens, last_row = [0], [], {}
         for s in order:
             last_row[id(s)] = cu[-1] + s.num_new_tokens - 1
@@ -106,8 +119,10 @@ def ref_prepare_stage(self, batch, src_rows=None):
             blocks = s.seq.block_table[: -(-seq_lens[i] // tpb)]
             tables[i, : len(blocks)] = blocks
     sampled = [s for s in seqs if s.sample]
-    if src_rows is not None and any(
-        s.seq.sampling.logprobs is not None or s.seq.sampling.uses_penalties for s in sampled
+    if any(
+        s.seq.sampling.logprobs is not None or s.seq.sampling.uses_penalties
+        for s in sampled
+        if id(s) in fed
     ):
         raise EngineError(
             f"step {batch.step_id}: async scheduling does not serve penalties or logprobs"
@@ -123,14 +138,15 @@ def ref_prepare_stage(self, batch, src_rows=None):
     st.add("cu_seqlens_q", cu, "int32")
     st.add("seq_lens", seq_lens, "int32")
     st.add("block_tables", tables.reshape(-1), "int32")
-    cols = smp.sampling_columns([s.seq for s in sampled], 1 if src_rows is not None else 0)
+    # a row fed from the device counts the token in flight in its sampling offset
+    cols = [smp.sampling_columns([s.seq for s in sampled], k) for k in (0, 1)]
     for names, dt in (
         (smp.INT64_COLUMNS, "int64"),
         (smp.INT32_COLUMNS, "int32"),
         (smp.FLOAT_COLUMNS, "float32"),
     ):
         for name in names:
-            st.add(name, cols[name], dt)
+            st.add(name, [cols[id(s) in fed][name][i] for i, s in enumerate(sampled)], dt)
 
 
 def ref_graph_stage(graphs, big, batch, src_rows):
@@ -146,7 +162,8 @@ def ref_graph_stage(graphs, big, batch, src_rows):
     tables = np.full((big, mbs), -1, dtype=np.int32)
     ids[:b], pos[:b], slots[:b], src[:b], lens[:b] = tok, p, sl, sr, p + 1
     tables[:b, : bt.shape[1]] = bt
-    cols = smp.sampling_columns([s.seq for s in batch.sequences], 0 if src_rows is None else 1)
+    both = [smp.sampling_columns([s.seq for s in batch.sequences], k) for k in (0, 1)]
+    cols = {n: [both[int(f)][n][i] for i, f in enumerate(sr >= 0)] for n in both[0]}
     st = r.staging
     st.begin()
     for name, arr, dt in (
@@ -253,7 +270,8 @@ def test_staging_equals_reference_on_scheduler_batches(
     )
     prefixes = [[rng.randrange(spec.vocab_size) for _ in range(n)] for n in (8, 13, 21)]
     rid = itertools.count()
-    stats = {"decode": 0, "mixed": 0, "ahead": 0, "graph": 0, "preempted": 0, "cancelled": 0}
+    stats = dict.fromkeys(("decode", "mixed", "ahead", "ahead_mixed", "graph"), 0)
+    stats.update(preempted=0, cancelled=0)
 
     def arrive(n: int) -> None:
         for _ in range(n):
@@ -275,15 +293,18 @@ def test_staging_equals_reference_on_scheduler_batches(
             stats["graph"] += _compare(runner, graphs, batch, src)
         if src is None:
             stats["decode" if batch.num_tokens == len(batch.sequences) else "mixed"] += 1
-        ahead = sched.schedule_ahead(batch) if rng.random() < 0.8 else None
+        ahead = sched.schedule_ahead(batch) if rng.random() < 0.6 else None
         ahead_src = None
         if ahead is not None:
             row = {id(s.seq): i for i, s in enumerate(s for s in batch.sequences if s.sample)}
-            ahead_src = [row[id(s.seq)] for s in ahead.sequences]
+            ahead_src = [row.get(id(s.seq), -1) for s in ahead.sequences]  # -1: host tokens
+            stats["ahead_mixed"] += ahead.num_tokens > len(ahead.sequences)
             stats["graph"] += _compare(runner, graphs, ahead, ahead_src)
             stats["ahead"] += 1
         n_sampled = sum(1 for s in batch.sequences if s.sample)
         sched.update(batch, [rng.randrange(spec.vocab_size) for _ in range(n_sampled)])
+        if rng.random() < 0.12:  # (also while steps run ahead: they admit arrivals)
+            arrive(rng.randrange(1, 4))
         if ahead is not None:
             batch, src = ahead, ahead_src
             continue
@@ -291,11 +312,10 @@ def test_staging_equals_reference_on_scheduler_batches(
             victim = rng.choice(sched.running)
             sched.finish(victim.request_id, FinishReason.CANCELLED)
             stats["cancelled"] += 1
-        if rng.random() < 0.12:
-            arrive(rng.randrange(1, 4))
         batch, src = sched.schedule(), None
     stats["preempted"] = sched.stats().num_preemptions
     assert stats["decode"] > 10 and stats["mixed"] > 10 and stats["graph"] > 10, stats
     assert stats["ahead"] > 10 and stats["cancelled"] > 0, stats
+    assert stats["ahead_mixed"] > 3, stats  # steps ahead with prompt chunks (admissions)
     assert stats["preempted"] > 0 or policy == GUARANTEED_NO_EVICT, stats
     assert not small_cache or next(rid) > 2 * (mbs + 3)  # more sequences than rows, twice
