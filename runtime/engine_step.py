@@ -134,16 +134,25 @@ def ahead_ok(batch: ScheduledBatch, busy_rows: int = AHEAD_BUSY_ROWS) -> bool:
     the step ahead admits waiting requests itself (``Scheduler.schedule_ahead``)."""
     if batch.window is not None:  # a window's rows stop on the device: the host decides
         return False
-    busy = len(batch.sequences) >= busy_rows
-    rows = batch.rows
-    if rows is not None and rows.current(len(batch.sequences)):  # decode rows over slots
+    seqs = batch.sequences
+    busy = len(seqs) >= busy_rows
+    rows, k = batch.rows, len(seqs)  # decode rows over slots: all of them, or a prefix
+    if rows is None or not rows.current(k):
+        rows = batch.prefix_rows
+        k = len(rows.seqs) if rows is not None else 0
+        if rows is None or not rows.current(k):
+            rows, k = None, 0
+    if rows is not None:
         st, slots = rows.state, rows.slots
-        if busy or not bool(st.plain[slots].all()):
-            return bool(st.plain[slots].all())
+        if not bool(st.plain[slots].all()):
+            return False
         n_out = st.num_out[slots] + 1  # with this step's token
-        return not bool(((n_out == 1) | types.last_by_length(n_out, st.max_new[slots])).any())
+        if not busy and bool(((n_out == 1) | types.last_by_length(n_out, st.max_new[slots])).any()):
+            return False
+        if k == len(seqs):
+            return True
     checked = None  # rows of one request share a params object: test it once per run
-    for ss in batch.sequences:
+    for ss in seqs[k:] if k else seqs:
         seq = ss.seq
         p = seq.sampling
         if p is not checked:

@@ -195,10 +195,11 @@ class AheadScheduling:
         leaving = int(fed.sum()) - int(keep.sum())
         cfg, kv, tpb = self.limits, self.kv, self.kv.tokens_per_block
         if bool(keep.all()):
-            d_seqs, d_slots, d_start = running[:], slots, start
+            d_seqs, d_slots, d_start, d_prior = running[:], slots, start, computed
         else:
             k = np.flatnonzero(keep)
             d_seqs, d_slots, d_start = [running[i] for i in k.tolist()], slots[k], start[k]
+            d_prior = computed[k]
         budget = cfg.max_num_tokens - len(d_seqs)
         if budget < 0:
             return None
@@ -236,7 +237,9 @@ class AheadScheduling:
         self._step += 1
         self._num_tokens += cfg.max_num_tokens - budget
         self._peak_running = max(self._peak_running, len(running))
-        pre = DecodeRows(d_seqs, d_slots, d_start, st) if len(d_seqs) >= self.vector_rows else None
+        pre = None
+        if len(d_seqs) >= self.vector_rows:
+            pre = DecodeRows(d_seqs, d_slots, d_start, st, prior=d_prior)
         step = self._step - 1
         if not (decode or chunks or admitted):
             if pre is None:

@@ -54,11 +54,17 @@ class DecodeRows:
     sampled), which runs in slot ``slots[i]`` of ``state``. The arrays are read while the
     slots still hold the rows' sequences (``valid``)."""
 
-    __slots__ = ("seqs", "slots", "gens", "start", "state")
+    __slots__ = ("seqs", "slots", "gens", "start", "state", "prior")
 
-    def __init__(self, seqs: list[Sequence], slots: Any, start: Any, state: SlotState) -> None:
+    def __init__(
+        self, seqs: list[Sequence], slots: Any, start: Any, state: SlotState, prior: Any = None
+    ) -> None:
+        """``prior`` (a batch scheduled ahead): each row's computed tokens when it was
+        scheduled, before the step in flight computes the rest (None: ``start - 1``, that
+        step's one decode token)."""
         self.seqs, self.slots, self.start, self.state = seqs, slots, start, state
         self.gens = state.gen[slots]
+        self.prior = prior
 
     def index_of(self, slots: Any, gens: Any) -> Any:
         """The row [n] int64 of each of ``slots`` among these rows; None when one is not
@@ -85,11 +91,12 @@ class DecodeRows:
 
     def valid_ahead(self, num_rows: int) -> bool:
         """``valid`` of a batch scheduled ahead (``Scheduler.schedule_ahead``) before the
-        step in flight was updated: every slot holds its sequence one token short of the
-        position it was scheduled at (that token is the one the step in flight samples)."""
-        return self.current(num_rows) and bool(
-            (self.state.computed[self.slots] + 1 == self.start).all()
-        )
+        step in flight was updated: every slot holds its sequence where it was when the
+        batch was scheduled (``prior``), short of the position it was scheduled at by the
+        tokens the step in flight computes (its last is the token that step samples)."""
+        computed = self.state.computed[self.slots]
+        prior = self.start - 1 if self.prior is None else self.prior
+        return self.current(num_rows) and bool((computed == prior).all())
 
 
 class SlotState:

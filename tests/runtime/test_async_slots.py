@@ -70,13 +70,13 @@ def compared(monkeypatch):
     monkeypatch.setattr(Scheduler, "_ahead_over_slots", ahead_both)
 
     def objects(batch):
-        return dataclasses.replace(batch, rows=None)
+        return dataclasses.replace(batch, rows=None, prefix_rows=None)
 
     def both(fn, key):
         def run(*args):
             got = fn(*args)
             batches = [a for a in args if isinstance(a, ScheduledBatch)]
-            if any(b.rows is not None for b in batches):
+            if any(b.rows is not None or b.prefix_rows is not None for b in batches):
                 bare = [objects(a) if isinstance(a, ScheduledBatch) else a for a in args]
                 assert got == fn(*bare)
                 made[key] += 1
