@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Same-machine A/B of `llmc bench` between two trees (device tool; one call): the checkout
+# Same-machine A/B of `llmc bench` (or VERB=profile) between two trees (device tool; one call): the checkout
 # (new) against OLD (a commit of this repository's history), alternating runs on one engine
 # of PROFILE, each tree reinstalled before its runs. Results (JSON, logs): $OUT/ab.tgz.
 #   OLD=a5abe1f PROFILE=smollm2-135m-dummy PAIRS=2 BENCH="--num_requests 4096 --isl 128 \
@@ -13,6 +13,7 @@ OLD=${OLD:?OLD=<commit> is the baseline tree}
 PROFILE=${PROFILE:-smollm2-135m-dummy}
 PAIRS=${PAIRS:-2}
 BENCH=${BENCH:---num_requests 4096 --isl 128 --osl 128}
+VERB=${VERB:-bench}  # or profile (GPU idle share, kernel families)
 git -C "$REPO" worktree add -f /tmp/ab-old "$OLD" > "$OUT/worktree.log" 2>&1 || {
     echo "no worktree of $OLD"; cat "$OUT/worktree.log"; exit 1; }
 cd "$(mktemp -d)"  # (Python must not run from a checkout: its cuda/ shadows NVIDIA's)
@@ -26,9 +27,10 @@ for i in $(seq 1 "$PAIRS"); do
     for side in old new; do
         if [ $side = old ]; then install /tmp/ab-old; else install "$REPO"; fi
         # shellcheck disable=SC2086
-        timeout 200 $PY -m llmc.cli.main bench --engine_dir "$ENG" $BENCH \
+        timeout 200 $PY -m llmc.cli.main "$VERB" --engine_dir "$ENG" $BENCH \
             --json "$OUT/$side-$i.json" > "$OUT/$side-$i.txt" 2>&1
-        echo "$side $i: $(grep -m1 -iE "output tok" "$OUT/$side-$i.txt")"
+        echo "$side $i: $(grep -m1 -iE "output tok" "$OUT/$side-$i.txt")" \
+            "$(grep -o '"idle_share": [0-9.]*' "$OUT/$side-$i.json" | head -1)"
     done
 done
 install "$REPO"
