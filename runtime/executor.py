@@ -333,9 +333,8 @@ class Executor:
         return InFlight(batch, None, t0, _now() - t0, used)
 
     def _stamp_scheduled(self, batch: ScheduledBatch, t0: float) -> None:
-        """Stamp ``t0`` as the first-scheduled time of the batch's requests that have none.
-        Decode rows over slots (``rows``, ``prefix_rows``) were all scheduled before: their
-        prompts were computed in earlier steps."""
+        """``t0`` := the first-scheduled time of the batch's requests that have none (decode
+        rows over slots, ``rows`` / ``prefix_rows``, were all scheduled before)."""
         if batch.rows is not None:
             return
         pre = batch.prefix_rows

@@ -25,7 +25,7 @@ import itertools
 import operator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,6 +38,7 @@ from llmc.runtime import prompt_logprobs as plp
 from llmc.runtime import sampling as smp
 from llmc.runtime.decode_row_cache import DecodeRowCache
 from llmc.runtime.slot_columns import SlotColumns
+from llmc.runtime.step_mixed import flatten, mixed_rows
 from llmc.runtime.types import RequestFault, ScheduledBatch, ScheduledSequence, Sequence
 from llmc.runtime.workspace import Staging, Workspace
 
@@ -50,26 +51,6 @@ _OUT = operator.attrgetter("output_token_ids")
 _PARAMS = operator.attrgetter("sampling")
 _LAST = operator.itemgetter(-1)
 _NOT_PLAIN = "step {}: async scheduling does not serve penalties or logprobs"
-
-
-class MixedRows(NamedTuple):
-    """The rows of a step with prompt chunks (``StepInputBuilder._mixed``), in staging order:
-    its one-token rows first (batch order), then its chunks (batch order)."""
-
-    order: list[ScheduledSequence]
-    ids: np.ndarray  # [T] int64, and positions, slots likewise
-    positions: np.ndarray
-    slots: np.ndarray
-    cu: np.ndarray  # [b + 1] int64: each row's first flat token
-    seq_lens: np.ndarray  # [b] int64
-    tables: np.ndarray  # [b, nb] int32, -1 beyond a row's blocks
-    sampled: list[ScheduledSequence]  # the rows that sample, in batch order
-    logits_rows: np.ndarray  # their last flat token each
-    cols: dict[str, np.ndarray]  # their sampling columns, in the staged dtypes
-    num_one: int  # one-token rows (the attention's decode rows)
-    all_plain: bool  # every sampled row ``is_plain``
-    src: np.ndarray | None  # [T] int64 with ``src_rows``: each token's source row, or -1
-    fed_plain: bool  # every row fed from the previous step's ids ``is_plain``
 
 
 @dataclass
@@ -85,33 +66,6 @@ class StepInputs:
     sampling: SamplingMetadata | None
     prompt: plp.PromptRows | None = None
     """The rows that score prompt tokens (``prompt_logprobs``), None in most steps."""
-
-
-def _flatten(order: list[ScheduledSequence], tpb: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(token ids, positions, cache slots) [T] int64 of the sequences' new tokens, in order."""
-    ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-    for s in order:
-        seq, a, n = s.seq, s.start_position, s.num_new_tokens
-        if n == 1:  # decode fast path: plain ints
-            ids.append(seq.token_at(a))
-            positions.append(a)
-            slots.append(seq.block_table[a // tpb] * tpb + a % tpb)
-            continue
-        p = seq.prompt_token_ids
-        toks = p[a : a + n] if a + n <= len(p) else seq.all_token_ids[a : a + n]
-        pos = np.arange(a, a + n, dtype=np.int64)
-        table = np.asarray(seq.block_table[: -(-(a + n) // tpb)], dtype=np.int64)
-        chunks.append((np.asarray(toks, dtype=np.int64), pos, table[pos // tpb] * tpb + pos % tpb))
-    # decode rows come first in ``order``, so the plain-int part precedes the chunks
-    parts = [np.asarray(x, dtype=np.int64) for x in (ids, positions, slots)]
-    if not chunks:
-        return parts[0], parts[1], parts[2]
-    return tuple(  # type: ignore[return-value]
-        np.concatenate([parts[i], *(c[i] for c in chunks)]) for i in range(3)
-    )
 
 
 class StepInputBuilder:
@@ -174,7 +128,7 @@ class StepInputBuilder:
         or blocks are out of range)."""
         self._check(batch)
         (ss,) = batch.sequences
-        flat_ids, positions, slots = _flatten([ss], self.limits.tokens_per_block)
+        flat_ids, positions, slots = flatten([ss], self.limits.tokens_per_block)
         self._check_vocab(flat_ids, [ss], [0, len(flat_ids)])
         end = ss.start_position + ss.num_new_tokens
         table = ss.seq.block_table[: -(-end // self.limits.tokens_per_block)]
@@ -311,105 +265,6 @@ class StepInputBuilder:
             cols[name] = floats[:, j]
         return (ids, p, slots, src, table), cols, cols_of.plain[cache_rows]
 
-    def _mixed(
-        self,
-        batch: ScheduledBatch,
-        seqs: list[ScheduledSequence],
-        src_rows: Seq[int] | None = None,
-    ) -> MixedRows:
-        """The rows of a step with prompt chunks, checked: its one-token rows through
-        ``decode_step`` (over the slot arrays when they are the batch's ``prefix_rows``,
-        else over ``row_cache``), the chunks per sequence. ``src_rows`` (async scheduling,
-        per row of ``seqs``) as in ``decode_rows``; a chunk's tokens are the host's (-1)."""
-        lim, tpb = self.limits, self.limits.tokens_per_block
-        if len(seqs) > lim.max_batch_size or batch.num_tokens > lim.max_num_tokens:
-            self._check(batch)  # raises the step's error
-        # the prefix rows (``prefix_rows``: decode rows, every one sampled) lead the batch:
-        # only the rows after them are looked at one by one
-        pre = batch.prefix_rows
-        k = len(pre.seqs) if pre is not None else 0
-        tail = seqs[k:]
-        one = seqs[:k]
-        one_at = list(range(k))  # (each one-token row's index in ``seqs``)
-        for i, s in enumerate(tail, k):
-            if s.num_new_tokens == 1:
-                one.append(s)
-                one_at.append(i)
-        chunks = [s for s in tail if s.num_new_tokens != 1]
-        nd, order = len(one), one + chunks
-        src_one = None
-        if src_rows is not None:
-            src_all = np.asarray(src_rows, dtype=np.int64).reshape(-1)
-            if len(src_all) != len(seqs):
-                raise EngineError(f"step {batch.step_id}: src_rows must give a row per sequence")
-            src_one = src_all[one_at]
-            if int(src_all.max(initial=-1)) >= 0 and bool((np.delete(src_all, one_at) >= 0).any()):
-                raise EngineError(
-                    f"step {batch.step_id}: a prompt chunk cannot take its token from the "
-                    "previous step's ids"
-                )
-        d_plain = np.zeros(0, dtype=bool)
-        if one:
-            # the prefix's rows are all the one-token rows when as many
-            whole = pre is not None and k == nd
-            sub = ScheduledBatch(batch.step_id, tuple(one), rows=pre if whole else None)
-            rows, d_cols, d_plain = self.decode_step(sub, src_one)
-            d_ids, d_pos, d_slots, _, d_table = rows
-        else:
-            d_ids = d_pos = d_slots = np.zeros(0, dtype=np.int64)
-            d_table, d_cols = np.zeros((0, 1), dtype=np.int32), {}
-        self._check(ScheduledBatch(batch.step_id, tuple(chunks)))
-        c_ids, c_pos, c_slots = _flatten(chunks, tpb)
-        lens = np.fromiter(map(_NEW, chunks), dtype=np.int64, count=len(chunks))
-        c_cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
-        self._check_vocab(c_ids, chunks, c_cu.tolist())
-        c_lens = np.fromiter(map(_START, chunks), dtype=np.int64, count=len(chunks)) + lens
-        cu = np.concatenate([np.arange(nd, dtype=np.int64), nd + c_cu])
-        seq_lens = np.concatenate([d_pos + 1, c_lens])
-        nblk = -(-seq_lens // tpb)
-        tables = np.full((len(order), int(nblk.max())), -1, dtype=np.int32)
-        tables[:nd, : d_table.shape[1]] = d_table
-        for i, s in enumerate(chunks):
-            blocks = s.seq.block_table[: int(nblk[nd + i])]
-            tables[nd + i, : len(blocks)] = blocks
-        # sampled rows, in batch order, and their rows in ``order``: the prefix's first
-        where = {id(s): i for i, s in enumerate(order[k:], k)}
-        t_sampled = [s for s in tail if s.sample]
-        sampled = seqs[:k] + t_sampled
-        at = np.concatenate([
-            np.arange(k, dtype=np.int64),
-            np.fromiter((where[id(s)] for s in t_sampled), dtype=np.int64, count=len(t_sampled)),
-        ])  # fmt: skip
-        is_one = at < nd
-        c_seqs = [s.seq for s in itertools.compress(sampled, (~is_one).tolist())]
-        c_cols = smp.sampling_columns(c_seqs)
-        all_plain = bool(d_plain[at[is_one]].all()) and all(s.sampling.is_plain for s in c_seqs)
-        cols: dict[str, np.ndarray] = {}
-        for name, dtype in smp.COLUMN_DTYPES.items():
-            cols[name] = col = np.empty(len(sampled), dtype=dtype)
-            col[~is_one] = c_cols[name]
-            if nd:
-                col[is_one] = d_cols[name][at[is_one]]
-        flat = [np.concatenate(x) for x in ((d_ids, c_ids), (d_pos, c_pos), (d_slots, c_slots))]
-        src = fed_plain = None
-        if src_one is not None:
-            src = np.concatenate([src_one, np.full(len(c_ids), -1, dtype=np.int64)])
-            fed_plain = bool(d_plain[src_one >= 0].all())
-        return MixedRows(
-            order,
-            *flat,
-            cu,
-            seq_lens,
-            tables,
-            sampled,
-            cu[1:][at] - 1,
-            cols,
-            nd,
-            all_plain,
-            src,
-            fed_plain is not False,
-        )
-
     def _check_vocab(self, flat_ids: np.ndarray, order: Any, cu: list[int]) -> None:
         if flat_ids.size and (flat_ids.min() < 0 or flat_ids.max() >= self.spec.vocab_size):
             rows = np.nonzero((flat_ids < 0) | (flat_ids >= self.spec.vocab_size))[0]
@@ -493,7 +348,7 @@ class StepInputBuilder:
             # a row that samples nothing is a one-token chunk of a prompt: it may score one
             prompt = None if len(sampled) == b else plp.prompt_rows(order, range(b))
         else:
-            m = self._mixed(batch, seqs, src_rows)
+            m = mixed_rows(self, batch, seqs, src_rows)
             order, flat_ids, positions, slots, cu = m.order, m.ids, m.positions, m.slots, m.cu
             seq_lens, tables, sampled, logits_rows = m.seq_lens, m.tables, m.sampled, m.logits_rows
             cols, num_decode, all_plain, src = m.cols, m.num_one, m.all_plain, m.src

@@ -24,7 +24,7 @@ from llmc.runtime import sampling as smp
 from llmc.runtime.admission import GUARANTEED_NO_EVICT, MAX_UTILIZATION
 from llmc.runtime.cuda_graphs import _PAD_COLUMN, DecodeGraphs, graph_eligible
 from llmc.runtime.decode_row_cache import DecodeRowCache
-from llmc.runtime.step_inputs import _flatten
+from llmc.runtime.step_mixed import flatten as _flatten
 from llmc.runtime.types import FinishReason, SamplingParams, ScheduledBatch, Sequence
 
 TPB = 4
