@@ -245,12 +245,17 @@ class LLM:
         return self._live().enqueue_request(request)
 
     def await_responses(
-        self, request_ids: int | Sequence[int] | None = None, timeout: float | None = None
+        self,
+        request_ids: int | Sequence[int] | None = None,
+        timeout: float | None = None,
+        max_steps: int | None = None,
     ) -> list[Response]:
         """The Responses ready for ``request_ids`` (every request when None), waiting up to
         ``timeout`` seconds for at least one; [] on timeout or when the requests have nothing
-        more to say. A streaming request gets its deltas, the others only their final one."""
-        return self._live().await_responses(request_ids, timeout)
+        more to say. A streaming request gets its deltas, the others only their final one.
+        In the caller's thread (``in_caller_thread``) the call runs engine steps, at most
+        ``max_steps`` (None: until a Response is ready); [] after them with none ready."""
+        return self._live().await_responses(request_ids, timeout, max_steps)
 
     def cancel_request(self, request_id: int) -> bool:
         """Cancel a queued or running request (applied at the next step, its KV blocks freed;

@@ -239,12 +239,17 @@ class Executor:
         return any((s := self._states.get(i)) is not None and not s.final for i in request_ids)
 
     def await_responses(
-        self, request_ids: int | Seq[int] | None = None, timeout: float | None = None
+        self,
+        request_ids: int | Seq[int] | None = None,
+        timeout: float | None = None,
+        max_steps: int | None = None,
     ) -> list[Response]:
         """Responses ready for the given requests (all when None), waiting up to ``timeout``
-        seconds for at least one. Without a background loop, this call runs engine steps.
+        seconds for at least one. Without a background loop, this call runs engine steps,
+        at most ``max_steps`` of them (None: as many as it takes).
 
-        Returns [] on timeout or when the selected requests have nothing more to say.
+        Returns [] on timeout, after ``max_steps`` steps with nothing ready, or when the
+        selected requests have nothing more to say.
         """
         ids = (
             {request_ids}
@@ -263,6 +268,10 @@ class Executor:
                 if self._thread is not None:
                     self._cv.wait(remaining)
                     continue
+            if max_steps is not None:
+                if max_steps <= 0:
+                    return []
+                max_steps -= 1
             self.step()
 
     def generate(

@@ -60,6 +60,7 @@ import torch
 
 from llmc.compiler.limits import EngineLimits
 from llmc.compiler.spec import ModelSpec
+from llmc.runtime.bench.benchmark import INTAKE_BURST
 from llmc.runtime.cuda_graphs import DecodeGraphs
 from llmc.runtime.decode_window import WindowState
 from llmc.runtime.executor import Executor
@@ -145,22 +146,27 @@ def closed_loop_latency(
     osl: int,
     concurrency: int = 1,
     vary_osl: bool = False,
+    burst_intake: bool = True,
 ) -> tuple[list[float], list[float]]:
     """(TTFT, ITL) seconds per request of a closed loop in the caller's thread, as ``llmc
-    bench --concurrency N`` drives it: a finished request is replaced before the next step.
+    bench --concurrency N`` drives it: a finished request is replaced before the next step,
+    and more than ``INTAKE_BURST`` requests to send go in bursts with one step after each
+    (``burst_intake``; False: all before the first step, as before 2026-12-07).
     ``vary_osl``: request ``i`` makes between osl/2 and 3·osl/2 tokens, so replacements
     arrive while the others decode (a multi-step window's arrival case)."""
     todo = list(range(num_requests))
     inflight: set[int] = set()
     first = len(ex.request_records)
+    burst = INTAKE_BURST if burst_intake else num_requests
     while todo or inflight:
-        while todo and len(inflight) < concurrency:
+        room = min(len(todo), concurrency - len(inflight))
+        for _ in range(min(room, burst)):  # (a burst, then one step, as llmc bench does)
             i = todo.pop(0)
             n = osl // 2 + (i * 37) % max(1, osl) if vary_osl else osl
             sp = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
             ids = [(i * 7919 + j * 104729) % 128000 + 1 for j in range(isl)]
             inflight.add(ex.enqueue_request(Request(prompt_token_ids=ids, sampling=sp)))
-        for r in ex.await_responses(list(inflight)):
+        for r in ex.await_responses(list(inflight), max_steps=1 if room > burst else None):
             if r.is_final:
                 inflight.discard(r.request_id)
     recs = ex.request_records[first:]
@@ -379,7 +385,15 @@ def throughput(args: argparse.Namespace) -> None:
         t0 = time.perf_counter()
         # the heap frozen around the run as ``llmc bench`` does (llmc.runtime.gc_heap)
         with contextlib.nullcontext() if args.no_freeze else frozen_heap():
-            closed_loop_latency(ex, args.requests, args.isl, args.osl, args.requests, args.vary_osl)
+            closed_loop_latency(
+                ex,
+                args.requests,
+                args.isl,
+                args.osl,
+                args.requests,
+                args.vary_osl,
+                burst_intake=not args.all_at_once,
+            )
         wall = time.perf_counter() - t0
         gc.callbacks.remove(pauses)
         d = ex.runner
@@ -438,6 +452,11 @@ def main() -> None:
         action="store_true",
         help="the offline run of --requests on a simulated device: tok/s, device busy share, "
         "idle gaps by step kinds",
+    )
+    ap.add_argument(
+        "--all_at_once",
+        action="store_true",
+        help="--throughput: queue every request before the first step (not in bursts)",
     )
     ap.add_argument("--requests", type=int, default=5)
     ap.add_argument(

@@ -58,6 +58,10 @@ class WorkloadRun:
     end: float
 
 
+INTAKE_BURST = 128
+"""Requests ``_run_closed`` queues between two engine steps while it has more to send."""
+
+
 def to_request(w: WorkloadRequest, how: BenchSampling = BenchSampling()) -> Request:
     sampling = how.params(w.output_tokens)
     if w.prompt_token_ids is not None:
@@ -81,10 +85,11 @@ class _InFlight:
         self.task_ids[rid] = w.task_id
         self.ids.add(rid)
 
-    def collect(self, timeout: float | None = None) -> None:
+    def collect(self, timeout: float | None = None, max_steps: int | None = None) -> None:
         """Take the responses ready (waiting up to ``timeout``; in caller-thread mode this
-        runs engine steps) and retire the requests whose final response came."""
-        for r in self.engine.await_responses(list(self.ids), timeout=timeout):
+        runs engine steps, at most ``max_steps``) and retire the requests whose final
+        response came."""
+        for r in self.engine.await_responses(list(self.ids), timeout, max_steps):
             if r.is_final:
                 self.ids.discard(r.request_id)
                 self.finished += 1
@@ -102,14 +107,18 @@ def _run_closed(
     how: BenchSampling,
 ) -> dict[int, str]:
     """Keep ``limit`` requests in flight until all are done (offline: limit = all), the
-    engine stepped by this thread."""
+    engine stepped by this thread. The requests go in ``INTAKE_BURST`` at a time with one
+    engine step after each burst, so the step in flight runs on the device while the next
+    burst is made and queued (an offline run's intake is not a stretch of idle device
+    before its first step); each burst is more than a step admits."""
     flight = _InFlight(engine, len(reqs), progress, how)
     pending = list(reversed(reqs))
     with engine.in_caller_thread():
         while pending or flight.ids:
-            while pending and len(flight.ids) < limit:
+            room = min(len(pending), limit - len(flight.ids))
+            for _ in range(min(room, INTAKE_BURST)):
                 flight.send(pending.pop())
-            flight.collect()
+            flight.collect(max_steps=1 if room > INTAKE_BURST else None)
             flight.report()
     return flight.task_ids
 

@@ -40,7 +40,10 @@ class Served(Protocol):
     def enqueue_request(self, request: Request) -> int: ...
 
     def await_responses(
-        self, request_ids: int | Sequence[int] | None = None, timeout: float | None = None
+        self,
+        request_ids: int | Sequence[int] | None = None,
+        timeout: float | None = None,
+        max_steps: int | None = None,
     ) -> list[Response]: ...
 
     def in_caller_thread(self) -> AbstractContextManager[Any]: ...
