@@ -211,27 +211,28 @@ def emit_step_responses(
     routes each row to its output's state (``RequestState.output``); the other samples' first
     tokens come from the step's fork (``branch_steps``), a beam search's final Response when
     its group finished. With ``runs``, a step (or window) of decode rows over slots
-    (``batch.rows``) without logprobs or forks keeps its deferred rows' token times in runs
-    (runtime/token_runs.py) and passes only the other rows through the per-row loop."""
+    (``batch.rows``, or a step's ``prefix_rows``) without logprobs or forks keeps their
+    deferred rows' token times in runs (runtime/token_runs.py) and passes only the other
+    rows through the per-row loop."""
     prompt_lps = getattr(out, "prompt_logprobs", None)
     if prompt_lps:
         _store_prompt_logprobs(prompt_lps, states, scheduler, emit)
     logprobs = list(getattr(out, "logprobs", None) or [])
     forks = getattr(out, "branch_steps", None) or ()
-    rows = batch.rows
-    if (
-        runs is not None
-        and rows is not None
-        and not logprobs
-        and not prompt_lps
-        and not forks
-        and len(rows.slots) == len(batch.sequences)
-    ):
-        seqs = rows.seqs
-        k = batch.window.num_steps if batch.window is not None else 1
-        rest = runs.step(rows, states, now, k)
-        _emit_rows([seqs[i] for i in rest], [], now, states, scheduler, emit)
-        return
+    rows, pre = batch.rows, batch.prefix_rows
+    if runs is not None and not logprobs and not prompt_lps and not forks:
+        if rows is not None and len(rows.slots) == len(batch.sequences):
+            seqs = rows.seqs
+            k = batch.window.num_steps if batch.window is not None else 1
+            rest = runs.step(rows, states, now, k)
+            _emit_rows([seqs[i] for i in rest], [], now, states, scheduler, emit)
+            return
+        if pre is not None and batch.window is None:  # a step with prompt chunks
+            seqs = pre.seqs  # (its first rows, each sampled: runs for them, the rest per row)
+            rest = [seqs[i] for i in runs.step(pre, states, now, 1)]
+            rest += [ss.seq for ss in batch.sequences[len(seqs) :] if ss.sample]
+            _emit_rows(rest, [], now, states, scheduler, emit)
+            return
     sampled = [ss.seq for ss in batch.sequences if ss.sample]
     _emit_rows(sampled, logprobs, now, states, scheduler, emit)
     for step in forks:

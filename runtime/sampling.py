@@ -204,10 +204,13 @@ def build_metadata(
     vocab_size: int,
     device: torch.device,
     all_plain: bool = False,
+    all_greedy: bool | None = None,
 ) -> SamplingMetadata:
     """SamplingMetadata from device column tensors (``sampling_columns`` staged) + sequences.
     ``all_plain``: the caller knows every row's params are ``is_plain`` (no penalties, no
-    logprobs): their per-row checks are skipped."""
+    logprobs): their per-row checks are skipped. ``all_greedy``: whether every row is
+    greedy, when the caller knows (from its staged temperature column), else asked of
+    each row."""
     pen = None if all_plain else penalty_tensors(seqs, vocab_size, device)
     # best_of > n ranks samples by logprob: its rows need the token's own (0 alternatives)
     requested = (
@@ -225,7 +228,7 @@ def build_metadata(
         frequency_penalty=columns["frequency_penalty"],
         output_counts=pen[0] if pen else None,
         prompt_mask=pen[1] if pen else None,
-        all_greedy=all(s.sampling.greedy for s in seqs),
+        all_greedy=all(s.sampling.greedy for s in seqs) if all_greedy is None else all_greedy,
         num_logprobs=max(requested) if requested else None,
     )
 

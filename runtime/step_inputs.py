@@ -379,8 +379,9 @@ class StepInputBuilder:
         static, attn = self.place(dev, b, nb, num_decode, max_query, int(max(seq_lens)))
         meta = None
         if sampled:
+            greedy = bool((cols["temperature"] == 0).all())  # (the sampler reads this column)
             meta = smp.build_metadata(
-                dev, [s.seq for s in sampled], self.spec.vocab_size, self.device, all_plain
+                dev, [s.seq for s in sampled], self.spec.vocab_size, self.device, all_plain, greedy
             )
         return StepInputs(
             num_tokens=len(flat_ids),

@@ -43,30 +43,33 @@ class MixedRows(NamedTuple):
 
 
 def flatten(order: list[ScheduledSequence], tpb: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(token ids, positions, cache slots) [T] int64 of the sequences' new tokens, in order."""
-    ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    """(token ids, positions, cache slots) [T] int64 of the sequences' new tokens, in order
+    (one-token rows first, as ``order`` has them): one Python pass gathers each row's
+    tokens and the blocks its positions fall in, numpy does the rest."""
+    toks: list[Any] = []  # each row's new token ids
+    blocks: list[Any] = []  # each row's blocks from its first position's to its last's
+    a_list: list[int] = []
+    n_list: list[int] = []
     for s in order:
         seq, a, n = s.seq, s.start_position, s.num_new_tokens
-        if n == 1:  # decode fast path: plain ints
-            ids.append(seq.token_at(a))
-            positions.append(a)
-            slots.append(seq.block_table[a // tpb] * tpb + a % tpb)
-            continue
         p = seq.prompt_token_ids
-        toks = p[a : a + n] if a + n <= len(p) else seq.all_token_ids[a : a + n]
-        pos = np.arange(a, a + n, dtype=np.int64)
-        table = np.asarray(seq.block_table[: -(-(a + n) // tpb)], dtype=np.int64)
-        chunks.append((np.asarray(toks, dtype=np.int64), pos, table[pos // tpb] * tpb + pos % tpb))
-    # decode rows come first in ``order``, so the plain-int part precedes the chunks
-    parts = [np.asarray(x, dtype=np.int64) for x in (ids, positions, slots)]
-    if not chunks:
-        return parts[0], parts[1], parts[2]
-    return tuple(  # type: ignore[return-value]
-        np.concatenate([parts[i], *(c[i] for c in chunks)]) for i in range(3)
-    )
+        toks.append(p[a : a + n] if a + n <= len(p) else seq.all_token_ids[a : a + n])
+        blocks.append(seq.block_table[a // tpb : (a + n - 1) // tpb + 1])
+        a_list.append(a)
+        n_list.append(n)
+    lens = np.asarray(n_list, dtype=np.int64)
+    total = int(lens.sum())
+    chain = itertools.chain.from_iterable
+    ids = np.fromiter(chain(toks), dtype=np.int64, count=total)
+    starts = np.asarray(a_list, dtype=np.int64)
+    first = np.cumsum(lens) - lens  # each row's first flat index
+    positions = np.arange(total, dtype=np.int64) + np.repeat(starts - first, lens)
+    nblk = np.fromiter(map(len, blocks), dtype=np.int64, count=len(blocks))
+    flat_blocks = np.fromiter(chain(blocks), dtype=np.int64, count=int(nblk.sum()))
+    # a position's block: its row's first listed block + (its block - its row's first block)
+    base = np.repeat(np.cumsum(nblk) - nblk - starts // tpb, lens)
+    slots = flat_blocks[base + positions // tpb] * tpb + positions % tpb
+    return ids, positions, slots
 
 
 def mixed_rows(

@@ -24,13 +24,25 @@ from llmc.runtime import sampling as smp
 from llmc.runtime.admission import GUARANTEED_NO_EVICT, MAX_UTILIZATION
 from llmc.runtime.cuda_graphs import _PAD_COLUMN, DecodeGraphs, graph_eligible
 from llmc.runtime.decode_row_cache import DecodeRowCache
-from llmc.runtime.step_mixed import flatten as _flatten
 from llmc.runtime.types import FinishReason, SamplingParams, ScheduledBatch, Sequence
 
 TPB = 4
 
 
 # ---- reference: the staging code before the row cache ------------------------------------
+def _flatten(order, tpb):
+    """(ids, positions, slots) of the rows' new tokens, one row at a time (the flattening of
+    commit 412483b)."""
+    ids, positions, slots = [], [], []
+    for s in order:
+        seq, a, n = s.seq, s.start_position, s.num_new_tokens
+        for p in range(a, a + n):
+            ids.append(seq.token_at(p))
+            positions.append(p)
+            slots.append(seq.block_table[p // tpb] * tpb + p % tpb)
+    return tuple(np.asarray(x, dtype=np.int64) for x in (ids, positions, slots))
+
+
 def ref_decode_rows(self, batch, src_rows=None):
     seqs = batch.sequences
     b = len(seqs)
