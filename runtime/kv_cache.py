@@ -231,16 +231,24 @@ class KVCacheManager(DecodeRowBlocks):
 
     def cached_prefix_tokens(self, seq: Sequence) -> int:
         """Tokens of a not-yet-admitted ``seq`` that ``allocate_prefix`` would serve from cache."""
-        if self.is_allocated(seq):
-            return 0
-        return len(self._lookup_prefix(seq)) * self.tokens_per_block
+        return len(self.prefix_hits(seq)) * self.tokens_per_block
 
-    def num_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+    def prefix_hits(self, seq: Sequence) -> list[int]:
+        """The cached blocks a not-yet-admitted ``seq`` would share (empty once admitted):
+        what ``num_blocks_needed`` and ``allocate_prefix`` look up, for a caller that asks
+        all three about one sequence with no cache change between (the scheduler's
+        admission) to pass as their ``hits``."""
+        return [] if self.is_allocated(seq) else self._lookup_prefix(seq)
+
+    def num_blocks_needed(
+        self, seq: Sequence, num_new_tokens: int, hits: list[int] | None = None
+    ) -> int:
         """Free blocks that computing ``num_new_tokens`` more tokens of ``seq`` would take.
 
         For an admitted sequence the new tokens follow ``num_computed_tokens``; for one not yet
-        admitted they follow its cached prefix, and reviving cached blocks that are currently
-        free counts too (they leave the free list).
+        admitted they follow its cached prefix (``hits``: ``prefix_hits(seq)``, looked up
+        when None), and reviving cached blocks that are currently free counts too (they
+        leave the free list).
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
@@ -248,22 +256,27 @@ class KVCacheManager(DecodeRowBlocks):
             have = len(seq.block_table)
             grow = max(0, self.blocks_for_tokens(seq.num_computed_tokens + num_new_tokens) - have)
             return grow + (num_new_tokens > 0 and self._copies_last(seq))
-        hits = self._lookup_prefix(seq)
+        if hits is None:
+            hits = self._lookup_prefix(seq)
         revived = sum(1 for b in hits if self._ref[b] == 0)
         need = self.blocks_for_tokens(len(hits) * self.tokens_per_block + num_new_tokens)
         return revived + max(0, need - len(hits))
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        return self.num_blocks_needed(seq, num_new_tokens) <= self._num_free
+    def can_allocate(
+        self, seq: Sequence, num_new_tokens: int, hits: list[int] | None = None
+    ) -> bool:
+        return self.num_blocks_needed(seq, num_new_tokens, hits) <= self._num_free
 
-    def allocate_prefix(self, seq: Sequence) -> int:
-        """Admit ``seq``: share its cached prefix blocks and set ``num_computed_tokens``.
+    def allocate_prefix(self, seq: Sequence, hits: list[int] | None = None) -> int:
+        """Admit ``seq``: share its cached prefix blocks and set ``num_computed_tokens``
+        (``hits``: ``prefix_hits(seq)`` with no cache change since, looked up when None).
 
         Returns the number of cached tokens (a multiple of tokens_per_block, < num_tokens).
         """
         if self.is_allocated(seq) or seq.block_table:
             raise RuntimeError(f"request {seq.request_id} is already admitted to the KV cache")
-        hits = self._lookup_prefix(seq)
+        if hits is None:
+            hits = self._lookup_prefix(seq)
         if self.enable_block_reuse and seq.sampling.prompt_logprobs is None:
             eligible = (seq.num_tokens - 1) // self.tokens_per_block
             self._counts.reuse_hits += len(hits)

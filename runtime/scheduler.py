@@ -298,7 +298,8 @@ class Scheduler(BranchScheduling, WindowScheduling, SlotScheduling, AheadSchedul
             width = g.width if g is not None and not g.forked else 1
             if rows + width > cfg.max_batch_size:
                 break
-            cached = kv.cached_prefix_tokens(seq)
+            hits = kv.prefix_hits(seq)  # (looked up once: nothing changes the cache below)
+            cached = len(hits) * kv.tokens_per_block
             remaining = seq.num_tokens - cached
             # a re-admitted beam computes its last token with its group (lockstep)
             target = remaining - 1 if g is not None and g.beam and g.forked else remaining
@@ -308,14 +309,14 @@ class Scheduler(BranchScheduling, WindowScheduling, SlotScheduling, AheadSchedul
             if n < target and not cfg.enable_chunked_prefill and target <= cfg.max_num_tokens:
                 break
             if self._no_evict:
-                life = width * kv.num_blocks_needed(seq, kv_tokens_needed(seq) - cached)
+                life = width * kv.num_blocks_needed(seq, kv_tokens_needed(seq) - cached, hits)
                 if life > kv.num_free_blocks - reserved:
                     break
-            elif not kv.can_allocate(seq, n):
+            elif not kv.can_allocate(seq, n, hits):
                 break
             del self._waiting[seq.key]
             heapq.heappop(self._heap)
-            kv.allocate_prefix(seq)
+            kv.allocate_prefix(seq, hits)
             if not kv.append_slots(seq, n):
                 raise RuntimeError(f"request {seq.request_id}: admission check was wrong")
             if self._no_evict:
@@ -323,7 +324,11 @@ class Scheduler(BranchScheduling, WindowScheduling, SlotScheduling, AheadSchedul
                 reserved += total - len(seq.block_table)
             seq.status = SequenceStatus.RUNNING
             self.slots.assign(seq, self._stop_ids(seq.sampling))
-            bisect.insort(self._running, seq, key=self._key)
+            running = self._running
+            if not running or self._key(running[-1]) < self._key(seq):
+                running.append(seq)  # (the usual case: it arrived after every running one)
+            else:
+                bisect.insort(running, seq, key=self._key)
             rows += width
             if n:
                 ss = self._slice(seq, n)
