@@ -78,13 +78,14 @@ class InFlight:
 
 
 def token_counts(batch: ScheduledBatch) -> tuple[int, int]:
-    """(tokens, decode tokens) of ``batch`` in one pass (``ScheduledSequence.is_decode``,
-    inlined: this runs once per row per step)."""
-    rows = batch.rows
-    if rows is not None and len(rows.slots) == len(batch.sequences):  # decode rows only
+    """(tokens, decode tokens) of ``batch`` in one pass over the rows that are not slot
+    rows (``ScheduledSequence.is_decode``, inlined: this runs once per row per step)."""
+    rows, seqs = batch.rows, batch.sequences
+    if rows is not None and len(rows.slots) == len(seqs):  # decode rows only
         return len(rows.slots), len(rows.slots)
-    total = decode = 0
-    for s in batch.sequences:
+    pre = batch.prefix_rows  # a step with prompt chunks: its decode prefix at once
+    total = decode = len(pre.seqs) if pre is not None else 0
+    for s in seqs[total:] if total else seqs:
         n = s.num_new_tokens
         total += n
         if n == 1 and s.start_position >= len(s.seq.prompt_token_ids):
