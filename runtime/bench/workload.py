@@ -24,6 +24,7 @@ is >= 1; a dataset error names the file and line.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import random
@@ -80,17 +81,25 @@ class BenchSampling:
         return self.temperature == 0.0 and self.n == 1 and self.beam_width == 1
 
     def params(self, max_new_tokens: int) -> SamplingParams:
-        """One request's SamplingParams (validated there: beam search is greedy)."""
-        beams = {"use_beam_search": True, "beam_width": self.beam_width}
-        return SamplingParams(
-            max_new_tokens=max_new_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            ignore_eos=True,
-            n=self.n,
-            **(beams if self.beam_width != 1 else {}),
-        )
+        """One request's SamplingParams (validated there: beam search is greedy), shared by
+        the requests of one output length as ``LLM.generate`` callers share theirs (a
+        SamplingParams is frozen; building and validating one per request was half of a
+        benchmark request's intake)."""
+        return _bench_params(self, max_new_tokens)
+
+
+@functools.lru_cache(maxsize=4096)
+def _bench_params(how: BenchSampling, max_new_tokens: int) -> SamplingParams:
+    beams = {"use_beam_search": True, "beam_width": how.beam_width}
+    return SamplingParams(
+        max_new_tokens=max_new_tokens,
+        temperature=how.temperature,
+        top_p=how.top_p,
+        top_k=how.top_k,
+        ignore_eos=True,
+        n=how.n,
+        **(beams if how.beam_width != 1 else {}),
+    )
 
 
 @dataclass(frozen=True)

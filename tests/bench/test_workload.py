@@ -10,6 +10,7 @@ import pytest
 from llmc.base.errors import ConfigError, UsageError
 from llmc.runtime.bench.workload import (
     ArrivalSpec,
+    BenchSampling,
     SyntheticSpec,
     WorkloadRequest,
     arrival_offsets,
@@ -18,6 +19,7 @@ from llmc.runtime.bench.workload import (
     synthetic_workload,
     write_dataset,
 )
+from llmc.runtime.types import SamplingParams
 
 
 def test_exact_lengths_without_stdev() -> None:
@@ -174,3 +176,11 @@ def test_sharegpt_needs_a_tokenizer(tmp_path) -> None:
     path.write_text(json.dumps([_conv("hello there", "general kenobi")]))
     with pytest.raises(UsageError, match="tokenizer"):
         load_dataset(path)
+
+
+def test_bench_sampling_shares_one_params_object_per_output_length() -> None:
+    how = BenchSampling(temperature=0.7, top_p=0.9)
+    a, b, c = how.params(128), how.params(128), how.params(64)
+    assert a is b and a is not c
+    assert a == SamplingParams(max_new_tokens=128, temperature=0.7, top_p=0.9, ignore_eos=True)
+    assert c.max_new_tokens == 64 and BenchSampling().params(128).temperature == 0.0
