@@ -158,12 +158,15 @@ def closed_loop_latency(
     inflight: set[int] = set()
     first = len(ex.request_records)
     burst = INTAKE_BURST if burst_intake else num_requests
+    params: dict[int, SamplingParams] = {}
     while todo or inflight:
         room = min(len(todo), concurrency - len(inflight))
         for _ in range(min(room, burst)):  # (a burst, then one step, as llmc bench does)
             i = todo.pop(0)
             n = osl // 2 + (i * 37) % max(1, osl) if vary_osl else osl
-            sp = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+            sp = params.get(n)  # (one per output length, shared, as llmc bench does)
+            if sp is None:
+                sp = params[n] = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
             ids = [(i * 7919 + j * 104729) % 128000 + 1 for j in range(isl)]
             inflight.add(ex.enqueue_request(Request(prompt_token_ids=ids, sampling=sp)))
         for r in ex.await_responses(list(inflight), max_steps=1 if room > burst else None):
