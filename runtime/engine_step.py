@@ -13,7 +13,8 @@ what is decided about, and made from, a single step:
   only one that needs the text: a stop string, found by the detokenizer, finishes the
   sequence through ``Scheduler.finish``. A step of decode rows over slots keeps its deferred
   rows' token times in ``TokenRuns`` (runtime/token_runs.py): no Python pass over them.
-- ``step_record``: a computed step's StepRecord (runtime/records.py).
+- ``step_record``: a computed step's StepRecord (runtime/records.py); ``stamp_scheduled``:
+  the first-scheduled time of a scheduled step's new requests.
 - A multi-step window (``ScheduledBatch.window``) is caught up by the same
   ``emit_step_responses``: each row's new tokens go out in one burst; a request with stop
   strings has them detokenized one token at a time (``_window_text``), so a stop string
@@ -91,6 +92,19 @@ def token_counts(batch: ScheduledBatch) -> tuple[int, int]:
         if n == 1 and s.start_position >= len(s.seq.prompt_token_ids):
             decode += 1
     return total, decode
+
+
+def stamp_scheduled(batch: ScheduledBatch, states: Mapping[int, RequestState], t0: float) -> None:
+    """``t0`` := the first-scheduled time of the batch's requests that have none (decode
+    rows over slots, ``rows`` / ``prefix_rows``, were all scheduled before)."""
+    if batch.rows is not None:
+        return
+    pre = batch.prefix_rows
+    seqs = batch.sequences
+    for ss in seqs[len(pre.seqs) :] if pre is not None else seqs:
+        rec = states[ss.seq.request_id].record
+        if rec.scheduled_time is None:
+            rec.scheduled_time = t0
 
 
 def ahead_src_rows(prev: ScheduledBatch, ahead: ScheduledBatch) -> Seq[int] | None:

@@ -48,6 +48,7 @@ from llmc.runtime.engine_step import (
     ahead_src_rows,
     emit_step_responses,
     request_output,
+    stamp_scheduled,
     step_record,
 )
 from llmc.runtime.records import RequestRecord, StepRecord
@@ -332,7 +333,7 @@ class Executor:
             batch = self.scheduler.schedule()
             if self.decode_steps > 1:  # multi-step decoding, when the batch allows it
                 batch = self.scheduler.plan_window(batch, self.decode_steps)
-            self._stamp_scheduled(batch, t0)
+            stamp_scheduled(batch, self._states, t0)
             if batch.is_empty:
                 raise RuntimeError(
                     f"step {batch.step_id}: the scheduler scheduled nothing although "
@@ -340,18 +341,6 @@ class Executor:
                 )
             used = self.scheduler.kv.num_used_blocks
         return InFlight(batch, None, t0, _now() - t0, used)
-
-    def _stamp_scheduled(self, batch: ScheduledBatch, t0: float) -> None:
-        """``t0`` := the first-scheduled time of the batch's requests that have none (decode
-        rows over slots, ``rows`` / ``prefix_rows``, were all scheduled before)."""
-        if batch.rows is not None:
-            return
-        pre = batch.prefix_rows
-        seqs = batch.sequences
-        for ss in seqs[len(pre.seqs) :] if pre is not None else seqs:
-            rec = self._states[ss.seq.request_id].record
-            if rec.scheduled_time is None:
-                rec.scheduled_time = t0
 
     def _launch(self, cur: InFlight, launch: Any) -> Any:
         """``launch(cur.batch)``. A RequestFault (one request's data broke the step's per-row
@@ -392,7 +381,7 @@ class Executor:
                 ahead = self.scheduler.schedule_ahead(cur.batch)
                 used = self.scheduler.kv.num_used_blocks
                 if ahead:
-                    self._stamp_scheduled(ahead, t0)
+                    stamp_scheduled(ahead, self._states, t0)
             if ahead:
                 src = ahead_src_rows(cur.batch, ahead)
                 t1 = _now()
