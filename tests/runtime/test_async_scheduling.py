@@ -308,3 +308,25 @@ def test_a_busy_step_is_not_held_back_by_first_or_last_tokens():
     pen = Sequence(9, [1, 2, 3], SamplingParams(max_new_tokens=4, repetition_penalty=1.2), 4, 0.0)
     busy = ScheduledBatch(0, (*batch.sequences, ScheduledSequence(pen, 0, 3, True)))
     assert not ahead_ok(busy, 1)
+
+
+def test_bad_src_rows_are_refused_naming_the_step(tiny):
+    """``src_rows`` gives one entry per row, each a row of the previous step's ids or -1
+    (the host's token); a prompt chunk never takes its token from the device."""
+    from llmc.base.errors import EngineError
+
+    rt = make_runtime(tiny)
+    ex = Executor(rt, async_scheduling=False)
+    for p in PROMPTS[:2]:
+        ex.enqueue_request(Request(prompt_token_ids=p, sampling=greedy((4,))[0]))
+    chunks = rt.scheduler.schedule()  # two prompts: chunks of 3 and 11 tokens
+    inputs = rt.runner.inputs
+    with pytest.raises(EngineError, match="step 0: src_rows must give a row per sequence"):
+        inputs.prepare(chunks, [-1])
+    with pytest.raises(EngineError, match="prompt chunk cannot take its token"):
+        inputs.prepare(chunks, [0, -1])
+    rt.scheduler.update(chunks, [7, 8])
+    decode = rt.scheduler.schedule()
+    with pytest.raises(EngineError, match=r"src_rows must give a row >= -1 per sequence"):
+        inputs.prepare(decode, [-2, 0])
+    inputs.prepare(decode, [-1, -1])  # (both tokens on the host: a plain decode step)
