@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Same-machine A/B of `llmc bench` (or VERB=profile) between two trees (device tool; one call): the checkout
-# (new) against OLD (a commit of this repository's history), alternating runs on one engine
-# of PROFILE, each tree reinstalled before its runs. Results (JSON, logs): $OUT/ab.tgz.
+# Same-machine A/B of `llmc bench` (or VERB=profile) between two trees, in one device call:
+# the checkout (new) against OLD (a commit of this repository's history), alternating runs
+# on one engine of PROFILE, each tree reinstalled before its runs. Results (JSON, logs):
+# $OUT/ab.tgz; one line per run on stdout (output tok/s, and the GPU idle share of a profile).
 #   OLD=a5abe1f PROFILE=smollm2-135m-dummy PAIRS=2 BENCH="--num_requests 4096 --isl 128 \
 #     --osl 128" bash scripts/ab_async.sh
 set -u
@@ -14,6 +15,7 @@ PROFILE=${PROFILE:-smollm2-135m-dummy}
 PAIRS=${PAIRS:-2}
 BENCH=${BENCH:---num_requests 4096 --isl 128 --osl 128}
 VERB=${VERB:-bench}  # or profile (GPU idle share, kernel families)
+rm -rf /tmp/ab-old && git -C "$REPO" worktree prune  # (a machine kept warm has the last one)
 git -C "$REPO" worktree add -f /tmp/ab-old "$OLD" > "$OUT/worktree.log" 2>&1 || {
     echo "no worktree of $OLD"; cat "$OUT/worktree.log"; exit 1; }
 cd "$(mktemp -d)"  # (Python must not run from a checkout: its cuda/ shadows NVIDIA's)
