@@ -330,3 +330,11 @@ def test_bad_src_rows_are_refused_naming_the_step(tiny):
     with pytest.raises(EngineError, match=r"src_rows must give a row >= -1 per sequence"):
         inputs.prepare(decode, [-2, 0])
     inputs.prepare(decode, [-1, -1])  # (both tokens on the host: a plain decode step)
+
+
+@pytest.mark.parametrize("bad", [0, -3, 1.5, "64"])
+def test_ahead_busy_rows_must_be_a_positive_integer(tiny, bad):
+    from llmc.base.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="ahead_busy_rows"):
+        Executor(make_runtime(tiny), async_scheduling=True, ahead_busy_rows=bad)
