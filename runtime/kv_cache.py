@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from llmc.base.errors import ConfigError
 from llmc.runtime.block_hash import ROOT_HASH, BlockHash, block_hash
 from llmc.runtime.kv_decode_rows import DecodeRowBlocks
+from llmc.runtime.kv_filling import FillingBlocks
 from llmc.runtime.types import Sequence
 
 
@@ -96,7 +97,7 @@ def _positive_int(name: str, value: object) -> int:
     return value
 
 
-class KVCacheManager(DecodeRowBlocks):
+class KVCacheManager(DecodeRowBlocks, FillingBlocks):
     """Fixed pool of KV blocks with refcounts, an O(1) free list and prefix-block reuse."""
 
     def __init__(self, num_blocks: int, tokens_per_block: int, enable_block_reuse: bool = True):

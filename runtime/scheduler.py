@@ -275,13 +275,21 @@ class Scheduler(BranchScheduling, WindowScheduling, SlotScheduling, AheadSchedul
         )
 
     def _admit(
-        self, budget: int, rows: int, picked: list[ScheduledSequence], *, ahead: bool = False
+        self,
+        budget: int,
+        rows: int,
+        picked: list[ScheduledSequence],
+        *,
+        ahead: bool = False,
+        filling: set[Any] | None = None,
     ) -> tuple[int, bool]:
         """Admit waiting sequences in queue order until one does not fit (the budget of
         ``budget`` tokens, the batch's rows with ``rows`` taken by running sequences, the
         blocks of the policy), appending their first chunks to ``picked``; returns (the
         budget left, whether a chunk forks its request's samples). ``ahead``
-        (``schedule_ahead``): admission also stops at a request with several sequences."""
+        (``schedule_ahead``): admission also stops at a request with several sequences,
+        and at one whose prefix runs into a block the step in flight fills (``filling``:
+        ``KVCacheManager.filling_hashes``; the next step shares it instead)."""
         cfg, kv = self.limits, self.kv
         branching = False
         reserved: int | None = None  # computed once, when a waiting sequence is looked at
@@ -299,6 +307,8 @@ class Scheduler(BranchScheduling, WindowScheduling, SlotScheduling, AheadSchedul
             if rows + width > cfg.max_batch_size:
                 break
             hits = kv.prefix_hits(seq)  # (looked up once: nothing changes the cache below)
+            if filling and kv.hits_after(seq, hits, filling):
+                break
             cached = len(hits) * kv.tokens_per_block
             remaining = seq.num_tokens - cached
             # a re-admitted beam computes its last token with its group (lockstep)

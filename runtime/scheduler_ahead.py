@@ -230,8 +230,9 @@ class AheadScheduling:
             (decode if m == 1 and a >= len(seq.prompt_token_ids) else chunks).append(ss)
             budget -= m
         admitted: list[ScheduledSequence] = []
-        if room:
-            budget, _ = self._admit(budget, n - leaving, admitted, ahead=True)
+        if room and self._waiting:
+            filling = kv.filling_hashes(s for s in self._prev_tail(prev) if s.num_new_tokens > 1)
+            budget, _ = self._admit(budget, n - leaving, admitted, ahead=True, filling=filling)
         if not d_seqs and not decode and not chunks and not admitted:
             return None
         self._step += 1
@@ -254,6 +255,13 @@ class AheadScheduling:
             block_copies=kv.take_copies(),
             prefix_rows=pre,
         )
+
+    @staticmethod
+    def _prev_tail(prev: ScheduledBatch) -> Any:
+        """``prev``'s rows after its slot rows (its prompt chunks are among them)."""
+        pr = prev.rows if prev.rows is not None else prev.prefix_rows
+        k = len(pr.seqs) if pr is not None else 0
+        return prev.sequences[k:] if k < len(prev.sequences) else ()
 
     def _prev_rows_by_slot(self, prev: ScheduledBatch) -> tuple[Any, Any]:
         """([capacity] new tokens, [capacity] start position) of each slot's row in

@@ -120,3 +120,33 @@ def test_the_step_ahead_declines_and_changes_nothing(vector, kind):
     assert s.schedule_ahead(prev) is None
     assert (s.kv.num_free_blocks, s.slots.num_used) == (free, used)
     assert (s.stats().num_steps, s.num_waiting) == (steps, waiting)
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+def test_admission_ahead_waits_for_the_prefix_blocks_the_step_in_flight_fills(vector, reuse):
+    """A waiting request whose prefix runs into blocks that ``prev``'s prompt chunk fills is
+    left for the step after ``prev``'s update, which shares them (with block reuse; without
+    it nothing is shared and it is admitted at once)."""
+    from helpers.fakes import make_scheduler
+
+    s = make_scheduler(64, reuse=reuse, max_batch_size=4, max_num_tokens=64, max_seq_len=64,
+                       max_input_len=32, tokens_per_block=4)  # fmt: skip
+    sp = SamplingParams(max_new_tokens=9, ignore_eos=True)
+    shared = [11, 12, 13, 14, 15, 16, 17, 18]
+    x = _seq(9, 3, 9)
+    s.add(x)
+    s.update(s.schedule(), [30])
+    s.add(Sequence(0, [*shared, 50, 51, 52, 53], sp, 9, 0.0))
+    prev = s.schedule()  # x decodes, a's 12-token prompt fills three blocks
+    assert _rows(prev) == [(9, 3, 1, True), (0, 0, 12, True)]
+    b = Sequence(1, [*shared, 60, 61, 62], sp, 9, 0.0)
+    s.add(b)
+    ahead = s.schedule_ahead(prev)
+    if not reuse:
+        assert _rows(ahead)[-1] == (1, 0, 11, True) and s.num_waiting == 0
+        return
+    assert _rows(ahead) == [(9, 4, 1, True), (0, 12, 1, True)] and s.num_waiting == 1
+    s.update(prev, [40, 41])
+    after = s.schedule_ahead(ahead)
+    assert _rows(after)[-1] == (1, 8, 3, True)  # its first two blocks shared
+    assert b.num_cached_tokens == 8
