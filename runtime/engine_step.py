@@ -121,6 +121,12 @@ def ahead_src_rows(prev: ScheduledBatch, ahead: ScheduledBatch) -> Seq[int] | No
         idx = pr.index_of(ar.slots, ar.gens)
         if idx is not None:
             return idx.tolist()
+    ahead_rows = ar if ar is not None else ahead.prefix_rows
+    prev_rows = pr if pr is not None else prev.prefix_rows
+    if ahead_rows is not None and prev_rows is not None:
+        src = _src_over_slots(prev, prev_rows, ahead_rows, len(ahead.sequences))
+        if src is not None:
+            return src
     sampled = [ss.seq for ss in prev.sequences if ss.sample]
     rows = ahead.sequences
     if len(sampled) == len(rows) and all(map(ScheduledSequence.is_row_of, rows, sampled)):
@@ -128,6 +134,34 @@ def ahead_src_rows(prev: ScheduledBatch, ahead: ScheduledBatch) -> Seq[int] | No
     index = {id(seq): i for i, seq in enumerate(sampled)}
     src = [index.get(id(ss.seq), -1) for ss in rows]
     return src if max(src, default=-1) >= 0 else None
+
+
+def _src_over_slots(prev: ScheduledBatch, prev_rows: Any, rows: Any, n: int) -> Seq[int] | None:
+    """``ahead_src_rows`` of an ``ahead`` batch of ``n`` rows whose slot rows ``rows`` (its
+    ``rows`` or ``prefix_rows``) are every row it feeds from ``prev`` (what
+    ``Scheduler.schedule_ahead`` makes), over the slots: ``prev``'s sampled row of each
+    slot (its slot rows' at once, its other rows one by one); None when a slot row of either
+    batch changed hands or is not one of ``prev``'s sampled rows (the caller matches rows by
+    sequence instead)."""
+    k = len(prev_rows.seqs)
+    if not prev_rows.current(k):
+        return None
+    st = rows.state
+    np = st._np
+    row_of = np.full(st.capacity, -1, dtype=np.int64)  # prev's sampled row of each slot
+    row_of[prev_rows.slots] = np.arange(k)
+    j = k
+    for ss in prev.sequences[k:] if k < len(prev.sequences) else ():
+        if ss.sample:
+            if ss.seq.slot >= 0:  # (a sequence finished since has no slot)
+                row_of[ss.seq.slot] = j
+            j += 1
+    head = row_of[rows.slots]
+    if bool((head < 0).any()) or not rows.current(len(rows.seqs)):
+        return None
+    if len(head) == n == j and bool((head == np.arange(n)).all()):
+        return range(n)  # prev's sampled rows, in order
+    return head.tolist() + [-1] * (n - len(head))
 
 
 AHEAD_BUSY_ROWS = 64

@@ -103,10 +103,10 @@ def compared(monkeypatch):
     return made
 
 
-def run(tiny, sampling, prompts, *, vector, monkeypatch, **kw):
+def run(tiny, sampling, prompts, *, vector, monkeypatch, ahead_busy_rows=64, **kw):
     monkeypatch.setattr(Scheduler, "vector_rows", 1 if vector else 1 << 30)
     rt = tiny_runtime(tiny, **kw)
-    ex = Executor(rt, async_scheduling=True)
+    ex = Executor(rt, async_scheduling=True, ahead_busy_rows=ahead_busy_rows)
     outs = ex.generate(prompts, sampling)
     rt.kv.check_invariants()
     assert rt.kv.num_free_blocks == rt.kv.total_blocks
@@ -140,6 +140,12 @@ SCENARIOS = {
         greedy((24, 20, 22, 18, 24, 20)),
         PROMPTS,
         {"num_blocks": 16, "scheduler_policy": "max_utilization"},
+    ),
+    # more requests than rows, every step ahead (admissions and prompt chunks ahead)
+    "admissions-ahead": lambda r: (
+        greedy((9, 14, 5, 20, 12, 7) * 2 + (6, 11)),
+        PROMPTS + SHARED_PREFIX_PROMPTS + [[40 + j for j in range(9)], [77, 78]],
+        {"ahead_busy_rows": 1, "max_num_tokens": 16},
     ),
     "penalty-and-logprobs": lambda r: (
         [
