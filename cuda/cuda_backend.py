@@ -54,6 +54,7 @@ from llmc.cuda.launch_args import i32 as _i
 from llmc.cuda.launch_args import need as _need
 from llmc.cuda.launch_args import ptr as _p
 from llmc.cuda.launch_args import rms_block
+from llmc.cuda.pdl_launch import PdlLauncher, pdl_by_default
 from llmc.cuda.prefill_sm90_ops import Sm90Prefill, enabled_by_default, supports
 from llmc.cuda.reference_fp8 import FP8_DTYPE, Fp8Rows
 from llmc.cuda.reference_wo import PackedWeight
@@ -151,6 +152,10 @@ class CudaBackend(WoOps, GemvOps, GemvFp8Ops, Fp8Ops, SamplingOps):
         self._sample_smem = optin - 8192
         self._sample_kernels: dict[str, Any] = {}
         self._sm90 = Sm90Prefill(self)
+        # programmatic dependent launch of the small-step GEMVs (sm_90+; LLMC_PDL=0: off):
+        # each starts its weight stream under the previous kernel's tail (llmc.cuda.pdl_launch)
+        self.pdl = pdl_by_default(torch.cuda.get_device_capability(self.device))
+        self._pdl_launcher: PdlLauncher | None = None
 
     # ---- plumbing ------------------------------------------------------------------
     def _lib(self, dtype: torch.dtype, hd: int = 2, nq: int = 1, nkv: int = 1) -> KernelLibrary:
@@ -172,9 +177,23 @@ class CudaBackend(WoOps, GemvOps, GemvFp8Ops, Fp8Ops, SamplingOps):
         return z
 
     def _launch(
-        self, kernel: Any, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0
+        self,
+        kernel: Any,
+        grid: tuple,
+        block: tuple,
+        args: tuple,
+        shared_mem: int = 0,
+        pdl: bool = False,
     ) -> None:
+        """Launch on torch's current stream; ``pdl``: as a programmatic dependent launch
+        (only kernels that call cuda/pdl.cuh's ``pdl_wait()`` first; when ``self.pdl``)."""
         ptr = torch.cuda.current_stream(self.device).cuda_stream
+        if pdl and self.pdl:
+            if self._pdl_launcher is None:
+                self._pdl_launcher = PdlLauncher()
+            with self._cp_device:
+                self._pdl_launcher(kernel, grid, block, args, shared_mem, ptr)
+            return
         stream = self._streams.get(ptr)
         if stream is None:
             stream = self._streams[ptr] = self._cp.cuda.ExternalStream(ptr, self.device.index)

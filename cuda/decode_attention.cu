@@ -38,6 +38,7 @@
 // passes scale_log2 * k_scale), v_scale into the output (out = A / L * v_scale).
 #include "common.cuh"
 #include "fp8.cuh"
+#include "pdl.cuh"
 
 #define NQ NUM_Q_HEADS
 #define NKV NUM_KV_HEADS
@@ -221,10 +222,12 @@ __device__ __forceinline__ void paged_attention(
 
 extern "C" __global__ void __launch_bounds__(NW * 32, SPLIT_CTAS_PER_SM(MMA_DECODE_16))
 paged_attention_kernel(PAGED_ATTENTION_ARGS(scalar_t)) {
+    pdl_trigger();  // o_proj's GEMV may launch on the SMs left free
     PAGED_ATTENTION_CALL(scalar_t);
 }
 extern "C" __global__ void __launch_bounds__(NW * 32, SPLIT_CTAS_PER_SM(MMA_DECODE_FP8))
 paged_attention_fp8_kernel(PAGED_ATTENTION_ARGS(fp8_t)) {
+    pdl_trigger();  // o_proj's GEMV may launch on the SMs left free
     PAGED_ATTENTION_CALL(fp8_t);
 }
 
@@ -342,10 +345,12 @@ __device__ __forceinline__ void paged_attention_cluster(
 
 extern "C" __global__ void __cluster_dims__(1, 1, CSPLIT) __launch_bounds__(CNW * 32, 2)
 paged_attention_cluster_kernel(CLUSTER_ARGS(scalar_t)) {
+    pdl_trigger();  // o_proj's GEMV may launch on the SMs left free
     CLUSTER_CALL(scalar_t);
 }
 extern "C" __global__ void __cluster_dims__(1, 1, CSPLIT) __launch_bounds__(CNW * 32, 2)
 paged_attention_cluster_fp8_kernel(CLUSTER_ARGS(fp8_t)) {
+    pdl_trigger();  // o_proj's GEMV may launch on the SMs left free
     CLUSTER_CALL(fp8_t);
 }
 #endif

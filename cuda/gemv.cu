@@ -39,6 +39,7 @@
 //
 // History: v1 (this; not yet measured on the H200).
 #include "common.cuh"
+#include "pdl.cuh"
 
 #define GEMV_THREADS 512
 #define GEMV_WARPS 16
@@ -308,10 +309,12 @@ __device__ __forceinline__ void gemv_body(const GemvArgs& a) {
     const int slot = warp % slots, half = warp / slots;
     __shared__ float part[2][GEMV_WARPS / 2][2][32];  // [round & 1][slot][value][lane]
 
+    pdl_trigger();  // the next kernel may launch (llmc.cuda.pdl_launch)
     {  // start the weight stream while the activations are being prepared
         const int u = slot * gridDim.x + blockIdx.x;
         if (u < units) prefetch_start<MODE, R, VW>(a, u, 0, min(KC, K), split, half, lane);
     }
+    pdl_wait();  // x and the outputs: the previous kernel's (the weights were not)
 
     if constexpr (MODE != 2) {  // rms scale of each row, float32 sum of squares
         float ss[M];

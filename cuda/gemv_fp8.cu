@@ -49,6 +49,7 @@
 // History: v1 (this; not yet measured on the H200).
 #include "common.cuh"
 #include "gemv_skeleton.cuh"
+#include "pdl.cuh"
 
 #define G8_THREADS 512
 #define G8_WARPS GEMV_WARPS
@@ -386,8 +387,12 @@ __device__ __forceinline__ void gemv8_body(const G8Args& a) {
     const int K = a.K, n_out = a.n_out;
     const int tiles = MODE == 1 ? (n_out + 7) / 8 : (n_out + 15) / 16;
     const int ksteps = (K + 63) / 64;
+    pdl_trigger();  // the next kernel may launch (llmc.cuda.pdl_launch)
     const int c = gemv_cta_tiles(tiles);
-    if (c <= 0) return;  // the host keeps grid <= tiles; CTA-uniform
+    if (c <= 0) {  // the host keeps grid <= tiles; CTA-uniform
+        pdl_wait();
+        return;
+    }
     const unsigned char* xrow = xq + g * a.S + 16 * t4;
 
     v4u A[G8_U][2], B[G8_U][2];
@@ -403,6 +408,7 @@ __device__ __forceinline__ void gemv8_body(const G8Args& a) {
         const int beg = 64 * (w.s0 + G8_U), end = min(min(64 * w.s1, K), beg + 64 * 2 * G8_U);
         for (int off = beg + 128 * (lane >> 4); off < end; off += 256) g8_prefetch_l2(rp + off);
     }
+    pdl_wait();  // x and the outputs: the previous kernel's (the weights were not)
     g8_prologue<M, MODE, VW>(a, xq, xscale, red, tot);
 
     for (int r = 0; r * G8_WARPS < c; ++r) {

@@ -99,7 +99,9 @@ class GemvFp8Ops:
             self._gemv_kernels[(x.dtype, name)] = kern
         s = gemv8_stride(k)
         grid = gemv8_grid(mode, n_out, self._sm_count)
-        self._launch(kern, (grid,), (GEMV_THREADS,), args + (_i(n_out), _i(k), _i(s)), m * s)
+        self._launch(
+            kern, (grid,), (GEMV_THREADS,), args + (_i(n_out), _i(k), _i(s)), m * s, pdl=True
+        )
 
     def _check_gemv8(
         self,

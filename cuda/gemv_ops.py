@@ -101,7 +101,7 @@ class GemvOps:
         grid = gemv_grid(m, _GEMV_MODES[family], n_out, self._sm_count)
         kc = gemv_chunk(m, k, self._gemv_smem)
         full = args + (_i(n_out), _i(k), _i(kc))
-        self._launch(kern, (grid,), (GEMV_THREADS,), full, shared_mem=m * kc * 4)
+        self._launch(kern, (grid,), (GEMV_THREADS,), full, shared_mem=m * kc * 4, pdl=True)
 
     def _check_gemv(
         self, op: str, x: torch.Tensor, weight: torch.Tensor, x_name: str

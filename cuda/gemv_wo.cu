@@ -92,6 +92,7 @@
 // bounds check a code load where the rows hold whole k-steps: int4 kstep 131
 // instructions a k-step, int8 row 53 (not yet timed on the H200).
 #include "common.cuh"
+#include "pdl.cuh"
 
 #include "wo_codes.cuh"
 #include "wo_ring.cuh"
@@ -400,8 +401,12 @@ __device__ __forceinline__ void gemv_wo_body(const WoArgs& a) {
     const int K = a.K, n_out = a.n_out;
     const int tiles = MODE == 1 ? (n_out + 7) / 8 : (n_out + 15) / 16;
     const int ksteps = (K + KS - 1) / KS;
+    pdl_trigger();  // the next kernel may launch (llmc.cuda.pdl_launch)
     const int c = gemv_cta_tiles(tiles);
-    if (c <= 0) return;  // the host keeps grid <= tiles; CTA-uniform
+    if (c <= 0) {  // the host keeps grid <= tiles; CTA-uniform
+        pdl_wait();
+        return;
+    }
     const int nsum = SMODE == WO_ROW ? 1 : ksteps;
     float* xsum = nullptr;
     if (wo_has_sums<BITS, SMODE>(a.offsets != nullptr)) {
@@ -432,6 +437,7 @@ __device__ __forceinline__ void gemv_wo_body(const WoArgs& a) {
         const int end = min(min(64 * w.s1, L.rowbytes), beg + 64 * 2 * U);
         for (int off = beg + 128 * (lane >> 4); off < end; off += 256) wo_prefetch(rp + off);
     }
+    pdl_wait();  // x and the outputs: the previous kernel's (the codes and scales were not)
     const float back = wo_prologue<MODE, BITS, SMODE, VW>(a, xs, xsum, nsum, red, tot);
 
     for (int r = 0; r * WO_WARPS < c; ++r) {

@@ -256,7 +256,7 @@ class WoOps(WoGemmOps, WoDequantOps):
             _i(w.code_zero), _i(flags),
         )  # fmt: skip
         grid = max(1, min(self._sm_count, wo_tiles(mode, n_out)))
-        self._launch(kern, (grid,), (GEMV_THREADS,), args, shared_mem=smem)
+        self._launch(kern, (grid,), (GEMV_THREADS,), args, shared_mem=smem, pdl=True)
 
     # ---- ops -----------------------------------------------------------------------------
     def linear_wo(

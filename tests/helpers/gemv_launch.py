@@ -69,9 +69,13 @@ def recording_backend(monkeypatch: Any) -> Any:
     b.fused_decode_max_tokens = 8
     b._lib = lambda dtype: FakeLib()
     b.launches = []
-    b._launch = lambda k, grid, block, args, shared_mem=0: b.launches.append(
-        (k, grid, block, args, shared_mem)
-    )
+    b.pdl_launches = []  # the pdl flag of each launch
+
+    def launch(k, grid, block, args, shared_mem=0, pdl=False):
+        b.launches.append((k, grid, block, args, shared_mem))
+        b.pdl_launches.append(pdl)
+
+    b._launch = launch
     return b
 
 

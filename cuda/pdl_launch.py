@@ -1,0 +1,145 @@
+"""Programmatic dependent launch (PDL, sm_90+): the host side of cuda/pdl.cuh.
+
+A kernel launched with ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION`` may begin
+before the previous kernel of its stream has finished: once every CTA of that kernel has
+called ``pdl_trigger()`` (or exited), the new kernel's CTAs start where the SMs have room,
+run up to their ``pdl_wait()`` (the weight stream of a GEMV) and wait there for the
+previous kernel's completion. Inside a CUDA graph capture the attribute becomes a
+programmatic edge of the graph, so the decode step's graphs keep the overlap.
+
+CuPy launches through ``cuLaunchKernel``, which takes no launch attributes, so these
+launches go through the driver's ``cuLaunchKernelEx`` (ctypes over ``libcuda``) with the
+CuPy kernel's ``CUfunction``; the arguments are CuPy's: ``np.uint64`` pointers, ``np.int32``
+/ ``np.int64`` integers and ``np.float32`` floats. Only kernels that call ``pdl_wait()``
+before touching what an earlier kernel wrote may be launched this way (``CudaBackend.pdl``
+picks them: the fused small-step GEMVs).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Any
+
+import numpy as np
+
+from llmc.base.errors import UnsupportedError
+
+PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
+ENV_SWITCH = "LLMC_PDL"  # "0": launch every kernel plainly
+PDL_DEFAULT = True
+
+
+def pdl_by_default(capability: tuple[int, int]) -> bool:
+    """Whether a backend on a device of ``capability`` launches its small-step GEMVs with
+    PDL unless ``LLMC_PDL=0`` says not to (sm_90 and later: ``griddepcontrol``)."""
+    if os.environ.get(ENV_SWITCH, "").strip() == "0":
+        return False
+    return PDL_DEFAULT and tuple(capability) >= (9, 0)
+
+
+_CTYPES = {
+    np.dtype(np.uint64): ctypes.c_uint64,
+    np.dtype(np.int64): ctypes.c_int64,
+    np.dtype(np.int32): ctypes.c_int32,
+    np.dtype(np.uint32): ctypes.c_uint32,
+    np.dtype(np.float32): ctypes.c_float,
+}
+
+
+class LaunchAttributeValue(ctypes.Union):
+    """``CUlaunchAttributeValue``: 64 bytes; PDL's member is one int."""
+
+    _fields_ = [
+        ("pad", ctypes.c_ubyte * 64),
+        ("programmaticStreamSerializationAllowed", ctypes.c_int),
+    ]
+
+
+class LaunchAttribute(ctypes.Structure):
+    """``CUlaunchAttribute``: an id, padded to 8 bytes, and the value union."""
+
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_ubyte * 4), ("value", LaunchAttributeValue)]
+
+
+class LaunchConfig(ctypes.Structure):
+    """``CUlaunchConfig``."""
+
+    _fields_ = [
+        ("gridDimX", ctypes.c_uint),
+        ("gridDimY", ctypes.c_uint),
+        ("gridDimZ", ctypes.c_uint),
+        ("blockDimX", ctypes.c_uint),
+        ("blockDimY", ctypes.c_uint),
+        ("blockDimZ", ctypes.c_uint),
+        ("sharedMemBytes", ctypes.c_uint),
+        ("hStream", ctypes.c_void_p),
+        ("attrs", ctypes.POINTER(LaunchAttribute)),
+        ("numAttrs", ctypes.c_uint),
+    ]
+
+
+def c_args(args: tuple) -> list[Any]:
+    """The ctypes values of a CuPy-style argument tuple (numpy scalars)."""
+    out = []
+    for i, a in enumerate(args):
+        kind = _CTYPES.get(getattr(a, "dtype", None)) if isinstance(a, np.generic) else None
+        if kind is None:
+            raise UnsupportedError(
+                f"pdl_launch: argument {i} is {type(a).__name__}; expected a numpy uint64 / "
+                "int64 / int32 / uint32 / float32 scalar"
+            )
+        out.append(kind(a.item()))
+    return out
+
+
+def _dims(d: tuple) -> tuple[int, int, int]:
+    d = tuple(int(v) for v in d) + (1, 1, 1)
+    return d[0], d[1], d[2]
+
+
+def launch_config(grid: tuple, block: tuple, shared_mem: int, stream: int) -> LaunchConfig:
+    """A ``CUlaunchConfig`` with the programmatic-serialization attribute set (its
+    ``attrs`` array is kept alive on the config object)."""
+    attr = (LaunchAttribute * 1)()
+    attr[0].id = PROGRAMMATIC_STREAM_SERIALIZATION
+    attr[0].value.programmaticStreamSerializationAllowed = 1
+    gx, gy, gz = _dims(grid)
+    bx, by, bz = _dims(block)
+    cfg = LaunchConfig(gx, gy, gz, bx, by, bz, int(shared_mem), ctypes.c_void_p(stream))
+    cfg.attrs = ctypes.cast(attr, ctypes.POINTER(LaunchAttribute))
+    cfg.numAttrs = 1
+    cfg._keep = attr  # type: ignore[attr-defined]
+    return cfg
+
+
+class PdlLauncher:
+    """``cuLaunchKernelEx`` with programmatic stream serialization on the current context."""
+
+    def __init__(self) -> None:
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+            fn = lib.cuLaunchKernelEx
+        except (OSError, AttributeError) as e:  # pragma: no cover - needs a GPU driver
+            raise UnsupportedError(f"pdl_launch: cuLaunchKernelEx is not available ({e})") from e
+        fn.restype = ctypes.c_int
+        fn.argtypes = [
+            ctypes.POINTER(LaunchConfig),
+            ctypes.c_void_p,
+            ctypes.POINTER(ctypes.c_void_p),
+            ctypes.c_void_p,
+        ]
+        self._fn = fn
+
+    def __call__(
+        self, kernel: Any, grid: tuple, block: tuple, args: tuple, shared_mem: int, stream: int
+    ) -> None:
+        func = int(getattr(kernel, "kernel", kernel).ptr)  # cupy RawKernel -> CUfunction
+        vals = c_args(args)
+        params = (ctypes.c_void_p * len(vals))(
+            *[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in vals]
+        )
+        cfg = launch_config(grid, block, shared_mem, stream)
+        err = self._fn(ctypes.byref(cfg), func, params, None)
+        if err != 0:
+            raise UnsupportedError(f"pdl_launch: cuLaunchKernelEx failed with CUresult {err}")
