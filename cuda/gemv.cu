@@ -35,7 +35,9 @@
 // the same code with one element per "vector" (scalar loads): correct, slow. They are
 // separate kernels so that the vector kernels keep all 128 registers without spilling.
 //
-// Launch: grid min(SMs, units), block 512, dynamic smem M * KC * 4 bytes.
+// Launch: grid min(SMs, units), block 512, dynamic smem M * KC * 4 bytes; as a programmatic
+// dependent launch when CudaBackend.pdl (cuda/pdl.cuh): the L2 prefetch before pdl_wait(),
+// everything that reads x or writes an output after it.
 //
 // History: v1 (this; not yet measured on the H200).
 #include "common.cuh"

@@ -44,7 +44,9 @@
 //
 // Launch: grid min(SMs, tiles), block 512, dynamic smem M * S bytes (the host runs the
 // unfused ops when that exceeds its budget). Needs sm_89+ (e4m3 cvt); below, the kernels
-// trap (FP8 engines are refused there before they run).
+// trap (FP8 engines are refused there before they run). A programmatic dependent launch
+// when CudaBackend.pdl (cuda/pdl.cuh): the first batch's loads and the L2 prefetch come
+// before pdl_wait(), the prologue (x) and every store after it.
 //
 // History: v1 (this; not yet measured on the H200).
 #include "common.cuh"

@@ -65,7 +65,8 @@
 // dynamic smem M * S + M * xsum_len * 4 bytes (+ the ring, 16-byte aligned after them: R x
 // 16 warps x 512 x (2 + scale chunks) bytes; the host runs the unfused sequence when the
 // staging exceeds its budget, the register stream when fewer than 2 stages fit). The PTX
-// helpers are host code under LLMC_HOST_EMULATION (tests/cuda/kernel_emulator.h).
+// helpers are host code under LLMC_HOST_EMULATION (tests/cuda/kernel_emulator.h). PDL
+// (cuda/pdl.cuh): the first code loads / ring stages and L2 prefetch precede pdl_wait().
 //
 // History: v1 (register stream, measured at a633fdc, 8B layer, T = 1): int4 g128 31 % of the
 // copy rate, int8 48.5 %, Q4_K-like 32.9 %; the L2 prefetch flag changed nothing. Its SASS
