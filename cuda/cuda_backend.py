@@ -54,7 +54,7 @@ from llmc.cuda.launch_args import i32 as _i
 from llmc.cuda.launch_args import need as _need
 from llmc.cuda.launch_args import ptr as _p
 from llmc.cuda.launch_args import rms_block
-from llmc.cuda.pdl_launch import PdlLauncher, pdl_by_default
+from llmc.cuda.pdl_launch import PdlLauncher, pdl_modes
 from llmc.cuda.prefill_sm90_ops import Sm90Prefill, enabled_by_default, supports
 from llmc.cuda.reference_fp8 import FP8_DTYPE, Fp8Rows
 from llmc.cuda.reference_wo import PackedWeight
@@ -152,9 +152,9 @@ class CudaBackend(WoOps, GemvOps, GemvFp8Ops, Fp8Ops, SamplingOps):
         self._sample_smem = optin - 8192
         self._sample_kernels: dict[str, Any] = {}
         self._sm90 = Sm90Prefill(self)
-        # programmatic dependent launch of the small-step GEMVs (sm_90+; LLMC_PDL=0: off):
-        # each starts its weight stream under the previous kernel's tail (llmc.cuda.pdl_launch)
-        self.pdl = pdl_by_default(torch.cuda.get_device_capability(self.device))
+        # programmatic dependent launch of the small steps' GEMVs (pdl) and rope_kv + decode
+        # attention (pdl_attention); sm_90+, LLMC_PDL=0: off (llmc.cuda.pdl_launch)
+        self.pdl, self.pdl_attention = pdl_modes(torch.cuda.get_device_capability(self.device))
         self._pdl_launcher: PdlLauncher | None = None
 
     # ---- plumbing ------------------------------------------------------------------
@@ -199,6 +199,11 @@ class CudaBackend(WoOps, GemvOps, GemvFp8Ops, Fp8Ops, SamplingOps):
             stream = self._streams[ptr] = self._cp.cuda.ExternalStream(ptr, self.device.index)
         with self._cp_device, stream:
             kernel(grid, block, args, shared_mem=shared_mem)
+
+    def _pdl_step(self, t: int) -> bool:
+        """Whether a step of ``t`` tokens launches rope_kv and decode attention with PDL:
+        the fused small steps (whose GEMVs are PDL launches), unless ``LLMC_PDL=gemv``."""
+        return self.pdl_attention and t <= self.fused_decode_max_tokens
 
     def reserve(self, max_num_seqs: int, num_q_heads: int, head_dim: int, vocab_rows: int = 0):
         """Allocate the decode partials and token buffers (before any graph capture)."""
@@ -348,7 +353,7 @@ class CudaBackend(WoOps, GemvOps, GemvFp8Ops, Fp8Ops, SamplingOps):
             _p(slot_mapping), _p(out), _i(t), _i(cos.shape[0]), np.float32(inv_k),
             np.float32(inv_v), mean_ptr,
         )  # fmt: skip
-        self._launch(k, (min(t, 65535),), (128,), args)
+        self._launch(k, (min(t, 65535),), (128,), args, pdl=self._pdl_step(t))
         return out
 
     def min_split_keys(self, num_decode: int, num_kv_heads: int) -> int:
@@ -442,7 +447,7 @@ class CudaBackend(WoOps, GemvOps, GemvFp8Ops, Fp8Ops, SamplingOps):
                 _i(bs_shift), vs,
             )  # fmt: skip
             threads = 32 * lib.cfg.cluster_warps  # its block: CNW warps (KernelConfig)
-            self._launch(k, (nd, nkv, CLUSTER_SPLITS), (threads,), args)
+            self._launch(k, (nd, nkv, CLUSTER_SPLITS), (threads,), args, pdl=self._pdl_step(t))
         elif nd > 0:
             splits = self.num_splits(nd, nkv, meta.max_seq_len, self._ctas_per_sm(paged))
             args = common + (
@@ -450,7 +455,7 @@ class CudaBackend(WoOps, GemvOps, GemvFp8Ops, Fp8Ops, SamplingOps):
                 _p(self._part_acc), _p(self._part_ml), scale,
                 _i(self.min_split_keys(nd, nkv)), _i(bs_shift), _p(self._counters), vs,
             )  # fmt: skip
-            self._launch(paged, (nd, nkv, splits), (128,), args)
+            self._launch(paged, (nd, nkv, splits), (128,), args, pdl=self._pdl_step(t))
         if b > nd and t > nd:
             if self.prefill_kernel(q.dtype, hd, bs) == "prefill_sm90":
                 self._sm90.launch(q, k_cache, v_cache, meta, out, k_scale, v_scale)

@@ -223,11 +223,13 @@ __device__ __forceinline__ void paged_attention(
 extern "C" __global__ void __launch_bounds__(NW * 32, SPLIT_CTAS_PER_SM(MMA_DECODE_16))
 paged_attention_kernel(PAGED_ATTENTION_ARGS(scalar_t)) {
     pdl_trigger();  // o_proj's GEMV may launch on the SMs left free
+    pdl_wait();     // q and the cache: rope_kv's
     PAGED_ATTENTION_CALL(scalar_t);
 }
 extern "C" __global__ void __launch_bounds__(NW * 32, SPLIT_CTAS_PER_SM(MMA_DECODE_FP8))
 paged_attention_fp8_kernel(PAGED_ATTENTION_ARGS(fp8_t)) {
     pdl_trigger();  // o_proj's GEMV may launch on the SMs left free
+    pdl_wait();     // q and the cache: rope_kv's
     PAGED_ATTENTION_CALL(fp8_t);
 }
 
@@ -346,11 +348,13 @@ __device__ __forceinline__ void paged_attention_cluster(
 extern "C" __global__ void __cluster_dims__(1, 1, CSPLIT) __launch_bounds__(CNW * 32, 2)
 paged_attention_cluster_kernel(CLUSTER_ARGS(scalar_t)) {
     pdl_trigger();  // o_proj's GEMV may launch on the SMs left free
+    pdl_wait();     // q and the cache: rope_kv's
     CLUSTER_CALL(scalar_t);
 }
 extern "C" __global__ void __cluster_dims__(1, 1, CSPLIT) __launch_bounds__(CNW * 32, 2)
 paged_attention_cluster_fp8_kernel(CLUSTER_ARGS(fp8_t)) {
     pdl_trigger();  // o_proj's GEMV may launch on the SMs left free
+    pdl_wait();     // q and the cache: rope_kv's
     CLUSTER_CALL(fp8_t);
 }
 #endif

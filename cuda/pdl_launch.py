@@ -12,7 +12,7 @@ launches go through the driver's ``cuLaunchKernelEx`` (ctypes over ``libcuda``) 
 CuPy kernel's ``CUfunction``; the arguments are CuPy's: ``np.uint64`` pointers, ``np.int32``
 / ``np.int64`` integers and ``np.float32`` floats. Only kernels that call ``pdl_wait()``
 before touching what an earlier kernel wrote may be launched this way (``CudaBackend.pdl``
-picks them: the fused small-step GEMVs).
+picks them: the fused small-step GEMVs; rope_kv and decode attention in those steps).
 """
 
 from __future__ import annotations
@@ -26,16 +26,17 @@ import numpy as np
 from llmc.base.errors import UnsupportedError
 
 PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
-ENV_SWITCH = "LLMC_PDL"  # "0": launch every kernel plainly
+ENV_SWITCH = "LLMC_PDL"  # "0": every kernel launched plainly; "gemv": the GEMVs only
 PDL_DEFAULT = True
 
 
-def pdl_by_default(capability: tuple[int, int]) -> bool:
-    """Whether a backend on a device of ``capability`` launches its small-step GEMVs with
-    PDL unless ``LLMC_PDL=0`` says not to (sm_90 and later: ``griddepcontrol``)."""
-    if os.environ.get(ENV_SWITCH, "").strip() == "0":
-        return False
-    return PDL_DEFAULT and tuple(capability) >= (9, 0)
+def pdl_modes(capability: tuple[int, int]) -> tuple[bool, bool]:
+    """(GEMVs, rope_kv + decode attention): which kernels of a small step a backend on a
+    device of ``capability`` launches with PDL. Both on sm_90 and later (``griddepcontrol``)
+    unless ``LLMC_PDL`` says ``0`` (neither) or ``gemv`` (the GEMVs only)."""
+    env = os.environ.get(ENV_SWITCH, "").strip()
+    gemv = PDL_DEFAULT and tuple(capability) >= (9, 0) and env != "0"
+    return gemv, gemv and env != "gemv"
 
 
 _CTYPES = {

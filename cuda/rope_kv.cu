@@ -25,6 +25,7 @@
 //       reverted (2026-11-30, commit 1e34cd6).
 #include "common.cuh"
 #include "fp8.cuh"
+#include "pdl.cuh"
 
 #define NQ NUM_Q_HEADS
 #define NKV NUM_KV_HEADS
@@ -57,6 +58,8 @@ __device__ __forceinline__ void rope_kv(const scalar_t* __restrict__ qkv,
     constexpr int pv = PV, vv = VV;
     constexpr int rot_units = (NQ + NKV) * (HALF / pv);
     constexpr int v_units = NKV * (HD / vv);
+    pdl_trigger();  // attention may launch; it waits for these writes (cuda/pdl.cuh)
+    pdl_wait();     // qkv: the previous kernel's
     for (int t = blockIdx.x; t < T; t += gridDim.x) {
         const scalar_t* row = qkv + (long long)t * (NQ + 2 * NKV) * HD;
         long long pos = positions[t];

@@ -81,10 +81,12 @@ def test_arguments_must_be_numpy_scalars():
 
 def test_default_and_switch(monkeypatch):
     monkeypatch.delenv(pl.ENV_SWITCH, raising=False)
-    assert pl.pdl_by_default((9, 0)) and pl.pdl_by_default((10, 0))
-    assert not pl.pdl_by_default((8, 9))
+    assert pl.pdl_modes((9, 0)) == pl.pdl_modes((10, 0)) == (True, True)
+    assert pl.pdl_modes((8, 9)) == (False, False)
     monkeypatch.setenv(pl.ENV_SWITCH, "0")
-    assert not pl.pdl_by_default((9, 0))
+    assert pl.pdl_modes((9, 0)) == (False, False)
+    monkeypatch.setenv(pl.ENV_SWITCH, "gemv")
+    assert pl.pdl_modes((9, 0)) == (True, False)
 
 
 def test_backend_routes_pdl_launches(monkeypatch):
@@ -157,8 +159,23 @@ def test_pdl_gemvs_wait_after_the_weights_and_before_the_activations(path, start
     assert wait <= last_wait
 
 
-@pytest.mark.parametrize("path, kernels", [("decode_attention.cu", 4), ("embedding.cu", 1)])
-def test_the_kernels_before_a_gemv_trigger(path, kernels):
+@pytest.mark.parametrize(
+    "path, kernels, waits",
+    [("decode_attention.cu", 4, 4), ("rope_kv.cu", 1, 1), ("embedding.cu", 1, 0)],
+)
+def test_the_kernels_before_a_pdl_launch_trigger(path, kernels, waits):
+    """Every kernel before a PDL launch of a small step triggers; rope_kv and attention,
+    PDL launches themselves, wait first thing (right after their trigger)."""
     text = (CUDA / path).read_text()
     assert '#include "pdl.cuh"' in text
     assert text.count("pdl_trigger();") == kernels
+    assert len(re.findall(r"pdl_trigger\(\);[^\n]*\n\s*pdl_wait\(\);", text)) == waits
+    assert text.count("pdl_wait();") == waits
+
+
+def test_rope_and_attention_use_pdl_in_small_steps_only():
+    b = object.__new__(cb.CudaBackend)
+    b.fused_decode_max_tokens, b.pdl_attention = 4, True
+    assert b._pdl_step(1) and b._pdl_step(4) and not b._pdl_step(5)
+    b.pdl_attention = False
+    assert not b._pdl_step(1)
