@@ -4,7 +4,8 @@
 # M = 1 and 4), then the batch-1 rows of scripts/bench_h200.sh with LLMC_PDL=0 and with the
 # default (on), alternating PAIRS times on the same engines. Results under $OUT
 # (pytest_pdl.log, chain_m*.json, off<i>/ on<i>/ with each run's summary.json and bench.log).
-#   OUT=/tmp/o LLMC_COMMIT=<sha> [ROWS="b1 fp8b1"] [PAIRS=1] [SKIP_CHAIN=1] bash scripts/pdl_ab.sh
+#   OUT=/tmp/o LLMC_COMMIT=<sha> [ROWS="b1 fp8b1"] [PAIRS=1] [MODES="off on"] [SKIP_CHAIN=1] \
+#       bash scripts/pdl_ab.sh
 set -u
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:?set OUT}
@@ -29,9 +30,9 @@ if [ "${SKIP_CHAIN:-0}" != "1" ]; then
 fi
 skip_base=0
 for i in $(seq 1 "${PAIRS:-1}"); do
-    for mode in off on; do
+    for mode in ${MODES:-off on}; do  # off: LLMC_PDL=0, gemv: LLMC_PDL=gemv, on: the default
         log "rows ${ROWS:-b1 fp8b1} PDL $mode ($i)"
-        pdl=""; [ "$mode" = off ] && pdl=0
+        pdl=""; [ "$mode" = off ] && pdl=0; [ "$mode" = gemv ] && pdl=gemv
         LLMC_PDL=$pdl OUT="$OUT/$mode$i" SKIP_TESTS=1 SKIP_BASE=$skip_base \
             ROWS="${ROWS:-b1 fp8b1}" N_B1=${N_B1:-3} bash "$REPO/scripts/bench_h200.sh" \
             > "$OUT/$mode$i.log" 2>&1
