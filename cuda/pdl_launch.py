@@ -39,13 +39,9 @@ def pdl_modes(capability: tuple[int, int]) -> tuple[bool, bool]:
     return gemv, gemv and env != "gemv"
 
 
-_CTYPES = {
-    np.dtype(np.uint64): ctypes.c_uint64,
-    np.dtype(np.int64): ctypes.c_int64,
-    np.dtype(np.int32): ctypes.c_int32,
-    np.dtype(np.uint32): ctypes.c_uint32,
-    np.dtype(np.float32): ctypes.c_float,
-}
+_KINDS = {np.dtype(t) for t in (np.uint64, np.int64, np.int32, np.uint32, np.float32)}
+SLOT = 8  # bytes per argument slot of the packed buffer (each argument's own alignment)
+MAX_ARGS = 64
 
 
 class LaunchAttributeValue(ctypes.Union):
@@ -80,18 +76,21 @@ class LaunchConfig(ctypes.Structure):
     ]
 
 
-def c_args(args: tuple) -> list[Any]:
-    """The ctypes values of a CuPy-style argument tuple (numpy scalars)."""
+def pack_args(args: tuple) -> bytes:
+    """A CuPy-style argument tuple (numpy scalars) as 8-byte slots, each value at the start
+    of its slot (``cuLaunchKernelEx`` reads argument i through pointer i)."""
+    if len(args) > MAX_ARGS:
+        raise UnsupportedError(f"pdl_launch: {len(args)} arguments; at most {MAX_ARGS}")
     out = []
     for i, a in enumerate(args):
-        kind = _CTYPES.get(getattr(a, "dtype", None)) if isinstance(a, np.generic) else None
-        if kind is None:
+        if not isinstance(a, np.generic) or a.dtype not in _KINDS:
+            name = a.dtype.name if isinstance(a, np.generic) else type(a).__name__
             raise UnsupportedError(
-                f"pdl_launch: argument {i} is {type(a).__name__}; expected a numpy uint64 / "
-                "int64 / int32 / uint32 / float32 scalar"
+                f"pdl_launch: argument {i} is {name}; expected a numpy uint64 / int64 / int32 / "
+                "uint32 / float32 scalar"
             )
-        out.append(kind(a.item()))
-    return out
+        out.append(a.tobytes().ljust(SLOT, b"\0"))
+    return b"".join(out)
 
 
 def _dims(d: tuple) -> tuple[int, int, int]:
@@ -115,7 +114,9 @@ def launch_config(grid: tuple, block: tuple, shared_mem: int, stream: int) -> La
 
 
 class PdlLauncher:
-    """``cuLaunchKernelEx`` with programmatic stream serialization on the current context."""
+    """``cuLaunchKernelEx`` with programmatic stream serialization on the current context.
+    The driver copies the arguments during the call, so one packed buffer (and one
+    ``CUlaunchConfig`` per launch shape) serves every launch."""
 
     def __init__(self) -> None:
         try:
@@ -131,16 +132,24 @@ class PdlLauncher:
             ctypes.c_void_p,
         ]
         self._fn = fn
+        self._init_buffers()
+
+    def _init_buffers(self) -> None:
+        self._buf = ctypes.create_string_buffer(SLOT * MAX_ARGS)
+        base = ctypes.addressof(self._buf)
+        self._params = (ctypes.c_void_p * MAX_ARGS)(*[base + SLOT * i for i in range(MAX_ARGS)])
+        self._configs: dict[tuple, LaunchConfig] = {}
 
     def __call__(
         self, kernel: Any, grid: tuple, block: tuple, args: tuple, shared_mem: int, stream: int
     ) -> None:
         func = int(getattr(kernel, "kernel", kernel).ptr)  # cupy RawKernel -> CUfunction
-        vals = c_args(args)
-        params = (ctypes.c_void_p * len(vals))(
-            *[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in vals]
-        )
-        cfg = launch_config(grid, block, shared_mem, stream)
-        err = self._fn(ctypes.byref(cfg), func, params, None)
+        data = pack_args(args)
+        ctypes.memmove(self._buf, data, len(data))
+        key = (grid, block, shared_mem, stream)
+        cfg = self._configs.get(key)
+        if cfg is None:
+            cfg = self._configs[key] = launch_config(grid, block, shared_mem, stream)
+        err = self._fn(ctypes.byref(cfg), func, self._params, None)
         if err != 0:
             raise UnsupportedError(f"pdl_launch: cuLaunchKernelEx failed with CUresult {err}")

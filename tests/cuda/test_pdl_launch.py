@@ -59,6 +59,7 @@ def test_arguments_reach_the_driver_by_pointer():
         return 0
 
     launcher = object.__new__(pl.PdlLauncher)
+    launcher._init_buffers()
     launcher._fn = fake
     kern = SimpleNamespace(kernel=SimpleNamespace(ptr=0x1234))
     args = (np.uint64(2**40 + 3), np.float32(1e-5), np.int32(-7), np.int64(2**33))
@@ -74,9 +75,16 @@ def test_arguments_reach_the_driver_by_pointer():
 
 def test_arguments_must_be_numpy_scalars():
     with pytest.raises(UnsupportedError, match="argument 1 is int"):
-        pl.c_args((np.uint64(1), 3))
+        pl.pack_args((np.uint64(1), 3))
     with pytest.raises(UnsupportedError, match="argument 0 is float64"):
-        pl.c_args((np.float64(1.0),))
+        pl.pack_args((np.float64(1.0),))
+    with pytest.raises(UnsupportedError, match="65 arguments"):
+        pl.pack_args((np.int32(0),) * 65)
+    packed = pl.pack_args((np.int32(-2), np.uint64(2**63), np.float32(0.5)))
+    assert len(packed) == 24 and packed[:8] == np.int32(-2).tobytes() + bytes(4)
+    assert (
+        packed[8:16] == (2**63).to_bytes(8, "little") and packed[16:20] == np.float32(0.5).tobytes()
+    )
 
 
 def test_default_and_switch(monkeypatch):
