@@ -102,7 +102,7 @@ def run_kind(be: CudaBackend, kind: str, m: int, bw: float) -> dict[str, Any]:
     for pdl, name in ((False, "off"), (True, "on")):
         us = sorted(times[pdl])[len(times[pdl]) // 2]
         res[f"us_per_layer_{name}"] = round(us, 2)
-        res[f"copy_frac_{name}"] = round(nbytes / LAYERS / (us * 1e-6) / 1e9 / bw * 1000, 3)
+        res[f"copy_frac_{name}"] = round(nbytes / LAYERS / (us * 1e-6) / 1e9 / bw, 3)  # GB/s
         res[f"all_us_{name}"] = [round(t, 2) for t in times[pdl]]
     print(res, flush=True)
     del graphs, layers

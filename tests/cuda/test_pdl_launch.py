@@ -135,9 +135,11 @@ def test_the_gemvs_ask_for_pdl_and_the_rest_do_not(monkeypatch):
     b.linear_residual_add_fp8(
         x, aligned(256, 256, dtype=fp8), aligned(256, dtype=torch.float32), res
     )
-    b.norm_linear(x, nw, 1e-5, random_packed(64, 256, 4, 128, offsets=True))  # gemv_wo.cu
-    assert [k.family for k, *_ in b.launches] == ["gemv", "gemv_fp8", "gemv_wo"]
-    assert b.pdl_launches == [True, True, True]
+    w4 = random_packed(64, 256, 4, 128, offsets=True)
+    b.norm_linear(x, nw, 1e-5, w4)  # gemv_wo.cu at M = 2: plain (slower with PDL at M = 4)
+    b.norm_linear(x[:1], nw, 1e-5, w4)  # and at M = 1: PDL
+    assert [k.family for k, *_ in b.launches] == ["gemv", "gemv_fp8", "gemv_wo", "gemv_wo"]
+    assert b.pdl_launches == [True, True, False, True]
     n = len(b.launches)
     b.linear(aligned(40, 256), random_packed(64, 256, 4, 128, offsets=True))  # dequant + mm
     assert b.launches[n:] and not any(b.pdl_launches[n:])
