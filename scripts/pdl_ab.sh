@@ -5,7 +5,7 @@
 # default (on), alternating PAIRS times on the same engines. Results under $OUT
 # (pytest_pdl.log, chain_m*.json, off<i>/ on<i>/ with each run's summary.json and bench.log).
 #   OUT=/tmp/o LLMC_COMMIT=<sha> [ROWS="b1 fp8b1"] [PAIRS=1] [MODES="off on"] [SKIP_CHAIN=1] \
-#       bash scripts/pdl_ab.sh
+#       [SKIP_TEST=1] [SKIP_BASE=1] bash scripts/pdl_ab.sh
 set -u
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:?set OUT}
@@ -15,10 +15,12 @@ T0=$(date +%s)
 log() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/ab.log"; }
 python3 -m pip install -q --no-deps --no-build-isolation -e "$REPO" > "$OUT/install.log" 2>&1 \
     || { log "install failed"; tail -5 "$OUT/install.log"; exit 1; }
-log "pytest test_cuda_pdl.py"
-timeout 240 python3 -m pytest -m cuda -o addopts="" -q -p no:cacheprovider --rootdir "$REPO" \
-    -c "$REPO/pyproject.toml" "$REPO/tests/cuda/test_cuda_pdl.py" > "$OUT/pytest_pdl.log" 2>&1
-tail -3 "$OUT/pytest_pdl.log" | tee -a "$OUT/ab.log"
+if [ "${SKIP_TEST:-0}" != "1" ]; then
+    log "pytest test_cuda_pdl.py"
+    timeout 240 python3 -m pytest -m cuda -o addopts="" -q -p no:cacheprovider --rootdir "$REPO" \
+        -c "$REPO/pyproject.toml" "$REPO/tests/cuda/test_cuda_pdl.py" > "$OUT/pytest_pdl.log" 2>&1
+    tail -3 "$OUT/pytest_pdl.log" | tee -a "$OUT/ab.log"
+fi
 if [ "${SKIP_CHAIN:-0}" != "1" ]; then
     for m in 1 4; do
         log "chain M = $m"
@@ -28,7 +30,7 @@ if [ "${SKIP_CHAIN:-0}" != "1" ]; then
             | tee -a "$OUT/ab.log"
     done
 fi
-skip_base=0
+skip_base=${SKIP_BASE:-0}  # 1: rows on engines they build themselves only (int4b1, fp8b1)
 for i in $(seq 1 "${PAIRS:-1}"); do
     for mode in ${MODES:-off on}; do  # off: LLMC_PDL=0, gemv: LLMC_PDL=gemv, on: the default
         log "rows ${ROWS:-b1 fp8b1} PDL $mode ($i)"
