@@ -23,10 +23,11 @@ from typing import Any
 
 import numpy as np
 
-from llmc.base.errors import UnsupportedError
+from llmc.base.errors import ConfigError, UnsupportedError
 
 PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
 ENV_SWITCH = "LLMC_PDL"  # "0": every kernel launched plainly; "gemv": the GEMVs only
+ENV_VALUES = ("", "1", "0", "gemv")
 PDL_DEFAULT = True
 
 
@@ -34,7 +35,12 @@ def pdl_modes(capability: tuple[int, int]) -> tuple[bool, bool]:
     """(GEMVs, rope_kv + decode attention): which kernels of a small step a backend on a
     device of ``capability`` launches with PDL. Both on sm_90 and later (``griddepcontrol``)
     unless ``LLMC_PDL`` says ``0`` (neither) or ``gemv`` (the GEMVs only)."""
-    env = os.environ.get(ENV_SWITCH, "").strip()
+    env = os.environ.get(ENV_SWITCH, "").strip().lower()
+    if env not in ENV_VALUES:
+        raise ConfigError(
+            f"{ENV_SWITCH}={os.environ[ENV_SWITCH]!r}: expected one of 0 (off), gemv (the "
+            "GEMVs only), 1 or unset (on)"
+        )
     gemv = PDL_DEFAULT and tuple(capability) >= (9, 0) and env != "0"
     return gemv, gemv and env != "gemv"
 

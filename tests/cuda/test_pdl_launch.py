@@ -17,7 +17,7 @@ import torch
 
 from helpers.gemv_launch import aligned, recording_backend
 from helpers.packed_weights import random_packed
-from llmc.base.errors import UnsupportedError
+from llmc.base.errors import ConfigError, UnsupportedError
 from llmc.cuda import cuda_backend as cb
 from llmc.cuda import gemv_wo_ops as wo
 from llmc.cuda import pdl_launch as pl
@@ -95,6 +95,11 @@ def test_default_and_switch(monkeypatch):
     assert pl.pdl_modes((9, 0)) == (False, False)
     monkeypatch.setenv(pl.ENV_SWITCH, "gemv")
     assert pl.pdl_modes((9, 0)) == (True, False)
+    monkeypatch.setenv(pl.ENV_SWITCH, "1")
+    assert pl.pdl_modes((9, 0)) == (True, True)
+    monkeypatch.setenv(pl.ENV_SWITCH, "yes")
+    with pytest.raises(ConfigError, match="LLMC_PDL='yes': expected one of 0"):
+        pl.pdl_modes((9, 0))
 
 
 def test_backend_routes_pdl_launches(monkeypatch):
