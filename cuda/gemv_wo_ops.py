@@ -184,6 +184,10 @@ class WoOps(WoGemmOps, WoDequantOps):
     # gemv_wo.cu's L2 prefetch two batches ahead (flags & 4; not yet measured: the bench's
     # "no L2 prefetch" rows)
     wo_prefetch: bool = True
+    # programmatic dependent launch of the fused GEMVs (with CudaBackend.pdl) up to this many
+    # token rows: the int4 g128 layer chain measured 78.7 -> 75.3 us at M = 1 and 86.5 ->
+    # 91.1 at M = 4 (H100, scripts/pdl_chain.py, 2026-12-07); M = 2, 3 unmeasured
+    pdl_wo_max_tokens: int = 1
 
     device: torch.device
     _sm_count: int
@@ -256,9 +260,8 @@ class WoOps(WoGemmOps, WoDequantOps):
             _i(w.code_zero), _i(flags),
         )  # fmt: skip
         grid = max(1, min(self._sm_count, wo_tiles(mode, n_out)))
-        # PDL at M = 1 only: the int4 g128 layer chain measured 78.7 -> 75.3 us at M = 1 and
-        # 86.5 -> 91.1 at M = 4 (H100, scripts/pdl_chain.py, 2026-12-07)
-        self._launch(kern, (grid,), (GEMV_THREADS,), args, shared_mem=smem, pdl=m == 1)
+        pdl = m <= self.pdl_wo_max_tokens
+        self._launch(kern, (grid,), (GEMV_THREADS,), args, shared_mem=smem, pdl=pdl)
 
     # ---- ops -----------------------------------------------------------------------------
     def linear_wo(

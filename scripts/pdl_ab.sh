@@ -5,7 +5,7 @@
 # default (on), alternating PAIRS times on the same engines. Results under $OUT
 # (pytest_pdl.log, chain_m*.json, off<i>/ on<i>/ with each run's summary.json and bench.log).
 #   OUT=/tmp/o LLMC_COMMIT=<sha> [ROWS="b1 fp8b1"] [PAIRS=1] [MODES="off on"] [SKIP_CHAIN=1] \
-#       [SKIP_TEST=1] [SKIP_BASE=1] bash scripts/pdl_ab.sh
+#       [SKIP_TEST=1] [SKIP_BASE=1] [CHAIN_MS="1 2 4 8"] bash scripts/pdl_ab.sh
 set -u
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:?set OUT}
@@ -22,11 +22,11 @@ if [ "${SKIP_TEST:-0}" != "1" ]; then
     tail -3 "$OUT/pytest_pdl.log" | tee -a "$OUT/ab.log"
 fi
 if [ "${SKIP_CHAIN:-0}" != "1" ]; then
-    for m in 1 4; do
+    for m in ${CHAIN_MS:-1 4}; do
         log "chain M = $m"
         timeout 180 python3 "$REPO/scripts/pdl_chain.py" "$OUT/chain_m$m.json" "$m" \
             >> "$OUT/chain.log" 2>&1 || log "chain M = $m FAILED"
-        grep -o "'kind': '[a-z0-9]*'.*'copy_frac_on': [0-9.]*" "$OUT/chain.log" | tail -3 \
+        grep -o "'kind': '[a-z0-9]*'.*'copy_frac_on': [0-9.]*" "$OUT/chain.log" | tail -4 \
             | tee -a "$OUT/ab.log"
     done
 fi

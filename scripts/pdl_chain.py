@@ -1,14 +1,17 @@
 """What programmatic dependent launch (cuda/pdl.cuh) saves a batch-1 decode step's GEMVs:
 the four fused GEMVs of a Llama-3-8B layer (qkv norm_linear, o_proj add, gate_up
 norm_silu, down add; each reads what the one before wrote) chained over ``LAYERS`` layers
-of distinct weights (more bytes than L2 holds), for bf16, fp8 (W8A8) and int4_wo g128
-weights, captured in one CUDA graph with ``CudaBackend.pdl`` off and on, the two replayed
-alternately ``PAIRS`` times. Between qkv and o_proj a torch copy stands where rope + attention
-run (a kernel that does not trigger: what the chain gains there is the launch only).
+of distinct weights (more bytes than L2 holds), for bf16, fp8 (W8A8), int4_wo g128 and
+int8_wo weights, captured in one CUDA graph with ``CudaBackend.pdl`` off and on, the two
+replayed alternately ``PAIRS`` times. Between qkv and o_proj a torch copy stands where
+rope + attention run (a kernel that does not trigger: the chain gains the launch there).
 Microseconds per layer, the weight bytes' rate against a 1 GiB copy of the same run, and the
 outputs' equality (PDL on = off, bit for bit), as JSON. GPU only; from outside the checkout:
 
-    python3 $REPO/scripts/pdl_chain.py out.json [M]
+    python3 $REPO/scripts/pdl_chain.py out.json [M] [WO_MAX]
+
+WO_MAX (default 8): ``WoOps.pdl_wo_max_tokens`` for the run, so the weight-only rows compare
+PDL off and on at any M (the engine's default is 1).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from llmc.cuda.cuda_backend import CudaBackend
 DEV = torch.device("cuda")
 H, INTER, QKV = 4096, 14336, 6144
 LAYERS, PAIRS = 8, 3
+KINDS = ("bf16", "fp8", "int4", "int8")
 SHAPES = {"qkv": (QKV, H), "o": (H, H), "gu": (2 * INTER, H), "down": (H, INTER)}
 
 
@@ -43,8 +47,9 @@ def layer_weights(kind: str, seed: int) -> tuple[dict[str, Any], int]:
         elif kind == "fp8":
             out[name] = ref8.quantize_weight_fp8(w)
             nbytes += sum(t.numel() * t.element_size() for t in out[name])
-        else:
-            out[name] = p = random_packed(rows, k, LAYOUTS["int4_g128"], g)
+        else:  # int4 (g128) / int8 (per channel) weight-only
+            layout = LAYOUTS["int4_g128" if kind == "int4" else "int8"]
+            out[name] = p = random_packed(rows, k, layout, g)
             nbytes += sum(t.numel() * t.element_size() for t in (p.codes, p.scales, p.offsets)
                           if t is not None)  # fmt: skip
     return out, nbytes
@@ -110,10 +115,11 @@ def run_kind(be: CudaBackend, kind: str, m: int, bw: float) -> dict[str, Any]:
     return res
 
 
-def main(path: str, m: int) -> None:
+def main(path: str, m: int, wo_max: int) -> None:
     be = CudaBackend(DEV, max_num_seqs=256)
+    be.pdl_wo_max_tokens = wo_max  # the weight-only GEMVs' PDL limit (WoOps; default 1)
     bw = ceilings()["copy_GBps"]
-    rows = [run_kind(be, kind, m, bw) for kind in ("bf16", "fp8", "int4")]
+    rows = [run_kind(be, kind, m, bw) for kind in KINDS]
     with open(path, "w") as f:
         json.dump({"copy_GBps": bw, "rows": rows}, f, indent=1)
 
@@ -122,4 +128,5 @@ if __name__ == "__main__":
     main(
         sys.argv[1] if len(sys.argv) > 1 else "pdl_chain.json",
         int(sys.argv[2]) if len(sys.argv) > 2 else 1,
+        int(sys.argv[3]) if len(sys.argv) > 3 else 8,
     )

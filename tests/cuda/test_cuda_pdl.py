@@ -34,6 +34,7 @@ def be():
     from llmc.cuda.cuda_backend import CudaBackend
 
     b = CudaBackend(DEV)
+    b.pdl_wo_max_tokens = 8  # the weight-only GEMVs with PDL at M = 5 too (default: M = 1)
     if not b.pdl:
         pytest.skip("PDL is off on this device (below sm_90 or LLMC_PDL=0)")
     return b

@@ -145,6 +145,9 @@ def test_the_gemvs_ask_for_pdl_and_the_rest_do_not(monkeypatch):
     b.norm_linear(x[:1], nw, 1e-5, w4)  # and at M = 1: PDL
     assert [k.family for k, *_ in b.launches] == ["gemv", "gemv_fp8", "gemv_wo", "gemv_wo"]
     assert b.pdl_launches == [True, True, False, True]
+    b.pdl_wo_max_tokens = 2
+    b.norm_linear(x, nw, 1e-5, w4)
+    assert b.pdl_launches[-1] is True
     n = len(b.launches)
     b.linear(aligned(40, 256), random_packed(64, 256, 4, 128, offsets=True))  # dequant + mm
     assert b.launches[n:] and not any(b.pdl_launches[n:])
