@@ -54,7 +54,7 @@ from llmc.cuda.launch_args import i32 as _i
 from llmc.cuda.launch_args import need as _need
 from llmc.cuda.launch_args import ptr as _p
 from llmc.cuda.launch_args import rms_block
-from llmc.cuda.pdl_launch import PdlLauncher, pdl_modes
+from llmc.cuda.pdl_launch import PdlOps, pdl_modes
 from llmc.cuda.prefill_sm90_ops import Sm90Prefill, enabled_by_default, supports
 from llmc.cuda.reference_fp8 import FP8_DTYPE, Fp8Rows
 from llmc.cuda.reference_wo import PackedWeight
@@ -90,7 +90,7 @@ def _kv_cache(
     return fp8
 
 
-class CudaBackend(WoOps, GemvOps, GemvFp8Ops, Fp8Ops, SamplingOps):
+class CudaBackend(WoOps, GemvOps, GemvFp8Ops, Fp8Ops, SamplingOps, PdlOps):
     """Backend on CuPy kernels. ``kernels_dir``: an engine's cubins (None = NVRTC).
 
     ``fused_decode_max_tokens`` (0..8, default 4; 0 = off): the ModelRunner runs steps of
@@ -155,7 +155,6 @@ class CudaBackend(WoOps, GemvOps, GemvFp8Ops, Fp8Ops, SamplingOps):
         # programmatic dependent launch of the small steps' GEMVs (pdl) and rope_kv + decode
         # attention (pdl_attention); sm_90+, LLMC_PDL=0: off (llmc.cuda.pdl_launch)
         self.pdl, self.pdl_attention = pdl_modes(torch.cuda.get_device_capability(self.device))
-        self._pdl_launcher: PdlLauncher | None = None
 
     # ---- plumbing ------------------------------------------------------------------
     def _lib(self, dtype: torch.dtype, hd: int = 2, nq: int = 1, nkv: int = 1) -> KernelLibrary:
@@ -188,9 +187,7 @@ class CudaBackend(WoOps, GemvOps, GemvFp8Ops, Fp8Ops, SamplingOps):
         """Launch on torch's current stream; ``pdl``: as a programmatic dependent launch
         (only kernels that call cuda/pdl.cuh's ``pdl_wait()`` first; when ``self.pdl``)."""
         ptr = torch.cuda.current_stream(self.device).cuda_stream
-        if pdl and self.pdl:
-            if self._pdl_launcher is None:
-                self._pdl_launcher = PdlLauncher()
+        if pdl and self.pdl and self._pdl_ready():
             with self._cp_device:
                 self._pdl_launcher(kernel, grid, block, args, shared_mem, ptr)
             return
@@ -199,11 +196,6 @@ class CudaBackend(WoOps, GemvOps, GemvFp8Ops, Fp8Ops, SamplingOps):
             stream = self._streams[ptr] = self._cp.cuda.ExternalStream(ptr, self.device.index)
         with self._cp_device, stream:
             kernel(grid, block, args, shared_mem=shared_mem)
-
-    def _pdl_step(self, t: int) -> bool:
-        """Whether a step of ``t`` tokens launches rope_kv and decode attention with PDL:
-        the fused small steps (whose GEMVs are PDL launches), unless ``LLMC_PDL=gemv``."""
-        return self.pdl_attention and t <= self.fused_decode_max_tokens
 
     def reserve(self, max_num_seqs: int, num_q_heads: int, head_dim: int, vocab_rows: int = 0):
         """Allocate the decode partials and token buffers (before any graph capture)."""

@@ -159,3 +159,30 @@ class PdlLauncher:
         err = self._fn(ctypes.byref(cfg), func, self._params, None)
         if err != 0:
             raise UnsupportedError(f"pdl_launch: cuLaunchKernelEx failed with CUresult {err}")
+
+
+class PdlOps:
+    """The CudaBackend's PDL state (a mixin): ``pdl`` (the small steps' GEMVs) and
+    ``pdl_attention`` (their rope_kv and decode attention), from ``pdl_modes``; the driver
+    launcher, loaded on first use."""
+
+    pdl: bool = False
+    pdl_attention: bool = False
+    fused_decode_max_tokens: int = 0
+    _pdl_launcher: PdlLauncher | None = None
+
+    def _pdl_ready(self) -> bool:
+        """Whether the driver's cuLaunchKernelEx is loaded; a driver without it (before
+        CUDA 12) turns PDL off for this backend: plain launches, the same results."""
+        if self._pdl_launcher is None:
+            try:
+                self._pdl_launcher = PdlLauncher()
+            except UnsupportedError:
+                self.pdl = self.pdl_attention = False
+                return False
+        return True
+
+    def _pdl_step(self, t: int) -> bool:
+        """Whether a step of ``t`` tokens launches rope_kv and decode attention with PDL:
+        the fused small steps (whose GEMVs are PDL launches), unless ``LLMC_PDL=gemv``."""
+        return self.pdl_attention and t <= self.fused_decode_max_tokens

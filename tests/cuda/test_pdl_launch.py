@@ -130,6 +130,18 @@ def test_backend_routes_pdl_launches(monkeypatch):
     assert calls == [("pdl", 77), ("plain", 16), ("plain", 16)]
 
 
+def test_a_driver_without_cuLaunchKernelEx_launches_plainly(monkeypatch):
+    b = object.__new__(cb.CudaBackend)
+    b.pdl = b.pdl_attention = True
+    b._pdl_launcher = None
+
+    def missing():
+        raise UnsupportedError("pdl_launch: cuLaunchKernelEx is not available (old driver)")
+
+    monkeypatch.setattr(pl, "PdlLauncher", missing)
+    assert not b._pdl_ready() and not b.pdl and not b.pdl_attention
+
+
 def test_the_gemvs_ask_for_pdl_and_the_rest_do_not(monkeypatch):
     monkeypatch.setattr(wo, "_need", lambda t, name, dtype=None: None)
     b = recording_backend(monkeypatch)
