@@ -3,7 +3,7 @@
 # (tests/cuda/test_cuda_pdl.py), the GEMV chain with PDL off / on (scripts/pdl_chain.py at
 # M = 1 and 4), then the batch-1 rows of scripts/bench_h200.sh with LLMC_PDL=0 and with the
 # default (on), alternating PAIRS times on the same engines. Results under $OUT
-# (pytest_pdl.log, chain_m*.json, off<i>/ on<i>/ with each run's summary.json and bench.log).
+# (pytest_pdl.log, chain_m*.json, runs.tgz: off<i>/ on<i>/ with each run's summary.json, bench.log).
 #   OUT=/tmp/o LLMC_COMMIT=<sha> [ROWS="b1 fp8b1"] [PAIRS=1] [MODES="off on"] [SKIP_CHAIN=1] \
 #       [SKIP_TEST=1] [SKIP_BASE=1] [CHAIN_MS="1 2 4 8"] bash scripts/pdl_ab.sh
 set -u
@@ -42,4 +42,9 @@ for i in $(seq 1 "${PAIRS:-1}"); do
         grep -E "output tok|TPOT" "$OUT/$mode$i/bench.log" | tee -a "$OUT/ab.log"
     done
 done
+# one archive for the runs' folders (the device tool returns a limited number of files)
+runs=$(cd "$OUT" && ls -d off[0-9]* gemv[0-9]* on[0-9]* 2>/dev/null)
+if [ -n "$runs" ]; then
+    (cd "$OUT" && tar czf runs.tgz $runs && rm -rf $runs)
+fi
 log "done"
