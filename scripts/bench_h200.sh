@@ -29,6 +29,8 @@
 # steps), smolnopw / 128nopw / 2048nopw (the same rows with --piecewise_graph_max_tokens 0).
 # int4128pw / int8128pw: the weight-only 128/128 rows with piecewise graphs (their prefill
 # and mixed steps run dequantize-then-cuBLAS eagerly otherwise: host-bound?).
+# b1nopdl / fp8b1nopdl / int4b1nopdl / int8b1nopdl: the batch-1 rows with LLMC_PDL=0 (no
+# programmatic dependent launch), beside b1 / fp8b1 / int4b1 / int8b1.
 # SKIP_TESTS=1
 # skips step 2; SKIP_BASE=1 skips the two bf16 builds of step 3 (for rows that build their own
 # engines: fp8*, int4*, int8*); PYTEST_ARGS
@@ -191,6 +193,14 @@ for r in $ROWS; do
     fp8long) fp8_engine; bench llama8b_fp8_128_2048 "$F8" 200 --num_requests "${N_LONG_FP8:-$N_LONG}" \
             --isl 128 --osl 2048 ;;
     int4b1) wo_engine "$W4" int4_wo; bench llama8b_int4wo_b1_128_512 "$W4" 120 \
+            --num_requests "$N_B1" --isl 128 --osl 512 --concurrency 1 --warmup 1 ;;
+    b1nopdl) LLMC_PDL=0 bench llama8b_b1_nopdl "$L8" 120 --num_requests "$N_B1" --isl 128 \
+            --osl 512 --concurrency 1 --warmup 1 ;;
+    fp8b1nopdl) fp8_engine; LLMC_PDL=0 bench llama8b_fp8_b1_nopdl "$F8" 120 \
+            --num_requests "$N_B1" --isl 128 --osl 512 --concurrency 1 --warmup 1 ;;
+    int4b1nopdl) wo_engine "$W4" int4_wo; LLMC_PDL=0 bench llama8b_int4wo_b1_nopdl "$W4" 120 \
+            --num_requests "$N_B1" --isl 128 --osl 512 --concurrency 1 --warmup 1 ;;
+    int8b1nopdl) wo_engine "$W8" int8_wo; LLMC_PDL=0 bench llama8b_int8wo_b1_nopdl "$W8" 120 \
             --num_requests "$N_B1" --isl 128 --osl 512 --concurrency 1 --warmup 1 ;;
     int4128) wo_engine "$W4" int4_wo; bench llama8b_int4wo_128_128 "$W4" 200 \
             --num_requests "$N_128" --isl 128 --osl 128 ;;

@@ -56,6 +56,10 @@ ROWS = (
     ("llama8b_int8wo_128_128", "Llama-3-8B int8_wo 128/128 offline"),
     ("llama8b_int4wo_128_128_pw", "Llama-3-8B int4_wo (g128) 128/128 offline, piecewise graphs"),
     ("llama8b_int8wo_128_128_pw", "Llama-3-8B int8_wo 128/128 offline, piecewise graphs"),
+    ("llama8b_b1_nopdl", "Llama-3-8B batch 1, LLMC_PDL=0"),
+    ("llama8b_fp8_b1_nopdl", "Llama-3-8B FP8 + FP8 KV batch 1, LLMC_PDL=0"),
+    ("llama8b_int4wo_b1_nopdl", "Llama-3-8B int4_wo (g128) batch 1, LLMC_PDL=0"),
+    ("llama8b_int8wo_b1_nopdl", "Llama-3-8B int8_wo batch 1, LLMC_PDL=0"),
 )
 
 TRTLLM_FP8 = {
