@@ -187,9 +187,10 @@ class CudaBackend(WoOps, GemvOps, GemvFp8Ops, Fp8Ops, SamplingOps, PdlOps):
         """Launch on torch's current stream; ``pdl``: as a programmatic dependent launch
         (only kernels that call cuda/pdl.cuh's ``pdl_wait()`` first; when ``self.pdl``)."""
         ptr = torch.cuda.current_stream(self.device).cuda_stream
-        if pdl and self.pdl and self._pdl_ready():
+        launcher = self._pdl_ready() if pdl and self.pdl else None
+        if launcher is not None:
             with self._cp_device:
-                self._pdl_launcher(kernel, grid, block, args, shared_mem, ptr)
+                launcher(kernel, grid, block, args, shared_mem, ptr)
             return
         stream = self._streams.get(ptr)
         if stream is None:

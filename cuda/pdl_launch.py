@@ -171,16 +171,16 @@ class PdlOps:
     fused_decode_max_tokens: int = 0
     _pdl_launcher: PdlLauncher | None = None
 
-    def _pdl_ready(self) -> bool:
-        """Whether the driver's cuLaunchKernelEx is loaded; a driver without it (before
-        CUDA 12) turns PDL off for this backend: plain launches, the same results."""
+    def _pdl_ready(self) -> PdlLauncher | None:
+        """The driver's cuLaunchKernelEx, loaded on first use; None on a driver without it
+        (before CUDA 12), which turns PDL off for this backend: plain launches, the same
+        results."""
         if self._pdl_launcher is None:
             try:
                 self._pdl_launcher = PdlLauncher()
             except UnsupportedError:
                 self.pdl = self.pdl_attention = False
-                return False
-        return True
+        return self._pdl_launcher
 
     def _pdl_step(self, t: int) -> bool:
         """Whether a step of ``t`` tokens launches rope_kv and decode attention with PDL:

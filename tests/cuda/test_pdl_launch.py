@@ -139,7 +139,7 @@ def test_a_driver_without_cuLaunchKernelEx_launches_plainly(monkeypatch):
         raise UnsupportedError("pdl_launch: cuLaunchKernelEx is not available (old driver)")
 
     monkeypatch.setattr(pl, "PdlLauncher", missing)
-    assert not b._pdl_ready() and not b.pdl and not b.pdl_attention
+    assert b._pdl_ready() is None and not b.pdl and not b.pdl_attention
 
 
 def test_the_gemvs_ask_for_pdl_and_the_rest_do_not(monkeypatch):
