@@ -168,7 +168,7 @@ class PdlOps:
 
     pdl: bool = False
     pdl_attention: bool = False
-    fused_decode_max_tokens: int = 0
+    fused_decode_max_tokens: int  # (CudaBackend's)
     _pdl_launcher: PdlLauncher | None = None
 
     def _pdl_ready(self) -> PdlLauncher | None:

@@ -151,7 +151,7 @@ def _src_over_slots(prev: ScheduledBatch, prev_rows: Any, rows: Any, n: int) -> 
     row_of = np.full(st.capacity, -1, dtype=np.int64)  # prev's sampled row of each slot
     row_of[prev_rows.slots] = np.arange(k)
     j = k
-    for ss in prev.sequences[k:] if k < len(prev.sequences) else ():
+    for ss in prev.sequences[k:]:
         if ss.sample:
             if ss.seq.slot >= 0:  # (a sequence finished since has no slot)
                 row_of[ss.seq.slot] = j

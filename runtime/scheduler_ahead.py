@@ -261,7 +261,7 @@ class AheadScheduling:
         """``prev``'s rows after its slot rows (its prompt chunks are among them)."""
         pr = prev.rows if prev.rows is not None else prev.prefix_rows
         k = len(pr.seqs) if pr is not None else 0
-        return prev.sequences[k:] if k < len(prev.sequences) else ()
+        return prev.sequences[k:]
 
     def _prev_rows_by_slot(self, prev: ScheduledBatch) -> tuple[Any, Any]:
         """([capacity] new tokens, [capacity] start position) of each slot's row in
