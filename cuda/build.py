@@ -23,6 +23,7 @@ from importlib.util import find_spec
 from pathlib import Path
 
 from llmc.base.errors import UnsupportedError
+from llmc.cuda import kernel_cache
 from llmc.cuda.kernels import (
     FAMILIES,
     NVCC_FLAGS,
@@ -134,29 +135,43 @@ def kernel_compiler() -> str:
 
 
 def compile_engine_kernels(
-    spec, dtype: str, arch: str, out_dir: Path, quantization: str | None = None
+    spec,
+    dtype: str,
+    arch: str,
+    out_dir: Path,
+    quantization: str | None = None,
+    cache: Path | None = None,
 ) -> list[Path]:
     """Compile every kernel family for ``spec`` / ``dtype`` / ``arch`` into ``out_dir``.
 
     ``spec`` is a ``llmc.compiler.spec.ModelSpec``; ``quantization`` the engine's
     ``--quantization`` (families only some quantizations run, ``QUANTIZED_FAMILIES``, are
-    compiled for those only; None: every family). Returns the written cubin paths.
+    compiled for those only; None: every family); ``cache`` a folder of cubins compiled
+    before (``llmc.cuda.kernel_cache``: taken from there when the source, arch and compiler
+    match, stored there after compiling; None: always compile). Returns the written cubin
+    paths.
     """
     _check_arch(arch)
     cfg = KernelConfig.from_spec(spec, dtype, quantization)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    use_nvcc = kernel_compiler() == "nvcc"
+    compiler = kernel_compiler()
+    use_nvcc = compiler == "nvcc"
+    tag = kernel_cache.compiler_tag(compiler) if cache is not None else None
     jobs = [(f, family_arch(f, arch) or arch) for f in families_for(cfg, arch)]
 
     def one(job: tuple[str, str]) -> Path:
         family, family_target = job
         path = out_dir / cubin_name(family, cfg, family_target)
+        if tag is not None and kernel_cache.fetch(cache, tag, path.name, path):
+            return path
         src = source(family, cfg)
         if use_nvcc:
             nvcc_compile(src, family_target, path)
         else:
             nvrtc_compile(src, family_target, path)
+        if tag is not None:
+            kernel_cache.store(cache, tag, path)
         return path
 
     workers = max(1, min(len(jobs), os.cpu_count() or 1))

@@ -4,14 +4,17 @@ stage sweeps and large-step rows (seconds of GPU time instead of minutes):
 fused ops of one Llama-3-8B layer at T = 1 and 8 token rows for int4 g128, int8, Q4_K-like
 and bf16 weights, the int4 / int8 ones at T = 1 also without the L2 prefetch, the layer
 sums, the 8B decode projection and the Q6_K lm_head. Microseconds and the fraction of the
-copy rate measured in the same run, as JSON. GPU only; run from outside the checkout:
+copy rate measured in the same run, as JSON. ``STAGES="0 4 8"`` adds the ring rows of those
+depths at T = 1 (``WoOps.wo_stages``; 0: the register stream). GPU only; run from outside
+the checkout:
 
-    python3 $REPO/scripts/wo_gemv_quick.py out.json
+    [STAGES="0 4 8"] python3 $REPO/scripts/wo_gemv_quick.py out.json
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any
 
@@ -35,7 +38,9 @@ def main(path: str) -> None:
     def flops_row(*_: Any) -> None:  # no wo linear rows here (gemm_tokens=())
         raise AssertionError("unexpected flops row")
 
-    wo_rows(be, rows, mem_row, flops_row, graph_ms, _cycle, gemm_tokens=(), stage_sweep={})
+    stages = tuple(int(s) for s in os.environ.get("STAGES", "").split())
+    sweep = {1: stages} if stages else {}
+    wo_rows(be, rows, mem_row, flops_row, graph_ms, _cycle, gemm_tokens=(), stage_sweep=sweep)
     with open(path, "w") as f:
         json.dump({"copy_GBps": bw, "rows": rows}, f, indent=1)
 
