@@ -5,15 +5,13 @@ eager ones (SmolLM2 shape: the tensor-core / sm90 prefill kernels), and really r
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 from helpers.engines import SMOLLM2, load_engine_weights
-from helpers.runner import generate_checked, gpu_runtime, new_seq
+from helpers.runner import generate_checked, gpu_runtime, prefill_batch
 from llmc.compiler.dummy import dummy_weights
-from llmc.runtime.types import SamplingParams, ScheduledBatch, ScheduledSequence
+from llmc.runtime.types import SamplingParams
 
 pytestmark = pytest.mark.cuda
 
@@ -59,15 +57,7 @@ def test_bf16_piecewise_logits_close_to_eager() -> None:
     rt = gpu_runtime((SMOLLM2, w), dtype="bfloat16", piecewise_graph_max_tokens=128)
     runner = rt.runner
     assert runner.piecewise is not None
-    rng = random.Random(4)
-    rows, block = [], 0
-    for i, n in enumerate((12, 37, 5, 60)):  # a 114-token prefill batch of 4 sequences
-        s = new_seq(i, [rng.randrange(3, SMOLLM2.vocab_size) for _ in range(n)], 1)
-        nb = -(-n // 8)
-        s.block_table, s.block_table_version = list(range(block, block + nb)), 1
-        block += nb
-        rows.append(ScheduledSequence(s, 0, n, True))
-    batch = ScheduledBatch(0, tuple(rows))
+    batch = prefill_batch((12, 37, 5, 60), SMOLLM2.vocab_size, 8)  # 114 tokens, 4 sequences
     graphed = runner.forward_logits(batch)
     assert runner.piecewise.replays == 1
     runner.piecewise = None  # the same step eagerly (it rewrites the same KV slots)

@@ -8,26 +8,18 @@ weights' near-ties can part later)."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
-from helpers.engines import tiny_build_config
-from helpers.runner import new_seq
+from helpers.engines import SMOLLM2_HF, tiny_build_config
+from helpers.runner import prefill_batch
 from llmc.compiler.builder import build
 from llmc.runtime.engine_runtime import EngineRuntime, RuntimeConfig
-from llmc.runtime.types import SamplingParams, ScheduledBatch, ScheduledSequence
+from llmc.runtime.types import SamplingParams
 
 pytestmark = pytest.mark.cuda
 
 LIMITS = dict(max_seq_len=128, max_num_tokens=128, max_batch_size=8, tokens_per_block=16)
-SMOLLM2_HF = {
-    "architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576,
-    "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
-    "num_key_value_heads": 3, "head_dim": 64, "rope_theta": 100000.0,
-    "max_position_embeddings": 8192, "tie_word_embeddings": True,
-}  # fmt: skip
 QUANTS = [("fp8", "fp8"), ("int4_wo", "auto"), ("int8_wo", "auto")]
 
 
@@ -64,15 +56,7 @@ def test_quantized_piecewise_prefill_logits_close_to_eager(engine) -> None:
     rt = _runtime(engine, 128)
     runner = rt.runner
     assert runner.piecewise is not None
-    rng = random.Random(4)
-    rows, block = [], 0
-    for i, n in enumerate((12, 37, 5, 60)):  # a 114-token prefill batch of 4 sequences
-        s = new_seq(i, [rng.randrange(3, 49152) for _ in range(n)], 1)
-        nb = -(-n // 16)
-        s.block_table, s.block_table_version = list(range(block, block + nb)), 1
-        block += nb
-        rows.append(ScheduledSequence(s, 0, n, True))
-    batch = ScheduledBatch(0, tuple(rows))
+    batch = prefill_batch((12, 37, 5, 60), 49152, 16)  # 114 tokens, 4 sequences
     graphed = runner.forward_logits(batch)
     assert runner.piecewise.replays == 1
     runner.piecewise = None  # the same step eagerly (it rewrites the same KV slots)

@@ -39,6 +39,13 @@ SMOLLM2 = ModelSpec(
 )
 """SmolLM2-135M's shape (for dummy weights on the GPU)."""
 
+SMOLLM2_HF = {  # SMOLLM2 as an HF config.json (dummy-weight builds of its shape)
+    "architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576,
+    "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+    "num_key_value_heads": 3, "head_dim": 64, "rope_theta": 100000.0,
+    "max_position_embeddings": 8192, "tie_word_embeddings": True,
+}  # fmt: skip
+
 SMALL_LIMITS: dict[str, int] = dict(
     max_seq_len=128, max_input_len=64, max_num_tokens=64, max_batch_size=8, tokens_per_block=16
 )

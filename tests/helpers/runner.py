@@ -229,6 +229,20 @@ def new_seq(rid: int, prompt: list[int], max_new: int, **sampling) -> Sequence:
     )
 
 
+def prefill_batch(lengths, vocab: int, tokens_per_block: int, seed: int = 4) -> ScheduledBatch:
+    """One prefill step of fresh sequences of ``lengths`` random prompt tokens, each on its
+    own consecutive blocks of the pool (block tables set, nothing else allocated)."""
+    rng = random.Random(seed)
+    rows, block = [], 0
+    for i, n in enumerate(lengths):
+        s = new_seq(i, [rng.randrange(3, vocab) for _ in range(n)], 1)
+        nb = -(-n // tokens_per_block)
+        s.block_table, s.block_table_version = list(range(block, block + nb)), 1
+        block += nb
+        rows.append(ScheduledSequence(s, 0, n, True))
+    return ScheduledBatch(0, tuple(rows))
+
+
 @dataclass
 class DriveResult:
     outputs: dict[int, list[int]]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.engines import tiny_build_config
+from helpers.engines import SMOLLM2_HF, tiny_build_config
 from helpers.gguf_quantized import VOCAB, write_tiny_gguf
 from llmc.base.errors import CheckpointError
 from llmc.compiler.builder import build
@@ -23,12 +23,6 @@ from llmc.runtime.types import SamplingParams
 pytestmark = pytest.mark.cuda
 
 LIMITS = dict(max_seq_len=256, max_num_tokens=256, max_batch_size=8, tokens_per_block=16)
-SMOLLM2_HF = {
-    "architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576,
-    "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
-    "num_key_value_heads": 3, "head_dim": 64, "rope_theta": 100000.0,
-    "max_position_embeddings": 8192, "tie_word_embeddings": True,
-}  # fmt: skip
 
 
 @pytest.fixture(scope="module", autouse=True)
