@@ -29,9 +29,8 @@
 //
 // Work: tiles go round-robin over the CTAs (grid <= SMs, <= tiles; 512 threads = 16 warps,
 // one CTA per SM). A CTA takes its tiles 16 at a time (a round); with c < 16 tiles in a
-// round its k-steps are split evenly over the 16 warps (cuda/gemv_skeleton.cuh's flat split:
-// a share is the tail of one tile and the head of the next at most), the sums added through
-// shared memory. A warp streams its share in batches of G8_U k-steps
+// round, 16 / c warps share each tile, each over a contiguous share of the k-steps, and add
+// their sums through shared memory. A warp streams its share in batches of G8_U k-steps
 // (8 weight loads in flight per lane), double-buffered in registers: the next batch is
 // loaded before the current one is multiplied. The first batch is loaded, and the next two
 // prefetched into L2, before the prologue, so the weight stream starts while the
@@ -51,8 +50,7 @@
 // before pdl_wait(), the prologue (x) and every store after it.
 //
 // History: v1 (measured on the H100 at 74 % of copy in an 8B layer chain with PDL, 2026-12-07);
-// v2 (this): the M = 1 prologue holds x in registers (two L2 round trips fewer a launch);
-// the flat split (every warp busy when a round has fewer than 16 tiles).
+// v2 (this): the M = 1 prologue holds x in registers (two L2 round trips fewer a launch).
 #include "common.cuh"
 #include "gemv_skeleton.cuh"
 #include "pdl.cuh"
@@ -268,7 +266,7 @@ __device__ __forceinline__ void gemv8_body(const G8Args& a) {
     constexpr int VW = VECTOR ? VEC : 1;  // activation elements per prologue load
     extern __shared__ v4u g8_smem[];
     unsigned char* xq = reinterpret_cast<unsigned char*>(g8_smem);
-    __shared__ float part[G8_WARPS][4][32];  // partial sums of shared tiles [warp][value][lane]
+    __shared__ float part[G8_WARPS][4][32];  // split-K partial sums [warp][value][lane]
     __shared__ float red[G8_WARPS][M];
     __shared__ float tot[M];
     __shared__ float xscale[M];
@@ -285,45 +283,34 @@ __device__ __forceinline__ void gemv8_body(const G8Args& a) {
     const unsigned char* xrow = xq + g * a.S + 16 * t4;
 
     v4u A[G8_U][2], B[G8_U][2];
-    GemvShare sh = gemv_share(0, c, ksteps, warp);
+    GemvWork w = gemv_work(0, c, ksteps, warp);
     const unsigned char* w0 =
-        a.w + (long long)gemv_tile_row<MODE>(sh.seg[0].tile, g, n_out) * K + 16 * t4;
+        a.w + (long long)gemv_tile_row<MODE>(w.tile, g, n_out) * K + 16 * t4;
     const unsigned char* w1 =
-        a.w + (long long)gemv_tile_row<MODE>(sh.seg[0].tile, g + 8, n_out) * K + 16 * t4;
-    if (sh.n > 0) {  // start the weight stream before the prologue
-        const GemvSeg& s = sh.seg[0];
-        load_batch<VECTOR>(A, w0, w1, s.s0, min(G8_U, s.s1 - s.s0), t4, K);
+        a.w + (long long)gemv_tile_row<MODE>(w.tile, g + 8, n_out) * K + 16 * t4;
+    if (w.active && w.s0 < w.s1) {  // start the weight stream before the prologue
+        load_batch<VECTOR>(A, w0, w1, w.s0, min(G8_U, w.s1 - w.s0), t4, K);
         const unsigned char* rp =
-            a.w + (long long)gemv_tile_row<MODE>(s.tile, lane & 15, n_out) * K;
-        const int beg = 64 * (s.s0 + G8_U), end = min(min(64 * s.s1, K), beg + 64 * 2 * G8_U);
+            a.w + (long long)gemv_tile_row<MODE>(w.tile, lane & 15, n_out) * K;
+        const int beg = 64 * (w.s0 + G8_U), end = min(min(64 * w.s1, K), beg + 64 * 2 * G8_U);
         for (int off = beg + 128 * (lane >> 4); off < end; off += 256) g8_prefetch_l2(rp + off);
     }
     pdl_wait();  // x and the outputs: the previous kernel's (the weights were not)
     g8_prologue<M, MODE, VW>(a, xq, xscale, red, tot);
 
     for (int r = 0; r * G8_WARPS < c; ++r) {
-        if (r > 0) sh = gemv_share(r, c, ksteps, warp);
-        float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {  // the share's segments (the tail of a tile, a head)
-            if (i < sh.n) {
-                const GemvSeg& s = sh.seg[i];
-                const bool pre = r == 0 && i == 0;  // batch A loaded before the prologue
-                if (!pre) {
-                    w0 = a.w + (long long)gemv_tile_row<MODE>(s.tile, g, n_out) * K + 16 * t4;
-                    w1 = a.w + (long long)gemv_tile_row<MODE>(s.tile, g + 8, n_out) * K + 16 * t4;
-                }
-                stream_tile<VECTOR>(acc[i], A, B, w0, w1, xrow, g < M, s.s0, s.s1, pre, t4, K);
-            }
+        if (r > 0) {
+            w = gemv_work(r, c, ksteps, warp);
+            w0 = a.w + (long long)gemv_tile_row<MODE>(w.tile, g, n_out) * K + 16 * t4;
+            w1 = a.w + (long long)gemv_tile_row<MODE>(w.tile, g + 8, n_out) * K + 16 * t4;
         }
-        gemv_share_add(acc, part, sh, r, c, ksteps, warp, lane);  // the later warps' parts
-        if (sh.own >= 0) {
-            const bool o1 = sh.own == 1;
-            const float y[4] = {o1 ? acc[1][0] : acc[0][0], o1 ? acc[1][1] : acc[0][1],
-                                o1 ? acc[1][2] : acc[0][2], o1 ? acc[1][3] : acc[0][3]};
-            g8_store<M, MODE>(a, y, o1 ? sh.seg[1].tile : sh.seg[0].tile, xscale, g, t4);
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        if (w.active && w.s0 < w.s1) {
+            stream_tile<VECTOR>(acc, A, B, w0, w1, xrow, g < M, w.s0, w.s1, r == 0, t4, K);
         }
-        gemv_share_done(sh);
+        gemv_split_add(acc, part, w, warp, lane);  // the other warps' shares
+        if (w.active && w.part == 0) g8_store<M, MODE>(a, acc, w.tile, xscale, g, t4);
+        gemv_split_done(w);
     }
 }
 

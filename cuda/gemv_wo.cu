@@ -45,10 +45,9 @@
 // Scale loads (2 or 4 bytes) travel with the code loads of their k-step (kstep, deq).
 //
 // Work: tiles round-robin over the CTAs (grid <= SMs, <= tiles; 512 threads, one CTA per
-// SM), 16 tiles per round; with c < 16 tiles in a round the round's k-steps are split evenly
-// over the 16 warps (cuda/gemv_skeleton.cuh's flat split: a share is the tail of one tile and
-// the head of the next at most) and the sums added through shared memory. The weight stream
-// of a warp's share:
+// SM), 16 tiles per round; with c < 16 tiles in a round, 16 / c warps share each tile over
+// contiguous shares of the k-steps and add their sums through shared memory (split-K for
+// small N). The weight stream of a warp's share:
 //   _ring (the default): cuda/wo_ring.cuh: every lane copies its code vectors and scale words
 //          (cp.async) into its slots of a per-warp shared-memory ring of R one-k-step
 //          stages (R = flags >> 8, 2..16, as many as the host's shared-memory budget holds
@@ -97,7 +96,6 @@
 #include "pdl.cuh"
 
 #include "wo_codes.cuh"
-#include "wo_prologue.cuh"
 #include "wo_ring.cuh"
 
 template <int BITS, int SMODE>
@@ -164,6 +162,165 @@ __device__ __forceinline__ void wo_stream_fixed(float (&tot)[4], WoBatch<BITS, S
     } else {
         wo_stream<BITS, SMODE, VECTOR>(tot, A, B, L, xrow, s0, s1, preloaded, xs, t4);
     }
+}
+
+// ---- prologue ---------------------------------------------------------------------------
+// Per-row block sums of v[8] (rows >= M zero); every thread gets the totals.
+__device__ __forceinline__ void wo_reduce_rows(float (&v)[8], float (*red)[8], float* tot) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int m = 0; m < 8; ++m) {
+        const float s = warp_sum(v[m]);
+        if (lane == 0) red[warp][m] = s;
+    }
+    __syncthreads();
+    if (threadIdx.x < 8) {
+        float t = 0.f;
+#pragma unroll
+        for (int w = 0; w < WO_WARPS; ++w) t += red[w][threadIdx.x];
+        tot[threadIdx.x] = t;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int m = 0; m < 8; ++m) v[m] = tot[m];
+}
+
+// Two staged 16-bit values (lo, hi): f16 where X16, else the build's dtype. The values are
+// already representable (rounded by the caller), so the conversion is exact.
+template <bool X16>
+__device__ __forceinline__ unsigned int wo_pack_x(float lo, float hi) {
+    if constexpr (X16) return (unsigned int)wo_f2h(lo) | ((unsigned int)wo_f2h(hi) << 16);
+    return pack2(lo, hi);
+}
+
+// Columns c0 .. c0 + VW - 1 of a staged row, in the pair order.
+template <int BITS, int VW, bool X16>
+__device__ __forceinline__ void wo_stage(unsigned char* row, int c0, const float (&f)[VW]) {
+    if constexpr (VW == 8) {  // one code word (4-bit) or two (8-bit): 16 bytes
+        v4u v;
+        if constexpr (BITS == 4) {
+            v = v4u{wo_pack_x<X16>(f[0], f[4]), wo_pack_x<X16>(f[1], f[5]),
+                    wo_pack_x<X16>(f[2], f[6]), wo_pack_x<X16>(f[3], f[7])};
+        } else {
+            v = v4u{wo_pack_x<X16>(f[0], f[1]), wo_pack_x<X16>(f[2], f[3]),
+                    wo_pack_x<X16>(f[4], f[5]), wo_pack_x<X16>(f[6], f[7])};
+        }
+        *reinterpret_cast<v4u*>(row + wo_xoff<BITS>(c0)) = v;
+    } else {
+#pragma unroll
+        for (int e = 0; e < VW; ++e) {
+            const unsigned short h = X16 ? wo_f2h(f[e]) : (unsigned short)from_float(f[e]);
+            *reinterpret_cast<unsigned short*>(row + wo_xoff<BITS>(c0 + e)) = h;
+        }
+    }
+}
+
+// Stage the M rows (rms-normed and rounded for MODE 0 / 1) into xs as 16-bit values in the
+// pair order, zero the pad, and (wo_has_sums) their sums per k-step / per row; ends with a
+// barrier. Returns the factor the sums must be multiplied by: 1, or, where f16 staging of a
+// bf16 build (wo_x16) meets a value of magnitude >= 32768, 2^e for the power of two 2^-e the
+// CTA staged every row times (exact: a power of two), so that no staged value overflows.
+template <int MODE, int BITS, int SMODE, int VW>
+__device__ __forceinline__ float wo_prologue(const WoArgs& a, unsigned char* xs, float* xsum,
+                                             int nsum, float (*red)[8], float* tot) {
+    constexpr bool X16 = wo_x16<BITS, SMODE>();
+    constexpr bool RESCALE = X16 && LLMC_DTYPE == 2;  // bf16 values past the f16 range
+    constexpr int KS = wo_ks<BITS>();
+    const int K = a.K, M = a.M, nv = K / VW;
+    const int pad = (K + KS - 1) / KS * KS - K;
+    for (int i = threadIdx.x; i < M * pad; i += WO_THREADS) {
+        const int m = i / pad, c = K + i % pad;
+        *reinterpret_cast<unsigned short*>(xs + m * a.S + wo_xoff<BITS>(c)) = 0;
+    }
+    float rs[8];
+#pragma unroll
+    for (int m = 0; m < 8; ++m) rs[m] = 1.f;
+    if constexpr (MODE == 0 || MODE == 1) {  // rms scale: float32 sum of squares
+        float v[8];
+#pragma unroll
+        for (int m = 0; m < 8; ++m) v[m] = 0.f;
+        for (int i = threadIdx.x; i < nv; i += WO_THREADS) {
+#pragma unroll
+            for (int m = 0; m < 8; ++m) {
+                if (m < M) {
+                    float f[VW];
+                    load_vec<VW>(a.x + (long long)m * K + i * VW, f);
+#pragma unroll
+                    for (int e = 0; e < VW; ++e) v[m] += f[e] * f[e];
+                }
+            }
+        }
+        wo_reduce_rows(v, red, tot);
+#pragma unroll
+        for (int m = 0; m < 8; ++m) rs[m] = rsqrtf(v[m] / (float)K + a.eps);
+    }
+    // Every lane of a warp makes the same trips (the sums are shuffled over the lanes that
+    // share one: a whole k-step of a vector kernel, so one atomic per sum and its bits fixed).
+    constexpr int SW = SMODE == WO_ROW ? 32 : (KS / VW < 32 ? KS / VW : 32);
+    __shared__ unsigned int big_bits;  // RESCALE: the CTA's largest |value| (float bits)
+    if (RESCALE && threadIdx.x == 0) big_bits = 0u;
+    float xscale = 1.f, back = 1.f;
+    for (int pass = 0; pass < 2; ++pass) {  // pass 1 only where RESCALE found a value
+        float amax = 0.f;  // this thread's largest |value|
+        if (xsum != nullptr) {
+            for (int i = threadIdx.x; i < M * nsum; i += WO_THREADS) xsum[i] = 0.f;
+            __syncthreads();  // the sums are zero before any thread adds to them
+        }
+        for (int i0 = 0; i0 < nv; i0 += WO_THREADS) {
+            const int i = i0 + (int)threadIdx.x;
+            const bool in = i < nv;
+            float nw[VW];
+#pragma unroll
+            for (int e = 0; e < VW; ++e) nw[e] = 0.f;
+            if constexpr (MODE == 0 || MODE == 1) {
+                if (in) load_vec<VW>(a.norm_w + i * VW, nw);
+            }
+            const int c0 = i * VW;
+#pragma unroll
+            for (int m = 0; m < 8; ++m) {
+                if (m >= M) continue;
+                float f[VW];
+#pragma unroll
+                for (int e = 0; e < VW; ++e) f[e] = 0.f;
+                if (in) load_vec<VW>(a.x + (long long)m * K + c0, f);
+                if constexpr (MODE == 0 || MODE == 1) {
+#pragma unroll
+                    for (int e = 0; e < VW; ++e) f[e] = to_float(from_float(f[e] * rs[m] * nw[e]));
+                }
+                if constexpr (RESCALE) {  // the f16 values the mmas will see (the sums' too)
+#pragma unroll
+                    for (int e = 0; e < VW; ++e) {
+                        amax = fmaxf(amax, fabsf(f[e]));
+                        f[e] = wo_h2f(wo_f2h(f[e] * xscale));
+                    }
+                }
+                if (in) wo_stage<BITS, VW, X16>(xs + m * a.S, c0, f);
+                if (xsum != nullptr) {
+                    float s = 0.f;
+#pragma unroll
+                    for (int e = 0; e < VW; ++e) s += in ? f[e] : 0.f;
+#pragma unroll
+                    for (int o = SW / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+                    if (in && (threadIdx.x & (SW - 1)) == 0) {
+                        atomicAdd(&xsum[m * nsum + (SMODE == WO_ROW ? 0 : c0 / KS)], s);
+                    }
+                }
+            }
+        }
+        if constexpr (!RESCALE) break;
+        if (pass == 1) break;
+        if (amax >= 32768.f) atomicMax(&big_bits, __float_as_uint(amax));
+        __syncthreads();
+        const unsigned int bits = big_bits;  // CTA-uniform
+        if (bits == 0u) break;
+        // stage again, times 2^-e: the largest value below 32768 (amax < 2^(e + 15))
+        const int e = (int)((bits >> 23) & 0xffu) - 127 - 14;
+        xscale = __uint_as_float((unsigned int)(127 - e) << 23);
+        back = __uint_as_float((unsigned int)(127 + e) << 23);
+        __syncthreads();  // every thread has read big_bits (the sums are re-zeroed next)
+    }
+    __syncthreads();
+    return back;
 }
 
 // ---- epilogue ---------------------------------------------------------------------------
@@ -238,7 +395,7 @@ __device__ __forceinline__ void gemv_wo_body(const WoArgs& a) {
     extern __shared__ v4u wo_smem[];
 #endif
     unsigned char* xs = reinterpret_cast<unsigned char*>(wo_smem);
-    __shared__ float part[WO_WARPS][4][32];  // partial sums of shared tiles [warp][value][lane]
+    __shared__ float part[WO_WARPS][4][32];  // split-K partial sums [warp][value][lane]
     __shared__ float red[WO_WARPS][8];
     __shared__ float tot[8];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t4 = lane & 3;
@@ -269,56 +426,47 @@ __device__ __forceinline__ void gemv_wo_body(const WoArgs& a) {
     unsigned char* lane0 = wo_ring_lane(xs + ring_off, R, stage, warp, lane);
 
     WoBatch<BITS, SMODE> A, B;
-    GemvShare sh = gemv_share(0, c, ksteps, warp);
-    WoLane L = wo_lane<BITS, MODE>(a, sh.seg[0].tile, g, t4, kc);
-    if (sh.n > 0) {  // the weight stream starts before the prologue
-        const GemvSeg& s = sh.seg[0];
-        if constexpr (RING) {  // the first R k-steps in flight
-            wo_ring_fill<BITS, SMODE>(lane0, R, stage, L, s.s0, s.s1);
-        } else {
-            wo_load_batch<BITS, SMODE, VECTOR>(A, L, s.s0, min(U, s.s1 - s.s0));
-            const unsigned char* rp =
-                a.w + (long long)gemv_tile_row<MODE>(s.tile, lane & 15, n_out) * L.rowbytes;
-            const int beg = 64 * (s.s0 + U);
-            const int end = min(min(64 * s.s1, L.rowbytes), beg + 64 * 2 * U);
-            for (int off = beg + 128 * (lane >> 4); off < end; off += 256) wo_prefetch(rp + off);
-        }
+    GemvWork w = gemv_work(0, c, ksteps, warp);
+    WoLane L = wo_lane<BITS, MODE>(a, w.tile, g, t4, kc);
+    if constexpr (RING) {  // the first R k-steps in flight before the prologue
+        if (w.active && w.s0 < w.s1) wo_ring_fill<BITS, SMODE>(lane0, R, stage, L, w.s0, w.s1);
+    } else if (w.active && w.s0 < w.s1) {  // start the weight stream before the prologue
+        wo_load_batch<BITS, SMODE, VECTOR>(A, L, w.s0, min(U, w.s1 - w.s0));
+        const unsigned char* rp =
+            a.w + (long long)gemv_tile_row<MODE>(w.tile, lane & 15, n_out) * L.rowbytes;
+        const int beg = 64 * (w.s0 + U);
+        const int end = min(min(64 * w.s1, L.rowbytes), beg + 64 * 2 * U);
+        for (int off = beg + 128 * (lane >> 4); off < end; off += 256) wo_prefetch(rp + off);
     }
     pdl_wait();  // x and the outputs: the previous kernel's (the codes and scales were not)
     const float back = wo_prologue<MODE, BITS, SMODE, VW>(a, xs, xsum, nsum, red, tot);
 
     for (int r = 0; r * WO_WARPS < c; ++r) {
-        if (r > 0) sh = gemv_share(r, c, ksteps, warp);
-        float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {  // the share's segments; L ends as the owned tile's
-            if (i < sh.n) {
-                const GemvSeg& s = sh.seg[i];
-                const bool pre = r == 0 && i == 0;  // streamed before the prologue
-                if (!pre) L = wo_lane<BITS, MODE>(a, s.tile, g, t4, kc);
-                if constexpr (RING) {
-                    if (!pre) wo_ring_fill<BITS, SMODE>(lane0, R, stage, L, s.s0, s.s1);
-                    wo_ring_stream<BITS, SMODE>(acc[i], lane0, R, stage, L, xrow, s.s0, s.s1,
-                                                sums, t4);
-                } else {
-                    wo_stream_fixed<BITS, SMODE, VECTOR>(acc[i], A, B, L, xrow, s.s0, s.s1, pre,
-                                                         sums, t4);
-                }
+        if (r > 0) {
+            w = gemv_work(r, c, ksteps, warp);
+            L = wo_lane<BITS, MODE>(a, w.tile, g, t4, kc);
+        }
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        if (w.active && w.s0 < w.s1) {
+            if constexpr (RING) {
+                if (r > 0) wo_ring_fill<BITS, SMODE>(lane0, R, stage, L, w.s0, w.s1);
+                wo_ring_stream<BITS, SMODE>(acc, lane0, R, stage, L, xrow, w.s0, w.s1,
+                                            sums, t4);
+            } else {
+                wo_stream_fixed<BITS, SMODE, VECTOR>(acc, A, B, L, xrow, w.s0, w.s1, r == 0,
+                                                     sums, t4);
             }
         }
-        gemv_share_add(acc, part, sh, r, c, ksteps, warp, lane);  // the later warps' parts
-        if (sh.own >= 0) {  // own == 1, or 0 with one segment: L is the owned tile's
-            const bool o1 = sh.own == 1;
-            float y[4] = {o1 ? acc[1][0] : acc[0][0], o1 ? acc[1][1] : acc[0][1],
-                          o1 ? acc[1][2] : acc[0][2], o1 ? acc[1][3] : acc[0][3]};
-            wo_row_scale<BITS, SMODE>(y, L, sums, t4);
+        gemv_split_add(acc, part, w, warp, lane);  // the other warps' shares
+        if (w.active && w.part == 0) {
+            wo_row_scale<BITS, SMODE>(acc, L, sums, t4);
             if (back != 1.f) {  // the prologue's power of two (CTA-uniform)
 #pragma unroll
-                for (int j = 0; j < 4; ++j) y[j] *= back;
+                for (int j = 0; j < 4; ++j) acc[j] *= back;
             }
-            wo_store<MODE>(a, y, o1 ? sh.seg[1].tile : sh.seg[0].tile, g, t4);
+            wo_store<MODE>(a, acc, w.tile, g, t4);
         }
-        gemv_share_done(sh);
+        gemv_split_done(w);
     }
 }
 

@@ -56,8 +56,6 @@ CASES = [
     ("silu", 4, None, True, torch.float32, 0, 3, 1152, 128, 1, "row + sums: 9 k-steps a warp"),
     ("norm", 4, 32, True, torch.float16, None, 6, 224, 20, 2, "deq, f16 G = 7: odd rows"),
     ("add", 8, 64, True, torch.float16, 0, 8, 320, 18, 1, "kstep + sums, f16 G = 5"),
-    ("silu", 4, 128, True, torch.float16, None, 1, 1024, 40, 1, "flat: 2.5 k-steps a warp"),
-    ("add", 8, None, False, torch.float16, 128, 2, 1536, 112, 2, "row, flat: 4 / 3 tiles"),
 ]
 
 
