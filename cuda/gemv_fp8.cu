@@ -39,8 +39,7 @@
 // Prologue (every CTA, all 512 threads): rms scale per row (norm kernels), amax of the
 // values to quantize, their e4m3 codes into shared memory at row stride S (from the host:
 // K rounded up to 128, + 64, so the token rows of one LDS phase fall in different banks),
-// zero-padded to whole k-steps (cuda/gemv_fp8_prologue.cuh: at M = 1 x is read once and
-// held in registers across the passes). The *_scalar kernels (K % 16 != 0 or a misaligned base)
+// zero-padded to whole k-steps. The *_scalar kernels (K % 16 != 0 or a misaligned base)
 // load weights by bytes and x by elements: correct, slow.
 //
 // Launch: grid min(SMs, tiles), block 512, dynamic smem M * S bytes (the host runs the
@@ -49,8 +48,7 @@
 // when CudaBackend.pdl (cuda/pdl.cuh): the first batch's loads and the L2 prefetch come
 // before pdl_wait(), the prologue (x) and every store after it.
 //
-// History: v1 (measured on the H100 at 74 % of copy in an 8B layer chain with PDL, 2026-12-07);
-// v2 (this): the M = 1 prologue holds x in registers (two L2 round trips fewer a launch).
+// History: v1 (this; not yet measured on the H200).
 #include "common.cuh"
 #include "gemv_skeleton.cuh"
 #include "pdl.cuh"
@@ -111,8 +109,6 @@ __device__ __forceinline__ unsigned short f32x2_to_e4m3x2(float lo, float hi) {
 #endif
     return r;
 }
-
-#include "gemv_fp8_prologue.cuh"
 
 // Four e4m3 codes (one word, byte i = element i) -> two f16x2 words holding the values times
 // 2^-8, exactly, on the integer pipe: the e4m3 pattern s.eeee.mmm becomes the f16 pattern
@@ -221,6 +217,125 @@ __device__ __forceinline__ void stream_tile(float (&acc)[4], v4u (&A)[G8_U][2],
         kb += G8_U;
         if (kb >= s1) break;
     }
+}
+
+// Per-row block reduction (sum, or max when MAX) of v[M]; every thread gets the totals.
+// `red` [16][M] and `tot` [M] are shared scratch, safe to reuse by the next call.
+template <int M, bool MAX>
+__device__ __forceinline__ void reduce_rows(float (&v)[M], float (*red)[M], float* tot) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+        const float s = MAX ? warp_max(v[m]) : warp_sum(v[m]);
+        if (lane == 0) red[warp][m] = s;
+    }
+    __syncthreads();
+    if (threadIdx.x < M) {
+        const float* col = &red[0][threadIdx.x];
+        float t = col[0];
+#pragma unroll
+        for (int w = 1; w < G8_WARPS; ++w) t = MAX ? fmaxf(t, col[w * M]) : t + col[w * M];
+        tot[threadIdx.x] = t;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int m = 0; m < M; ++m) v[m] = tot[m];
+}
+
+// Vector i of the norm weight (norm kernels; unused by gemv8_add).
+template <int MODE, int VW>
+__device__ __forceinline__ void g8_norm_w(const G8Args& a, int i, float* nw) {
+    if constexpr (MODE != 2) {
+        load_vec<VW>(a.norm_w + i * VW, nw);
+    } else {
+#pragma unroll
+        for (int e = 0; e < VW; ++e) nw[e] = 1.f;
+    }
+}
+
+// Vector i of row m of what the prologue quantizes: the rms-normed row rounded to the
+// dtype (rs = its rms scale, nw the norm weight vector), or x itself.
+template <int MODE, int VW>
+__device__ __forceinline__ void g8_values(const G8Args& a, int m, int i, float rs,
+                                          const float* nw, float* f) {
+    load_vec<VW>(a.x + (long long)m * a.K + i * VW, f);
+    if constexpr (MODE != 2) {
+#pragma unroll
+        for (int e = 0; e < VW; ++e) f[e] = to_float(from_float(f[e] * rs * nw[e]));
+    }
+}
+
+// Quantize the M rows into xq (codes) and xscale (xs per row); ends with a barrier.
+template <int M, int MODE, int VW>
+__device__ __forceinline__ void g8_prologue(const G8Args& a, unsigned char* xq, float* xscale,
+                                            float (*red)[M], float* tot) {
+    const int K = a.K, nv = K / VW;
+    float rs[M], v[M];
+#pragma unroll
+    for (int m = 0; m < M; ++m) rs[m] = 1.f, v[m] = 0.f;
+    if constexpr (MODE != 2) {  // rms scale: float32 sum of squares
+        for (int i = threadIdx.x; i < nv; i += G8_THREADS) {
+#pragma unroll
+            for (int m = 0; m < M; ++m) {
+                float f[VW];
+                load_vec<VW>(a.x + (long long)m * K + i * VW, f);
+#pragma unroll
+                for (int e = 0; e < VW; ++e) v[m] += f[e] * f[e];
+            }
+        }
+        reduce_rows<M, false>(v, red, tot);
+#pragma unroll
+        for (int m = 0; m < M; ++m) rs[m] = rsqrtf(v[m] / (float)K + a.eps), v[m] = 0.f;
+    }
+    for (int i = threadIdx.x; i < nv; i += G8_THREADS) {  // amax of what gets quantized
+        float nw[VW];
+        g8_norm_w<MODE, VW>(a, i, nw);
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            float f[VW];
+            g8_values<MODE, VW>(a, m, i, rs[m], nw, f);
+#pragma unroll
+            for (int e = 0; e < VW; ++e) v[m] = fmaxf(v[m], fabsf(f[e]));
+        }
+    }
+    reduce_rows<M, true>(v, red, tot);
+    float inv[M];
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+        const float amax = fmaxf(v[m], 1e-12f);
+        inv[m] = 448.f / amax;
+        if (threadIdx.x == m) xscale[m] = amax / 448.f;
+    }
+    for (int i = threadIdx.x; i < nv; i += G8_THREADS) {  // the codes
+        float nw[VW];
+        g8_norm_w<MODE, VW>(a, i, nw);
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            float f[VW];
+            g8_values<MODE, VW>(a, m, i, rs[m], nw, f);
+#pragma unroll
+            for (int e = 0; e < VW; ++e) f[e] *= inv[m];
+            unsigned char* q = xq + m * a.S + i * VW;
+            if constexpr (VW == 1) {
+                *q = (unsigned char)(f32x2_to_e4m3x2(f[0], 0.f) & 0xffu);
+            } else {
+                unsigned int wd[VW / 4];
+#pragma unroll
+                for (int p = 0; p < VW / 4; ++p) {
+                    wd[p] = (unsigned int)f32x2_to_e4m3x2(f[4 * p], f[4 * p + 1]) |
+                            ((unsigned int)f32x2_to_e4m3x2(f[4 * p + 2], f[4 * p + 3]) << 16);
+                }
+                if constexpr (VW == 8) {
+                    *reinterpret_cast<v2u*>(q) = v2u{wd[0], wd[1]};
+                } else {
+                    *reinterpret_cast<unsigned int*>(q) = wd[0];
+                }
+            }
+        }
+    }
+    const int pad = (K + 63) / 64 * 64 - K;  // zero codes up to whole k-steps
+    for (int i = threadIdx.x; i < M * pad; i += G8_THREADS) xq[(i / pad) * a.S + K + i % pad] = 0;
+    __syncthreads();
 }
 
 __device__ __forceinline__ float g8_silu(float g) { return g / (1.f + expf(-g)); }
