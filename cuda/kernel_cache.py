@@ -1,5 +1,6 @@
 """A content-addressed store of compiled cubins, so that rebuilding an engine whose kernels
-did not change skips the compiler (nvcc takes ~100 s for an 8B engine's families).
+did not change skips the compiler (an 8B int4_wo engine's families took nvcc 57 s on a
+2-core CPU, the build 0.4 s with them cached: docs/PERFORMANCE.md, 2026-12-07).
 
 A cubin is stored as ``<cache>/<compiler tag>/<cubin name>``: ``llmc.cuda.kernels.cubin_name``
 already names the family, its config macros, the target arch and a hash of the complete
@@ -70,17 +71,21 @@ def fetch(cache: Path, tag: str, name: str, dest: Path) -> bool:
 
 
 def store(cache: Path, tag: str, cubin: Path) -> None:
-    """Put a freshly compiled cubin into the cache (atomically; errors are ignored: the
-    cache is an optimisation, the build already has its cubin)."""
+    """Put a freshly compiled cubin into the cache (written to a temporary name, readable by
+    all, renamed into place; errors are ignored: the cache is an optimisation, the build
+    already has its cubin)."""
     folder = cache / tag
+    tmp: str | None = None
     try:
         folder.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=folder, suffix=".part")
         os.close(fd)
         shutil.copyfile(cubin, tmp)
+        os.chmod(tmp, 0o644)
         os.replace(tmp, folder / cubin.name)
     except OSError:
-        try:
-            os.unlink(tmp)  # type: ignore[possibly-undefined]
-        except (OSError, NameError):
-            pass
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass

@@ -59,6 +59,7 @@ def test_a_rebuild_takes_every_cubin_from_the_cache(tiny_llama_dir, tmp_path, mo
     tags = list((tmp_path / "kc").iterdir())
     assert [t.name.split("-")[:2] for t in tags] == [["nvcc", "13.0"]]
     assert sorted(p.name for p in tags[0].iterdir()) == sorted(stub_nvcc)  # no .part left
+    assert all(p.stat().st_mode & 0o777 == 0o644 for p in tags[0].iterdir())  # shareable
     second = _build(tiny_llama_dir, tmp_path / "e2")
     assert len(stub_nvcc) == n  # nothing compiled
     assert second.manifest["kernels"] == first.manifest["kernels"]
