@@ -6,7 +6,8 @@ The variant comes from the environment:
 - ``KERNEL_SRC=DIR``: the ``.cu`` / ``.cuh`` files of another tree (e.g. ``git archive REV
   cuda | tar -x -C /tmp``), instead of this checkout's ``cuda/``;
 - ``KERNEL_DEFINES="NAME=VALUE ..."``: ``#define`` lines put before every family's source.
-Kernels load from ``KERNEL_DIR`` (default ``kernel_ab/`` beside this script) where a cubin
+Kernels load from ``KERNEL_DIR`` (default ``scripts/kernel_ab/``, git-ignored: name it in
+the device tool's ``carry``) where a cubin
 of the variant's exact source is there — built here with nvcc by ``--prebuild`` (names
 carry the source hash, so the variants share one folder) — and compile with NVRTC on the
 GPU otherwise. Commands:
