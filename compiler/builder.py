@@ -28,7 +28,6 @@ returns exactly when the engine is written.
 from __future__ import annotations
 
 import dataclasses
-import os
 import shutil
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -53,7 +52,6 @@ from llmc.compiler.gguf_native import resolve_gguf_quantization
 from llmc.compiler.hf_reader import TOKENIZER_FILES, read_json
 from llmc.compiler.limits import EngineLimits
 from llmc.compiler.memory_plan import MemoryPlan, plan_memory
-from llmc.compiler.model_cache import cache_dir
 from llmc.compiler.output_dir import (
     check_free_space,
     check_output_dir,
@@ -65,6 +63,7 @@ from llmc.compiler.resolve import ResolvedBuild, detect_gpu, device_memory, reso
 from llmc.compiler.spec import ModelSpec
 from llmc.compiler.tp_layout import rank_spec, tp_section
 from llmc.cuda.build import check_target, compile_engine_kernels
+from llmc.cuda.kernel_cache import kernel_cache_dir
 
 PHASES = ("read", "plan", "convert", "compile", "write")
 
@@ -194,16 +193,6 @@ def _compile_kernels(
         spec, limits.dtype, target, out_dir, limits.quantization, cache=kernel_cache_dir()
     )
     return sorted(Path(p).resolve().relative_to(out_dir.resolve()).as_posix() for p in paths)
-
-
-def kernel_cache_dir() -> Path | None:
-    """Where compiled cubins are kept between builds (``llmc.cuda.kernel_cache``):
-    ``$LLMC_KERNEL_CACHE``, else ``<LLMC_CACHE>/kernels``; ``LLMC_KERNEL_CACHE=0`` turns it
-    off (every build compiles)."""
-    env = os.environ.get("LLMC_KERNEL_CACHE")
-    if env == "0":
-        return None
-    return Path(env) if env else cache_dir() / "kernels"
 
 
 class _Phases:

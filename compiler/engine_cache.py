@@ -14,9 +14,9 @@ from pathlib import Path
 
 from llmc.base import version
 from llmc.base.errors import CheckpointError, ConfigError
+from llmc.base.paths import cache_dir
 from llmc.compiler import builder
 from llmc.compiler.build_config import BuildConfig
-from llmc.compiler.model_cache import cache_dir
 from llmc.compiler.output_dir import is_llmc_output
 
 

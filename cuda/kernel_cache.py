@@ -10,11 +10,18 @@ another's, and the compile flags are part of the tag's hash (``NVCC_FLAGS``). En
 written to a temporary name and renamed into place, so a reader never sees half a cubin;
 an entry that cannot be read or written is a miss (the build compiles as before).
 
+The run time shares the store (``runtime_cubin``): a kernel an engine directory does not
+hold (CPU-built engines, kernel tests, a config no engine names) is taken from the cache
+(nvcc's entries first, then NVRTC's) or compiled once with NVRTC and stored under NVRTC's
+tag; a lock file a cubin makes concurrent processes (pytest-xdist workers, several servers)
+wait for one compile instead of each running the same one.
+
 Invariant: importing this module needs neither CuPy nor a GPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -22,9 +29,21 @@ import re
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
-from llmc.cuda.kernels import NVCC_FLAGS
+from llmc.base.paths import cache_dir
+from llmc.cuda.kernels import NVCC_FLAGS, KernelConfig, cubin_name, nvrtc_compile, source
+
+
+def kernel_cache_dir() -> Path | None:
+    """Where compiled cubins are kept between builds and runs: ``$LLMC_KERNEL_CACHE``, else
+    ``<LLMC_CACHE>/kernels``; ``LLMC_KERNEL_CACHE=0`` turns it off (every build compiles,
+    the run time compiles into a private temporary folder)."""
+    env = os.environ.get("LLMC_KERNEL_CACHE")
+    if env == "0":
+        return None
+    return Path(env) if env else cache_dir() / "kernels"
 
 
 @functools.lru_cache(maxsize=4)
@@ -89,3 +108,72 @@ def store(cache: Path, tag: str, cubin: Path) -> None:
                 os.unlink(tmp)
             except OSError:
                 pass
+
+
+@contextlib.contextmanager
+def _locked(lock: Path) -> Iterator[None]:
+    """An exclusive advisory lock on ``lock`` (created) for the block; none where the
+    platform has no ``fcntl``."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover (not POSIX)
+        yield
+        return
+    with open(lock, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _usable(path: Path) -> bool:
+    try:
+        return path.is_file() and path.stat().st_size > 0
+    except OSError:
+        return False
+
+
+def runtime_cubin(family: str, cfg: KernelConfig, arch: str) -> Path:
+    """A cubin of ``family`` under ``cfg`` for ``arch`` for the run time to load: from the
+    cache (``kernel_cache_dir()``; nvcc's entry when this machine's nvcc made one, else
+    NVRTC's), or compiled with NVRTC into it (once: concurrent callers wait on a lock file and
+    then read the first one's entry). With the cache off or unwritable the cubin goes to a
+    private temporary folder instead."""
+    name = cubin_name(family, cfg, arch)
+    root = kernel_cache_dir()
+    if root is not None:
+        for compiler in ("nvcc", "nvrtc"):
+            tag = compiler_tag(compiler)
+            if tag is not None and _usable(root / tag / name):
+                return root / tag / name
+    folder = _writable_folder(root)
+    path = folder / name
+    with _locked(folder / f"{name}.lock"):
+        if not _usable(path):
+            fd, tmp = tempfile.mkstemp(dir=folder, suffix=".part")
+            os.close(fd)
+            try:
+                nvrtc_compile(source(family, cfg), arch, Path(tmp))
+                os.chmod(tmp, 0o644)
+                os.replace(tmp, path)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+    return path
+
+
+def _writable_folder(root: Path | None) -> Path:
+    """``<root>/<NVRTC tag>`` created, or ``<tmp>/llmc-nvrtc-<uid>`` when the cache is off or
+    cannot be written."""
+    if root is not None:
+        folder = root / (compiler_tag("nvrtc") or "nvrtc")
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            if os.access(folder, os.W_OK):
+                return folder
+        except OSError:
+            pass
+    folder = Path(tempfile.gettempdir()) / f"llmc-nvrtc-{os.getuid()}"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder

@@ -11,9 +11,8 @@ then the file with each ``#include "<name>.cuh"`` of this folder (common.cuh, fp
 sm90.cuh, ...) replaced by that header's text, once per header. The same text goes to nvcc
 (``llmc.cuda.build``) and NVRTC (here), so a cubin in an engine's ``kernels/`` directory and
 a run-time compile are the same program. File names of cubins carry the config key; a
-missing or stale cubin falls back to NVRTC through ``cupy.RawModule`` (arch-specific
-families, ``ARCH_SPECIFIC``: through ``nvrtc_compile`` for their ``sm_XXa`` target, cached
-as a cubin file).
+missing or stale cubin is taken from the kernel cache or compiled into it with NVRTC
+(``llmc.cuda.kernel_cache.runtime_cubin``: once a machine, whatever the processes).
 
 Invariant: importing this module needs neither CuPy nor a GPU (CPU tests and the engine
 builder use the source helpers); ``KernelLibrary`` imports CuPy lazily.
@@ -235,11 +234,10 @@ class KernelLibrary:
             if path.is_file():
                 mod = cupy.RawModule(path=str(path))
                 self.loaded_from[family] = str(path)
-        if mod is None and family in ARCH_SPECIFIC:
-            mod = cupy.RawModule(path=str(_nvrtc_cubin(family, self.cfg, arch)))
-            self.loaded_from[family] = "nvrtc"
         if mod is None:
-            mod = cupy.RawModule(code=source(family, self.cfg), options=NVCC_FLAGS[:1])
+            from llmc.cuda.kernel_cache import runtime_cubin
+
+            mod = cupy.RawModule(path=str(runtime_cubin(family, self.cfg, arch)))
             self.loaded_from[family] = "nvrtc"
         self._modules[family] = mod
         return mod
@@ -263,20 +261,3 @@ def nvrtc_compile(src: str, arch: str, out: Path) -> None:
         out.write_bytes(nvrtc.getCUBIN(prog))
     finally:
         nvrtc.destroyProgram(prog)
-
-
-def _nvrtc_cubin(family: str, cfg: KernelConfig, arch: str) -> Path:
-    """NVRTC-compiled cubin of an arch-specific family (CuPy's own NVRTC path can only
-    target plain ``sm_XX``), cached by name (source digest) under the temp dir; written
-    atomically, kept for the process's lazy module loads."""
-    import os
-    import tempfile
-
-    cache = Path(tempfile.gettempdir()) / f"llmc-nvrtc-{os.getuid()}"
-    cache.mkdir(parents=True, exist_ok=True)
-    path = cache / cubin_name(family, cfg, arch)
-    if not path.is_file():
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        nvrtc_compile(source(family, cfg), arch, tmp)
-        os.replace(tmp, path)
-    return path

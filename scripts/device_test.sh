@@ -60,7 +60,7 @@ fi
 : > "$OUT/failed.txt"
 LLMC_FAILED_LOG="$OUT/failed.txt" \
 $PY -m pytest -m cuda -o addopts="" -q -p no:cacheprovider --continue-on-collection-errors \
-    --rootdir "$REPO" -c "$REPO/pyproject.toml" --junitxml "$OUT/pytest.xml" \
+    --rootdir "$REPO" -c "$REPO/pyproject.toml" --junitxml "$OUT/pytest.xml" --durations=40 \
     ${PYTEST_K:+-k "$PYTEST_K"} ${PYTEST_ARGS:-} $TARGETS > "$OUT/pytest.log" 2>&1 || status=1
 
 if [ "${SKIP_BENCH:-0}" != "1" ]; then

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from llmc.base.paths import cache_dir
+
 CACHE_FILE = "ceilings.json"
 
 
@@ -60,8 +62,6 @@ def device_key(device: torch.device) -> str:
 
 
 def _cache_path() -> Path:
-    from llmc.compiler.model_cache import cache_dir
-
     return cache_dir() / CACHE_FILE
 
 

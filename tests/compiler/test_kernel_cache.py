@@ -7,15 +7,22 @@ this runs on any machine.
 
 from __future__ import annotations
 
+import os
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
+from llmc.base.errors import UnsupportedError
 from llmc.compiler import builder
 from llmc.compiler.build_config import BuildConfig
-from llmc.compiler.builder import build, kernel_cache_dir
+from llmc.compiler.builder import build
 from llmc.cuda import build as kernel_build
 from llmc.cuda import kernel_cache
+from llmc.cuda.kernel_cache import kernel_cache_dir
+from llmc.cuda.kernels import KernelConfig, cubin_name
 
 
 @pytest.fixture
@@ -119,3 +126,89 @@ def test_store_into_an_unwritable_cache_is_ignored(tmp_path):
     blocker.write_text("not a folder")
     kernel_cache.store(blocker, "nvcc-13.0-x", cubin)  # no error: the build has its cubin
     assert not kernel_cache.fetch(blocker, "nvcc-13.0-x", "a.cubin", tmp_path / "b.cubin")
+
+
+# -- the run time's share of the cache (runtime_cubin) -------------------------------------
+
+_CFG = KernelConfig("bfloat16", 64, 4, 2)
+
+
+@pytest.fixture
+def stub_nvrtc(monkeypatch) -> list[str]:
+    """NVRTC 13.0 (its tag) whose compile writes a cubin after a short sleep (so concurrent
+    callers overlap); records the cubin names it compiled."""
+    compiled: list[str] = []
+
+    def fake_nvrtc(src: str, arch: str, out: Path) -> None:
+        compiled.append(arch)
+        time.sleep(0.05)
+        out.write_bytes(f"nvrtc {arch} {len(src)}".encode())
+
+    tags = {"nvrtc": "nvrtc-13.0-x", "nvcc": None}
+    monkeypatch.setattr(kernel_cache, "nvrtc_compile", fake_nvrtc)
+    monkeypatch.setattr(kernel_cache, "compiler_tag", lambda c: tags[c])
+    yield compiled, tags  # the test may give nvcc a tag
+
+
+def test_runtime_compiles_once_into_the_cache_and_then_reads_it(tmp_path, monkeypatch,
+                                                                stub_nvrtc):  # fmt: skip
+    compiled, _ = stub_nvrtc
+    monkeypatch.setenv("LLMC_KERNEL_CACHE", str(tmp_path / "kc"))
+    name = cubin_name("rmsnorm", _CFG, "sm_90")
+    path = kernel_cache.runtime_cubin("rmsnorm", _CFG, "sm_90")
+    assert path == tmp_path / "kc" / "nvrtc-13.0-x" / name
+    assert path.read_bytes().startswith(b"nvrtc sm_90")
+    assert kernel_cache.runtime_cubin("rmsnorm", _CFG, "sm_90") == path
+    assert compiled == ["sm_90"]
+    assert [p.name for p in path.parent.iterdir() if p.suffix == ".part"] == []
+
+
+def test_runtime_prefers_a_cubin_nvcc_made(tmp_path, monkeypatch, stub_nvrtc):
+    compiled, tags = stub_nvrtc
+    tags["nvcc"] = "nvcc-13.0-y"
+    monkeypatch.setenv("LLMC_KERNEL_CACHE", str(tmp_path / "kc"))
+    name = cubin_name("decode_attention", _CFG, "sm_90")
+    prebuilt = tmp_path / "kc" / "nvcc-13.0-y" / name
+    prebuilt.parent.mkdir(parents=True)
+    prebuilt.write_bytes(b"from nvcc")
+    assert kernel_cache.runtime_cubin("decode_attention", _CFG, "sm_90") == prebuilt
+    empty = tmp_path / "kc" / "nvcc-13.0-y" / cubin_name("rope_kv", _CFG, "sm_90")
+    empty.write_bytes(b"")  # half-written by someone: not used, compiled instead
+    assert kernel_cache.runtime_cubin("rope_kv", _CFG, "sm_90").parent.name == "nvrtc-13.0-x"
+    assert compiled == ["sm_90"]
+
+
+def test_concurrent_runtimes_compile_a_cubin_once(tmp_path, monkeypatch, stub_nvrtc):
+    compiled, _ = stub_nvrtc
+    monkeypatch.setenv("LLMC_KERNEL_CACHE", str(tmp_path / "kc"))
+    with ThreadPoolExecutor(6) as pool:
+        paths = list(pool.map(lambda _: kernel_cache.runtime_cubin("gemv", _CFG, "sm_90"),
+                              range(6)))  # fmt: skip
+    assert len(set(paths)) == 1 and compiled == ["sm_90"]
+
+
+def test_runtime_without_a_cache_compiles_into_a_private_folder(tmp_path, monkeypatch,
+                                                                stub_nvrtc):  # fmt: skip
+    monkeypatch.setenv("LLMC_KERNEL_CACHE", "0")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    path = kernel_cache.runtime_cubin("sampling", _CFG, "sm_90")
+    assert path.parent == tmp_path / "tmp" / f"llmc-nvrtc-{os.getuid()}"
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("LLMC_KERNEL_CACHE", str(blocker))  # unwritable: the private folder
+    assert kernel_cache.runtime_cubin("sampling", _CFG, "sm_90") == path
+
+
+def test_a_failed_compile_leaves_no_entry(tmp_path, monkeypatch, stub_nvrtc):
+    monkeypatch.setenv("LLMC_KERNEL_CACHE", str(tmp_path / "kc"))
+
+    def broken(src: str, arch: str, out: Path) -> None:
+        out.write_bytes(b"half")
+        raise UnsupportedError("NVRTC failed for x")
+
+    monkeypatch.setattr(kernel_cache, "nvrtc_compile", broken)
+    with pytest.raises(UnsupportedError):
+        kernel_cache.runtime_cubin("embedding", _CFG, "sm_90")
+    folder = tmp_path / "kc" / "nvrtc-13.0-x"
+    assert sorted(p.suffix for p in folder.iterdir()) == [".lock"]
