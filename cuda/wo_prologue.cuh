@@ -108,7 +108,7 @@ __device__ __forceinline__ float wo_prologue(const WoArgs& a, unsigned char* xs,
         float amax = 0.f;  // this thread's largest |value|
 #pragma unroll
         for (int m = 0; m < 8; ++m) rsum[m] = 0.f;
-        if (xsum != nullptr) {
+        if (SMODE != WO_ROW && xsum != nullptr) {  // row mode writes its sums once, at the end
             for (int i = threadIdx.x; i < M * nsum; i += WO_THREADS) xsum[i] = 0.f;
             __syncthreads();  // the sums are zero before any thread adds to them
         }
