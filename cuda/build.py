@@ -6,7 +6,7 @@ uses ``nvcc -cubin -arch=<arch>`` when nvcc is on the PATH (in parallel, one pro
 family; no GPU needed: a CPU machine cross-compiles), else NVRTC through CuPy's bindings
 (``cupy.cuda.nvrtc``); with neither, it raises UnsupportedError before compiling anything
 (build for ``--target cpu`` there). The run time loads these cubins without compiling
-(``KernelLibrary(kernel_dir=...)``).
+(``llmc.cuda.kernel_library.KernelLibrary(kernel_dir=...)``).
 
 Invariant: importing this module needs neither CuPy nor a GPU (the engine builder imports it).
 """

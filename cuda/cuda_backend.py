@@ -16,8 +16,9 @@ per sequence (from the batch size: enough CTAs for the chip), and each sequence 
 a graph captured for the longest context still runs short contexts unsplit.
 
 Kernel constants (dtype, head_dim, query / kv heads) are read from the tensors of each
-call; kernels of each config come from the engine's ``kernels/`` cubins when present,
-else NVRTC (``llmc.cuda.kernels.KernelLibrary``). Matrix products are torch.mm/addmm.
+call; kernels of each config come from the engine's ``kernels/`` cubins when present, else
+the kernel cache or NVRTC (``llmc.cuda.kernel_library.KernelLibrary``). Matrix products are
+torch.mm/addmm.
 
 Small-step fusions (``norm_linear``, ``norm_gate_up_silu``, ``linear_residual_add``;
 cuda/gemv.cu, launched by ``llmc.cuda.gemv_ops.GemvOps``) serve steps of at most
@@ -48,7 +49,8 @@ from llmc.cuda.fp8_ops import Fp8Ops
 from llmc.cuda.gemv_fp8_ops import GemvFp8Ops
 from llmc.cuda.gemv_ops import FUSED_DECODE_DEFAULT, GEMV_MAX_TOKENS, GEMV_SMEM_BYTES, GemvOps
 from llmc.cuda.gemv_wo_ops import WoOps
-from llmc.cuda.kernels import KernelConfig, KernelLibrary
+from llmc.cuda.kernel_library import KernelLibrary
+from llmc.cuda.kernels import KernelConfig
 from llmc.cuda.launch_args import aligned as _aligned
 from llmc.cuda.launch_args import i32 as _i
 from llmc.cuda.launch_args import need as _need

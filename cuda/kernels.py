@@ -12,10 +12,12 @@ sm90.cuh, ...) replaced by that header's text, once per header. The same text go
 (``llmc.cuda.build``) and NVRTC (here), so a cubin in an engine's ``kernels/`` directory and
 a run-time compile are the same program. File names of cubins carry the config key; a
 missing or stale cubin is taken from the kernel cache or compiled into it with NVRTC
-(``llmc.cuda.kernel_cache.runtime_cubin``: once a machine, whatever the processes).
+(``llmc.cuda.kernel_cache.runtime_cubin``: once a machine, whatever the processes), by
+``llmc.cuda.kernel_library.KernelLibrary``.
 
 Invariant: importing this module needs neither CuPy nor a GPU (CPU tests and the engine
-builder use the source helpers); ``KernelLibrary`` imports CuPy lazily.
+builder use the source helpers); ``KernelLibrary`` (``llmc.cuda.kernel_library``) loads the
+cubins as CuPy kernels.
 """
 
 from __future__ import annotations
@@ -196,54 +198,6 @@ def cubin_name(family: str, cfg: KernelConfig, arch: str) -> str:
     tag = "-".join(f"{k.lower()}{v}" for k, v in m.items()) or "any"
     digest = hashlib.sha256(source(family, cfg).encode()).hexdigest()[:10]
     return f"{family}.{tag}.{arch}.{digest}.cubin"
-
-
-class KernelLibrary:
-    """CuPy kernels of one config: cubins from ``kernel_dir`` when present, else NVRTC.
-
-    ``get(family, name)`` returns a ``cupy.RawKernel``; modules are loaded once and cached.
-    """
-
-    def __init__(self, cfg: KernelConfig, kernel_dir: Path | str | None = None) -> None:
-        import cupy  # noqa: F401  (fail early with ImportError where CuPy is missing)
-
-        self.cfg = cfg
-        self.kernel_dir = Path(kernel_dir) if kernel_dir is not None else None
-        self._modules: dict[str, Any] = {}
-        self.loaded_from: dict[str, str] = {}
-
-    def _arch(self) -> str:
-        import cupy
-
-        return f"sm_{cupy.cuda.Device().compute_capability}"  # e.g. sm_90
-
-    def module(self, family: str) -> Any:
-        mod = self._modules.get(family)
-        if mod is not None:
-            return mod
-        import cupy
-
-        arch = family_arch(family, self._arch())
-        if arch is None or not has_kernels(family, self.cfg):
-            raise UnsupportedError(
-                f"{family} has no kernel for dtype {self.cfg.dtype} / head_dim "
-                f"{self.cfg.head_dim} on {self._arch()}"
-            )
-        if self.kernel_dir is not None:
-            path = self.kernel_dir / cubin_name(family, self.cfg, arch)
-            if path.is_file():
-                mod = cupy.RawModule(path=str(path))
-                self.loaded_from[family] = str(path)
-        if mod is None:
-            from llmc.cuda.kernel_cache import runtime_cubin
-
-            mod = cupy.RawModule(path=str(runtime_cubin(family, self.cfg, arch)))
-            self.loaded_from[family] = "nvrtc"
-        self._modules[family] = mod
-        return mod
-
-    def get(self, family: str, name: str) -> Any:
-        return self.module(family).get_function(name)
 
 
 def nvrtc_compile(src: str, arch: str, out: Path) -> None:

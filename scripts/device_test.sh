@@ -4,15 +4,20 @@
 # kernel benchmark. Logs and a summary land under $OUT (default ./device-out).
 # Exit status: non-zero when the install or any GPU test failed.
 #
-# One device call runs at most 10 minutes and the whole suite takes ~13, so it runs in two
-# parts (DEVICE_TEST_PART): 1 = the heavy kernel files (HEAVY below, ~500 s with
-# PYTEST_ARGS="-n 14"), 2 = every other GPU test (~255 s); unset = all of tests/, or what
-# PYTEST_ARGS names (options and test paths, as before the parts). With WHEELS=DIR
+# The whole suite takes ~200 s with PYTEST_ARGS="-n 14" (H100, 2026-12-08: 3,068 tests in
+# 192 s): since the run-time kernels are compiled once a machine into the kernel cache
+# (llmc.cuda.kernel_cache.runtime_cubin), the xdist workers wait for one NVRTC compile of a
+# family instead of each running it (~13 minutes before, in two calls). With
+# LLMC_KERNEL_CACHE pointing at a folder carried from an earlier run (its nvcc-* / nvrtc-*
+# entries) nothing is compiled at all. It still runs in two parts where asked
+# (DEVICE_TEST_PART): 1 = the heavy kernel files (HEAVY below, 119 s), 2 = every other GPU
+# test; unset = all of tests/, or what PYTEST_ARGS names (options and test paths). The 40
+# slowest tests are listed at the end of pytest.log. With WHEELS=DIR
 # (default ./.whl when present: scripts/fetch_device_wheels.sh) the ASGI wheels the image
 # lacks are installed into /tmp/site first, so the `llmc serve` GPU tests run too.
 #
+#   PYTEST_ARGS="-n 14 --timeout 300" bash scripts/device_test.sh
 #   DEVICE_TEST_PART=1 PYTEST_ARGS="-n 14 --timeout 300" SKIP_BENCH=1 bash scripts/device_test.sh
-#   DEVICE_TEST_PART=2 PYTEST_ARGS="-n 14 --timeout 300" SKIP_BENCH=1 bash scripts/device_test.sh
 #
 # PYTEST_ARGS is split on spaces (so `-k 'a and b'` in it selects nothing: pytest sees
 # `'a`, `and`, `b'`); a -k expression goes in PYTEST_K instead, passed as one argument:
