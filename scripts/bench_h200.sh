@@ -31,6 +31,9 @@
 # and mixed steps run dequantize-then-cuBLAS eagerly otherwise: host-bound?).
 # b1nopdl / fp8b1nopdl / int4b1nopdl / int8b1nopdl: the batch-1 rows with LLMC_PDL=0 (no
 # programmatic dependent launch), beside b1 / fp8b1 / int4b1 / int8b1.
+# ROWS may name row groups: issue12 (the FP8 rows, their BF16 twins, the FP8 profile),
+# issue14 (the weight-only rows and the BF16 ones), issue17 (the 135M rows, batch 1, sampled,
+# the 135M profile, piecewise graphs), e.g. ROWS=issue14 or ROWS="issue17 2048".
 # SKIP_TESTS=1
 # skips step 2; SKIP_BASE=1 skips the two bf16 builds of step 3 (for rows that build their own
 # engines: fp8*, int4*, int8*); PYTEST_ARGS
@@ -128,6 +131,20 @@ wo_engine() {  # dir, quantization: built on first use (dummy weights quantized 
     [ -f "$1/manifest.json" ] || build llama3-8b "$1" --quantization "$2"
 }
 ROWS=${ROWS:-b1 128 sampled peer smol profile 2048 long nographs fp8b1 fp8128 fp82048 fp8long}
+# Row groups, each an issue's rows beside the BF16 rows they are compared with, sized to fit
+# one 10-minute call (an H100 ran issue14 + issue17's rows with the FP8 ones in ~400 s):
+expand_rows() {
+    local r
+    for r in $1; do
+        case $r in
+        issue12) echo "fp8128 fp82048 fp8b1 128 2048 b1 fp8long proffp8" ;;
+        issue14) echo "int4b1 int8b1 b1 128 int4128 int8128 int4128pw int8128pw" ;;
+        issue17) echo "smol smolb1 b1 128 sampled profsmol smolpw 128pw" ;;
+        *) echo "$r" ;;
+        esac
+    done
+}
+ROWS=$(expand_rows "$ROWS" | tr '\n' ' ')
 for r in $ROWS; do
     case $r in
     b1) bench llama8b_b1_128_512 "$L8" 120 --num_requests "$N_B1" --isl 128 --osl 512 \
