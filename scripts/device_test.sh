@@ -16,7 +16,7 @@
 # (default ./.whl when present: scripts/fetch_device_wheels.sh) the ASGI wheels the image
 # lacks are installed into /tmp/site first, so the `llmc serve` GPU tests run too.
 #
-#   PYTEST_ARGS="-n 14 --timeout 300" bash scripts/device_test.sh
+#   bash scripts/device_test.sh           # PYTEST_ARGS unset: "-n <cores - 2> --timeout 300"
 #   DEVICE_TEST_PART=1 PYTEST_ARGS="-n 14 --timeout 300" SKIP_BENCH=1 bash scripts/device_test.sh
 #
 # PYTEST_ARGS is split on spaces (so `-k 'a and b'` in it selects nothing: pytest sees
@@ -59,6 +59,15 @@ fi
 if ! $PY -m pip install -q --no-deps --no-build-isolation -e "$REPO" > "$OUT/install.log" 2>&1; then
     echo "install failed; see install.log"; tail -20 "$OUT/install.log"; exit 1
 fi
+
+# Unset PYTEST_ARGS: as many xdist workers as the machine has cores less two, a 300-s
+# timeout a test, where the image has pytest-xdist and pytest-timeout (the lent GPU's has).
+if [ -z "${PYTEST_ARGS+set}" ]; then
+    PYTEST_ARGS=""
+    $PY -c 'import xdist' 2>/dev/null && PYTEST_ARGS="-n $(( $(nproc) > 3 ? $(nproc) - 2 : 1 ))"
+    $PY -c 'import pytest_timeout' 2>/dev/null && PYTEST_ARGS="$PYTEST_ARGS --timeout 300"
+fi
+echo "pytest options: ${PYTEST_ARGS:-none}" >> "$OUT/env.txt"
 
 # Failing node ids are appended to failed.txt as they happen (tests/helpers/failure_log.py):
 # a run cut by the device call's time limit still names them.

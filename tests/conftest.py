@@ -30,7 +30,8 @@ Fixtures here:
   private cache, for the modules that run ``llmc bench`` / ``llmc profile``.
 
 Markers: ``cuda`` (needs an NVIDIA GPU with CuPy; deselected by default, run by
-``make device-test``) and ``slow`` (more than a few seconds on a 2-core CPU).
+``make device-test``; selected where torch sees no GPU, skipped) and ``slow`` (more than a
+few seconds on a 2-core CPU).
 
 A new test: put it in the folder of the source it tests, take checkpoints and engines from the
 fixtures above (never a hand-written ``BuildConfig(...)`` for a tiny engine), limits from
@@ -50,6 +51,16 @@ from helpers.checkpoints import make_hf_checkpoint
 from helpers.engines import tiny_build_config
 
 pytest_plugins = ["helpers.failure_log"]  # LLMC_FAILED_LOG: failures named as they happen
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A ``cuda`` test where torch sees no CUDA GPU is skipped (``-m cuda`` on a CPU machine),
+    before its fixtures build anything for the GPU."""
+    if item.get_closest_marker("cuda") is not None:
+        import torch
+
+        if not torch.cuda.is_available():
+            pytest.skip("needs an NVIDIA GPU (torch sees none)")
 
 
 @pytest.fixture(scope="session")
