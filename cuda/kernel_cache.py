@@ -164,10 +164,11 @@ def runtime_cubin(family: str, cfg: KernelConfig, arch: str) -> Path:
 
 
 def _writable_folder(root: Path | None) -> Path:
-    """``<root>/<NVRTC tag>`` created, or ``<tmp>/llmc-nvrtc-<uid>`` when the cache is off or
-    cannot be written."""
-    if root is not None:
-        folder = root / (compiler_tag("nvrtc") or "nvrtc")
+    """``<root>/<NVRTC tag>`` created, or ``<tmp>/llmc-nvrtc-<uid>`` when the cache is off,
+    cannot be written, or NVRTC's version (the tag) cannot be read."""
+    tag = compiler_tag("nvrtc")
+    if root is not None and tag is not None:
+        folder = root / tag
         try:
             folder.mkdir(parents=True, exist_ok=True)
             if os.access(folder, os.W_OK):

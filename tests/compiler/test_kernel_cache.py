@@ -189,6 +189,7 @@ def test_concurrent_runtimes_compile_a_cubin_once(tmp_path, monkeypatch, stub_nv
 
 def test_runtime_without_a_cache_compiles_into_a_private_folder(tmp_path, monkeypatch,
                                                                 stub_nvrtc):  # fmt: skip
+    _, tags = stub_nvrtc
     monkeypatch.setenv("LLMC_KERNEL_CACHE", "0")
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
@@ -198,6 +199,10 @@ def test_runtime_without_a_cache_compiles_into_a_private_folder(tmp_path, monkey
     blocker.write_text("not a folder")
     monkeypatch.setenv("LLMC_KERNEL_CACHE", str(blocker))  # unwritable: the private folder
     assert kernel_cache.runtime_cubin("sampling", _CFG, "sm_90") == path
+    tags["nvrtc"] = None  # NVRTC's version unknown: nothing untagged goes into the cache
+    monkeypatch.setenv("LLMC_KERNEL_CACHE", str(tmp_path / "kc"))
+    assert kernel_cache.runtime_cubin("sampling", _CFG, "sm_90") == path
+    assert not (tmp_path / "kc").exists()
 
 
 def test_a_failed_compile_leaves_no_entry(tmp_path, monkeypatch, stub_nvrtc):
