@@ -29,7 +29,7 @@ import re
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from llmc.base.paths import cache_dir
@@ -80,9 +80,9 @@ def compiler_tag(compiler: str) -> str | None:
 def fetch(cache: Path, tag: str, name: str, dest: Path) -> bool:
     """Copy the cached cubin ``name`` to ``dest``; False on a miss (absent or unreadable)."""
     src = cache / tag / name
+    if not _usable(src):
+        return False
     try:
-        if not src.is_file() or src.stat().st_size == 0:
-            return False
         shutil.copyfile(src, dest)
     except OSError:
         return False
@@ -90,24 +90,29 @@ def fetch(cache: Path, tag: str, name: str, dest: Path) -> bool:
 
 
 def store(cache: Path, tag: str, cubin: Path) -> None:
-    """Put a freshly compiled cubin into the cache (written to a temporary name, readable by
-    all, renamed into place; errors are ignored: the cache is an optimisation, the build
-    already has its cubin)."""
+    """Put a freshly compiled cubin into the cache (errors are ignored: the cache is an
+    optimisation, the build already has its cubin)."""
     folder = cache / tag
-    tmp: str | None = None
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".part")
-        os.close(fd)
-        shutil.copyfile(cubin, tmp)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, folder / cubin.name)
+        _place(folder / cubin.name, lambda tmp: shutil.copyfile(cubin, tmp))
     except OSError:
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+        pass
+
+
+def _place(path: Path, fill: Callable[[Path], object]) -> None:
+    """Write ``path`` atomically: ``fill`` writes a temporary file beside it, which is made
+    readable by all and renamed into place (so a reader never sees half a cubin); the
+    temporary is removed whatever happens."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".part")
+    os.close(fd)
+    try:
+        fill(Path(tmp))
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 @contextlib.contextmanager
@@ -151,15 +156,7 @@ def runtime_cubin(family: str, cfg: KernelConfig, arch: str) -> Path:
     path = folder / name
     with _locked(folder / f"{name}.lock"):
         if not _usable(path):
-            fd, tmp = tempfile.mkstemp(dir=folder, suffix=".part")
-            os.close(fd)
-            try:
-                nvrtc_compile(source(family, cfg), arch, Path(tmp))
-                os.chmod(tmp, 0o644)
-                os.replace(tmp, path)
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
+            _place(path, lambda tmp: nvrtc_compile(source(family, cfg), arch, tmp))
     return path
 
 
